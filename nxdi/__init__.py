@@ -1,0 +1,1 @@
+"""nxdi: LLM inference for AWS Trainium and Inferentia, with a CPU backend that matches transformers."""

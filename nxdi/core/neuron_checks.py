@@ -1,0 +1,237 @@
+"""Cross-field rules of NeuronSpec, each returning the problems it finds. Pure.
+
+Every rule runs on every spec, so a user sees all problems at once. Rules follow the reference's
+ValueError / AssertionError / IncompatibleConfigError conditions (REFERENCE §2.1) and the seeds'
+documented requirements; each problem names the field, the value, why, and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from returns.result import Result
+
+from nxdi.core.errors import ConfigError, Problem, problems_result
+from nxdi.core.neuron_spec import NeuronSpec
+
+Rule = Callable[[NeuronSpec], Iterator[Problem]]
+
+
+def _lengths(s: NeuronSpec) -> Iterator[Problem]:
+    if s.max_context_length > s.max_length:
+        yield Problem.of(
+            "max_context_length",
+            s.max_context_length,
+            f"cannot be more than max_length={s.max_length}",
+            "lower max_context_length or raise max_length/seq_len",
+        )
+    if s.attention_dtype is not None and s.attention_dtype != s.torch_dtype and s.cast_type != "as-declared":
+        yield Problem.of(
+            "attention_dtype",
+            s.attention_dtype,
+            f"differs from torch_dtype={s.torch_dtype!r}, which needs cast_type='as-declared'",
+            "set cast_type='as-declared' or drop attention_dtype",
+        )
+
+
+def _bucket_list(name: str, buckets: tuple[int, ...] | None, limit: int, limit_name: str) -> Iterator[Problem]:
+    if buckets is None:
+        return
+    if not buckets:
+        yield Problem.of(name, list(buckets), "is empty", "give at least one bucket or leave it unset")
+        return
+    if any(b <= 0 for b in buckets):
+        yield Problem.of(name, list(buckets), "has a non-positive bucket", "use positive lengths")
+    if len(set(buckets)) != len(buckets):
+        yield Problem.of(name, list(buckets), "has duplicate buckets", "list each length once")
+    if max(buckets) > limit:
+        yield Problem.of(
+            name, list(buckets), f"has a bucket above {limit_name}={limit}", f"keep buckets <= {limit_name}"
+        )
+
+
+def _buckets(s: NeuronSpec) -> Iterator[Problem]:
+    yield from _bucket_list(
+        "context_encoding_buckets", s.context_encoding_buckets, s.max_context_length, "max_context_length"
+    )
+    yield from _bucket_list("token_generation_buckets", s.token_generation_buckets, s.max_length, "max_length")
+    batches = s.token_generation_batches
+    if batches is not None and (not batches or max(batches) > s.tkg_batch_size or min(batches) <= 0):
+        yield Problem.of(
+            "token_generation_batches",
+            list(batches),
+            f"must be non-empty batch sizes in 1..tkg_batch_size={s.tkg_batch_size}",
+            "keep every batch bucket <= tkg_batch_size",
+        )
+    if batches is not None:
+        clashing = [
+            name
+            for name, on in (
+                ("speculation_length", s.speculation_length > 0),
+                ("enable_fused_speculation", s.enable_fused_speculation),
+                ("enable_eagle_speculation", s.enable_eagle_speculation),
+                ("is_medusa", s.is_medusa),
+                ("token_tree_config", s.token_tree_config is not None),
+                ("chunked_prefill_config", s.chunked_prefill_config is not None),
+                ("is_prefix_caching", s.is_prefix_caching),
+                ("is_block_kv_layout", s.is_block_kv_layout),
+            )
+            if on
+        ]
+        if clashing:
+            yield Problem.of(
+                "token_generation_batches",
+                list(batches),
+                f"(batch bucketing) is not supported with {', '.join(clashing)}",
+                "drop token_generation_batches or those features",
+            )
+
+
+def _features(s: NeuronSpec) -> Iterator[Problem]:
+    if s.quantized and s.quantized_checkpoints_path is None:
+        yield Problem.of("quantized_checkpoints_path", None, "is required when quantized=True", "set the path")
+    if s.is_full_model_shuffled and not (s.is_mxfp4_compute or s.is_eagle_draft):
+        yield Problem.of("is_full_model_shuffled", True, "needs is_mxfp4_compute or is_eagle_draft")
+    if s.is_medusa and s.async_mode:
+        yield Problem.of("async_mode", True, "is not supported with Medusa (is_medusa=True)", "set async_mode=False")
+    if s.is_medusa and (s.medusa_speculation_length <= 0 or s.num_medusa_heads <= 0):
+        yield Problem.of("is_medusa", True, "needs medusa_speculation_length > 0 and num_medusa_heads > 0", "set both")
+    if s.enable_fused_speculation and s.speculation_length <= 0:
+        yield Problem.of("speculation_length", s.speculation_length, "must be > 0 with fused speculation")
+    cp = s.chunked_prefill_config
+    if cp is not None and not s.is_block_kv_layout:
+        yield Problem.of("chunked_prefill_config", "set", "needs is_block_kv_layout=True", "enable the block KV layout")
+    if cp is not None and not cp.tkg_model_enabled and s.batch_size != 1:
+        yield Problem.of("batch_size", s.batch_size, "must be 1 when chunked prefill has no token-generation model")
+    if s.tensor_capture_config is not None and s.on_device_sampling_config is None:
+        yield Problem.of("tensor_capture_config", "set", "needs on-device sampling", "set on_device_sampling_config")
+    odc = s.on_device_sampling_config
+    if odc is not None and odc.global_topk > 0 and odc.top_k > odc.global_topk:
+        yield Problem.of(
+            "on_device_sampling_config.top_k",
+            odc.top_k,
+            f"exceeds global_topk={odc.global_topk}",
+            "raise global_topk or lower top_k",
+        )
+
+
+def _parallel(s: NeuronSpec) -> Iterator[Problem]:
+    if s.tp_degree % s.cp_degree:
+        yield Problem.of(
+            "cp_degree",
+            s.cp_degree,
+            f"must divide tp_degree={s.tp_degree} (TP Degree must be evenly divisible by CP Degree)",
+        )
+    if s.mlp_cp_degree > 1 and not s.sequence_parallel_enabled:
+        yield Problem.of("mlp_cp_degree", s.mlp_cp_degree, "> 1 needs sequence_parallel_enabled=True")
+    if s.strided_context_parallel_kernel_enabled and s.cp_degree <= 1:
+        yield Problem.of("strided_context_parallel_kernel_enabled", True, "needs cp_degree > 1")
+    if s.sequence_parallel_enabled and s.max_context_length % s.tp_degree:
+        yield Problem.of(
+            "sequence_parallel_enabled",
+            True,
+            f"needs max_context_length={s.max_context_length} divisible by tp_degree={s.tp_degree}",
+            "pick a context length that is a multiple of tp_degree",
+        )
+    yield from _attention_dp(s)
+
+
+def _attention_dp(s: NeuronSpec) -> Iterator[Problem]:
+    dp = s.attention_dp_degree
+    if dp <= 1:
+        return
+    if s.tp_degree % dp:
+        yield Problem.of(
+            "attention_dp_degree",
+            dp,
+            f"must divide tp_degree={s.tp_degree} (TP Degree must be evenly divisible by DP Degree)",
+        )
+    if s.tkg_batch_size % dp:
+        yield Problem.of(
+            "attention_dp_degree",
+            dp,
+            f"must divide tkg_batch_size={s.tkg_batch_size} (Batch Size must be evenly divisible by DP Degree)",
+        )
+    if s.cp_degree > 1 and (s.cp_degree < dp or s.cp_degree % dp):
+        yield Problem.of("cp_degree", s.cp_degree, f"must be a multiple of attention_dp_degree={dp}")
+    if not s.is_continuous_batching:
+        yield Problem.of("is_continuous_batching", False, "must be enabled when running attention DP")
+    if s.attn_block_tkg_nki_kernel_cache_update and not s.kv_cache_update_with_kernel:
+        yield Problem.of("kv_cache_update_with_kernel", False, "is needed for block cache update with attention DP")
+    if s.ep_dispatch_cc_option == "RS_AG" and s.tp_degree > s.tkg_batch_size:
+        yield Problem.of("ep_dispatch_cc_option", "RS_AG", f"needs tp_degree <= tkg_batch_size={s.tkg_batch_size}")
+
+
+def _requires(s: NeuronSpec, flag: str, needs: tuple[str, ...], why: str) -> Iterator[Problem]:
+    if getattr(s, flag) and not any(getattr(s, n) for n in needs):
+        yield Problem.of(flag, True, why, f"set {' or '.join(needs)}")
+
+
+def _kernels(s: NeuronSpec) -> Iterator[Problem]:
+    yield from _requires(s, "qkv_kernel_enabled", ("fused_qkv",), "needs fused_qkv=True")
+    yield from _requires(s, "quantized_mlp_kernel_enabled", ("mlp_kernel_enabled",), "needs mlp_kernel_enabled=True")
+    yield from _requires(
+        s, "rmsnorm_quantize_kernel_enabled", ("quantized_mlp_kernel_enabled",), "needs the quantized MLP kernel"
+    )
+    qkv = ("qkv_kernel_enabled", "qkv_nki_kernel_enabled")
+    yield from _requires(s, "attn_block_tkg_nki_kernel_enabled", qkv, "needs a QKV kernel")
+    for flag in ("attn_block_tkg_nki_kernel_cache_update", "attn_block_tkg_nki_kernel_cascaded_attention"):
+        yield from _requires(s, flag, ("attn_block_tkg_nki_kernel_enabled",), "needs attn_block_tkg_nki_kernel_enabled")
+    if s.qkv_cte_nki_kernel_fuse_rope and not (s.qkv_kernel_enabled and s.qkv_nki_kernel_enabled):
+        yield Problem.of("qkv_cte_nki_kernel_fuse_rope", True, "needs qkv_kernel_enabled and qkv_nki_kernel_enabled")
+    for flag in ("qkv_kernel_enabled", "mlp_kernel_enabled"):
+        if getattr(s, flag) and s.torch_dtype != "bfloat16":
+            yield Problem.of(flag, True, f"needs torch_dtype='bfloat16', not {s.torch_dtype!r}")
+    for flag, clash in (
+        ("attn_block_tkg_nki_kernel_enabled", ("flash_decoding_enabled", "is_chunked_prefill")),
+        ("k_cache_transposed", ("flash_decoding_enabled", "is_chunked_prefill", "is_block_kv_layout")),
+    ):
+        bad = [c for c in clash if getattr(s, flag) and getattr(s, c)]
+        if bad:
+            yield Problem.of(flag, True, f"is incompatible with {', '.join(bad)}")
+    if s.activation_quantization_type is not None:
+        if s.mlp_kernel_enabled or s.quantized_mlp_kernel_enabled:
+            yield Problem.of(
+                "activation_quantization_type", s.activation_quantization_type, "is incompatible with the MLP kernels"
+            )
+        if s.activation_quantization_type == "static" and s.fused_qkv:
+            yield Problem.of("activation_quantization_type", "static", "is incompatible with fused_qkv=True")
+
+
+RULES: tuple[Rule, ...] = (_lengths, _buckets, _features, _parallel, _kernels)
+
+
+def check_neuron_spec(spec: NeuronSpec) -> Result[NeuronSpec, ConfigError]:
+    """Run every cross-field rule.
+
+    Returns:
+        `Success(spec)`, or `Failure(ConfigError)` listing every violated rule.
+    """
+    return problems_result(spec, (p for rule in RULES for p in rule(spec)))
+
+
+NEURON_ONLY_FLAGS: tuple[str, ...] = (
+    "attn_kernel_enabled",
+    "qkv_kernel_enabled",
+    "qkv_nki_kernel_enabled",
+    "mlp_kernel_enabled",
+    "quantized_mlp_kernel_enabled",
+    "out_proj_kernel_enabled",
+    "attn_block_tkg_nki_kernel_enabled",
+    "attn_block_cte_nki_kernel_enabled",
+    "rmsnorm_quantize_kernel_enabled",
+    "fused_rmsnorm_skip_gamma",
+    "kv_cache_update_with_kernel",
+    "moe_fused_nki_kernel_enabled",
+    "router_topk_nki_kernel_enabled",
+    "expert_mlp_nki_kernel_enabled",
+    "shared_mlp_nki_kernel_enabled",
+    "enable_spill_reload_dge",
+    "layer_boundary_markers",
+)
+"""Neuron kernel and compiler flags with no effect on the CPU backend."""
+
+
+def cpu_inert_flags(spec: NeuronSpec) -> tuple[str, ...]:
+    """The Neuron-only flags `spec` turns on, which the CPU backend accepts but cannot honour."""
+    return tuple(f for f in NEURON_ONLY_FLAGS if getattr(spec, f))

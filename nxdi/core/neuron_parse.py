@@ -1,0 +1,296 @@
+"""NeuronConfig kwargs -> NeuronSpec: names, types, derived defaults, deprecated aliases. Pure.
+
+Theory of operation:
+1. Rewrite deprecated aliases (`logical_neuron_cores`, the old kernel flags, MoE router kwargs) and
+   note each rewrite for the shell to warn about.
+2. Reject unknown names (with "did you mean") and names the reference computes itself.
+3. Coerce each value to its field's annotation; parse sub-spec dicts.
+4. Fill derived defaults from what the user gave (max_context_length = seq_len, batch sizes =
+   batch_size, LNC from env > kwarg > platform, ...). Re-parsing a spec's own fields gives the same
+   spec, so JSON round trips and `cfg.x = y` re-validation are lossless.
+5. Run the attrs validators and every cross-field rule; report all problems together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+from returns.result import Failure, Result, Success
+
+from nxdi.core import neuron_checks
+from nxdi.core.errors import ConfigError, Problem
+from nxdi.core.fields import coerce, did_you_mean, field_types
+from nxdi.core.neuron_spec import DERIVED, NeuronSpec
+from nxdi.core.platform import Platform, resolve_lnc
+from nxdi.core.sub_specs import (
+    ChunkedPrefillSpec,
+    KVQuantSpec,
+    LoraSpec,
+    MoESpec,
+    OnDeviceSamplingSpec,
+    check_field,
+    parse_sub,
+)
+
+_SUB_SPECS: Mapping[str, type] = {
+    "on_device_sampling_config": OnDeviceSamplingSpec,
+    "lora_config": LoraSpec,
+    "chunked_prefill_config": ChunkedPrefillSpec,
+    "kv_quant_config": KVQuantSpec,
+}
+_FIELDS = tuple(f.name for f in attrs.fields(NeuronSpec) if f.name != "moe")
+_MOE_FIELDS = tuple(f.name for f in attrs.fields(MoESpec))
+_DTYPE_FIELDS = ("torch_dtype", "rpl_reduce_dtype", "attention_dtype")
+
+
+@attrs.frozen(kw_only=True)
+class ParsedNeuronSpec:
+    """A parsed spec plus notes (deprecations, overrides) for the shell to turn into warnings."""
+
+    spec: NeuronSpec
+    notes: tuple[str, ...] = ()
+
+
+def known_names(*, moe: bool) -> tuple[str, ...]:
+    """Every kwarg name NeuronConfig (or MoENeuronConfig when `moe`) accepts."""
+    aliases = tuple(_ALIASES) + (_MOE_ALIASES + _MOE_FIELDS if moe else ())
+    return _FIELDS + aliases
+
+
+def _rewrite_aliases(raw: dict[str, Any], notes: list[str], problems: list[Problem]) -> None:
+    """Apply deprecated and convenience aliases in place on the caller's private copy."""
+    if "logical_neuron_cores" in raw:
+        value = raw.pop("logical_neuron_cores")
+        notes.append("logical_neuron_cores is deprecated; use logical_nc_config")
+        raw.setdefault("logical_nc_config", value)
+    if raw.pop("mlp_tkg_nki_kernel_enabled", False):
+        notes.append("mlp_tkg_nki_kernel_enabled is deprecated; it turns on mlp_kernel_enabled")
+        raw["mlp_kernel_enabled"] = True
+    for old in ("attn_tkg_nki_kernel_enabled", "attn_tkg_builtin_kernel_enabled"):
+        if raw.pop(old, False):
+            notes.append(f"{old} is deprecated; it turns on attn_block_tkg_nki_kernel_enabled")
+            raw["attn_block_tkg_nki_kernel_enabled"] = True
+    if raw.get("attn_block_cte_nki_kernel_enabled"):
+        implied = ("qkv_kernel_enabled", "qkv_nki_kernel_enabled", "attn_kernel_enabled", "out_proj_kernel_enabled")
+        for name in implied:
+            if raw.get(name) is False:
+                problems.append(
+                    Problem.of(name, False, "conflicts with attn_block_cte_nki_kernel_enabled=True, which needs it")
+                )
+            raw[name] = True
+
+
+def _rewrite_moe(raw: dict[str, Any]) -> dict[str, Any]:
+    """Pull MoENeuronConfig attributes (and their aliases) out of `raw` into a MoESpec dict."""
+    moe = {name: raw.pop(name) for name in _MOE_FIELDS if name in raw}
+    if "disable_normalize_top_k_affinities" in raw:
+        value = raw.pop("disable_normalize_top_k_affinities")
+        moe.setdefault("normalize_top_k_affinities", not value if isinstance(value, bool) else value)
+    router = {key: raw.pop(alias) for alias, key in _ROUTER_ALIASES.items() if alias in raw}
+    if router:
+        # An explicit router_config takes precedence over the router_* kwargs, as in the reference.
+        moe["router_config"] = {**router, **_as_dict(moe.get("router_config"))}
+    if isinstance(moe.get("capacity_factor"), int) and not isinstance(moe["capacity_factor"], bool):
+        moe["capacity_factor"] = float(moe["capacity_factor"])
+    return moe
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return dict(value)
+    return {f.name: getattr(value, f.name) for f in attrs.fields(type(value))}
+
+
+_ALIASES: Mapping[str, str] = {
+    "logical_neuron_cores": "logical_nc_config",
+    "mlp_tkg_nki_kernel_enabled": "mlp_kernel_enabled",
+    "attn_tkg_nki_kernel_enabled": "attn_block_tkg_nki_kernel_enabled",
+    "attn_tkg_builtin_kernel_enabled": "attn_block_tkg_nki_kernel_enabled",
+}
+_ROUTER_ALIASES: Mapping[str, str] = {"router_act_fn": "act_fn", "router_dtype": "dtype"}
+_MOE_ALIASES = (*_ROUTER_ALIASES, "disable_normalize_top_k_affinities")
+
+
+def _dtype_name(value: Any) -> Any:
+    """Accept `torch.bfloat16`-style names (the shell passes torch dtypes as `str(dtype)`)."""
+    return value.removeprefix("torch.") if isinstance(value, str) else value
+
+
+def _lora_paths(value: Any, problems: list[Problem], field: str) -> Any:
+    """`["id : path", ...]` strings -> {id: path}; duplicate ids are problems."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    out: dict[str, str] = {}
+    for item in value:
+        if not isinstance(item, str) or ":" not in item:
+            problems.append(Problem.of(field, item, "entries must look like 'adapter_id : path'"))
+            continue
+        key, path = (part.strip() for part in item.split(":", 1))
+        if key in out:
+            problems.append(Problem.of(field, key, "is a duplicate adapter id", "give each adapter a unique id"))
+        out[key] = path
+    return out
+
+
+def _parse_lora(value: Any, problems: list[Problem]) -> Any:
+    if not isinstance(value, Mapping):
+        return value
+    raw = dict(value)
+    for key in ("lora_ckpt_paths", "lora_ckpt_paths_cpu"):
+        if key in raw:
+            raw[key] = _lora_paths(raw[key], problems, f"lora_config.{key}")
+    paths = raw.get("lora_ckpt_paths")
+    if isinstance(paths, Mapping) and isinstance(raw.get("max_loras", 1), int):
+        raw["max_loras"] = max(raw.get("max_loras", 1), len(paths))
+    cpu = raw.get("lora_ckpt_paths_cpu")
+    if isinstance(cpu, Mapping) and len(cpu) > raw.get("max_cpu_loras", 100):
+        problems.append(
+            Problem.of("lora_config.lora_ckpt_paths_cpu", len(cpu), "holds more adapters than max_cpu_loras")
+        )
+    if raw.get("dynamic_multi_lora") is None:
+        raw.pop("dynamic_multi_lora", None)
+    return raw
+
+
+def _coerce_given(raw: Mapping[str, Any], platform: Platform, problems: list[Problem]) -> dict[str, Any]:
+    types_ = field_types(NeuronSpec)
+    given: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name in _SUB_SPECS and value is not None:
+            if name == "lora_config":
+                value = _parse_lora(value, problems)
+            if name == "on_device_sampling_config" and isinstance(value, Mapping):
+                value = {"top_k_kernel_enabled": platform is not Platform.TRN1, **value}
+            match parse_sub(_SUB_SPECS[name], value, prefix=name):
+                case Success(sub):
+                    given[name] = sub
+                case Failure(err):
+                    problems.extend(err.problems)
+            continue
+        converted, problem = coerce(name, _dtype_name(value) if name in _DTYPE_FIELDS else value, types_[name])
+        if problem:
+            problems.append(problem)
+        else:
+            given[name] = converted
+    return given
+
+
+def _derive(given: Mapping[str, Any], *, env_lnc: int | None, platform: Platform, notes: list[str]) -> dict[str, Any]:
+    """Fill every default that depends on other fields, from the values the user gave."""
+    g = dict(given)
+    seq_len = g.setdefault("seq_len", 128)
+    batch = g.setdefault("batch_size", 1)
+    for name in ("n_active_tokens", "n_positions", "max_context_length", "max_length", "pa_block_size"):
+        g.setdefault(name, seq_len)
+    g.setdefault("max_new_tokens", (seq_len - g["max_context_length"]) or None)
+    for name in ("ctx_batch_size", "tkg_batch_size", "max_batch_size", "spec_batch_size", "pa_num_blocks"):
+        g.setdefault(name, batch)
+    g.setdefault("overrides_torch_dtype", "torch_dtype" in given)
+    if g.get("enable_eagle_speculation"):
+        g["enable_fused_speculation"] = True
+    g.setdefault("local_ranks_size", g.get("tp_degree", 1) * g.get("pp_degree", 1) * g.get("ep_degree", 1))
+    target = Platform(g["target"]) if g.get("target") else platform
+    lnc, lnc_notes = resolve_lnc(env=env_lnc, requested=given.get("logical_nc_config"), platform=target)
+    g["logical_nc_config"] = lnc
+    notes.extend(lnc_notes)
+    if g.get("scratchpad_page_size") is None and g["max_context_length"] >= 32768:
+        g["scratchpad_page_size"] = 1024
+    if g.get("quantized_mlp_kernel_enabled") or g.get("activation_quantization_type"):
+        g.setdefault("quantization_type", "per_channel_symmetric")
+        g.setdefault("quantization_dtype", "f8e4m3")
+    for name in ("context_encoding_buckets", "token_generation_buckets", "token_generation_batches", "prefix_buckets"):
+        if g.get(name) is not None:
+            g[name] = tuple(sorted(g[name]))
+    _derive_dp(g, target)
+    lora = g.get("lora_config")
+    if lora is not None and lora.dynamic_multi_lora:
+        skip = tuple(g.get("weights_to_skip_layout_optimization", ()))
+        g["weights_to_skip_layout_optimization"] = skip if ".*lora.*" in skip else (*skip, ".*lora.*")
+    if g.get("tensor_capture_config") is not None:
+        g["output_logits"] = True
+    g.setdefault("kv_cache_batch_size", batch)
+    return g
+
+
+def _derive_dp(g: dict[str, Any], platform: Platform) -> None:
+    """Attention data parallelism resizes the KV cache per DP group (REFERENCE §2.1)."""
+    dp = g.get("attention_dp_degree", 1)
+    if dp <= 1:
+        return
+    g.setdefault("kv_cache_batch_size", g["tkg_batch_size"] // dp)
+    cascaded = g.get("attn_block_tkg_nki_kernel_cascaded_attention", False)
+    if platform is Platform.TRN1 or not cascaded:
+        g.setdefault("kv_cache_padding_size", 1)
+    else:
+        g.setdefault("kv_cache_update_with_kernel", True)
+        g.setdefault("kv_cache_padding_size", 0)
+
+
+def parse_neuron_spec(
+    kwargs: Mapping[str, Any],
+    *,
+    env_lnc: int | None = None,
+    platform: Platform = Platform.TRN1,
+    moe: bool = False,
+) -> Result[ParsedNeuronSpec, ConfigError]:
+    """Build a NeuronSpec from NeuronConfig kwargs (or a neuron_config.json dict).
+
+    Args:
+        kwargs: attribute names to values; dtypes as names, sub-configs as specs or dicts.
+        env_lnc: NEURON_LOGICAL_NC_CONFIG as read by effects, if set.
+        platform: the platform to default LNC and kernel flags for, unless `target` is given.
+        moe: accept MoENeuronConfig attributes too.
+
+    Returns:
+        `Success(ParsedNeuronSpec)`, or `Failure(ConfigError)` listing every unknown name, bad
+        type, out-of-range value and violated cross-field rule.
+    """
+    raw = dict(kwargs)
+    notes: list[str] = []
+    problems: list[Problem] = []
+    _rewrite_aliases(raw, notes, problems)
+    moe_raw = _rewrite_moe(raw) if moe else {}
+    known = known_names(moe=moe)
+    for name in [n for n in raw if n not in _FIELDS]:
+        value = raw.pop(name)
+        if name in DERIVED:
+            problems.append(Problem.of(name, value, "is computed by nxdi, not set", "remove it"))
+        else:
+            problems.append(Problem.of(name, value, "is not a NeuronConfig attribute", did_you_mean(name, known)))
+    given = _coerce_given(raw, platform, problems)
+    if moe:
+        match parse_sub(MoESpec, moe_raw, prefix="moe"):
+            case Success(m):
+                given["moe"] = m
+            case Failure(err):
+                problems.extend(attrs.evolve(p, field=p.field.removeprefix("moe.")) for p in err.problems)
+    bad = [p for name, v in given.items() if (p := check_field(NeuronSpec, name, v, "")) is not None]
+    problems.extend(bad)
+    valid = {k: v for k, v in given.items() if k not in {p.field for p in bad}}
+    values = _derive(valid, env_lnc=env_lnc, platform=platform, notes=notes)
+    derived_bad = [p for name, v in values.items() if (p := check_field(NeuronSpec, name, v, "")) is not None]
+    if derived_bad:
+        return Failure(ConfigError(problems=tuple(problems or derived_bad)))
+    # Cross-field rules run on the valid part too, so one call reports every problem.
+    spec = NeuronSpec(**values)
+    seen = {p.field for p in problems}
+    match neuron_checks.check_neuron_spec(spec):
+        case Failure(err):
+            problems.extend(p for p in err.problems if p.field not in seen)
+    if problems:
+        return Failure(ConfigError(problems=tuple(problems)))
+    if spec.speculation_length > 0 and spec.async_mode and not spec.enable_fused_speculation:
+        notes.append("async_mode with speculation works best with enable_fused_speculation=True")
+    return Success(ParsedNeuronSpec(spec=spec, notes=tuple(notes)))
+
+
+def spec_kwargs(spec: NeuronSpec) -> dict[str, Any]:
+    """The spec's own fields as kwargs: `parse_neuron_spec(spec_kwargs(s))` gives `s` back."""
+    out = {f.name: getattr(spec, f.name) for f in attrs.fields(NeuronSpec) if f.name != "moe"}
+    if spec.moe is not None:
+        out.update({f.name: getattr(spec.moe, f.name) for f in attrs.fields(MoESpec)})
+    return out
