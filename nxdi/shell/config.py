@@ -1,0 +1,279 @@
+"""NeuronConfig and its sub-configs: NxDI's mutable-looking classes over immutable core specs.
+
+Each object holds a validated frozen spec plus the kwargs the user gave. Reading an attribute
+reads the spec (dtypes come back as `torch.dtype`, bucket tuples as lists, as in NxDI).
+Assigning one (`cfg.speculation_length = 0`) re-parses the given kwargs with the new value and
+swaps the spec, so derived defaults follow and an invalid assignment raises
+IncompatibleConfigError and leaves the object unchanged.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import attrs
+
+from nxdi.core import neuron_parse
+from nxdi.core.fields import JsonMap, did_you_mean
+from nxdi.core.neuron_spec import DERIVED, NeuronSpec
+from nxdi.core.platform import Platform
+from nxdi.core.sub_specs import ChunkedPrefillSpec, LoraSpec, MoESpec, OnDeviceSamplingSpec, parse_sub, sub_to_dict
+from nxdi.effects import env as env_mod
+from nxdi.effects import lora as lora_io
+from nxdi.shell.errors import unwrap_or_raise
+
+_DTYPE_FIELDS = frozenset({"torch_dtype", "rpl_reduce_dtype", "attention_dtype"})
+_NEURON_FIELDS = frozenset(f.name for f in attrs.fields(NeuronSpec)) - {"moe"}
+_MOE_FIELDS = frozenset(f.name for f in attrs.fields(MoESpec))
+
+
+def _is_torch_dtype(value: Any) -> bool:
+    return type(value).__module__ == "torch" and type(value).__name__ == "dtype"
+
+
+def to_torch_dtype(name: str) -> Any:
+    """`"bfloat16"` -> `torch.bfloat16` (torch is imported only when a dtype is read)."""
+    import torch
+
+    return getattr(torch, name)
+
+
+def _platform() -> Platform:
+    return env_mod.read_env().platform_target or Platform.TRN1
+
+
+def _present(value: Any) -> Any:
+    """A spec value as NxDI returns it: lists for tuples, dicts for JsonMaps."""
+    if isinstance(value, JsonMap):
+        return value.to_dict()
+    if isinstance(value, tuple):
+        return [_present(v) for v in value]
+    return value
+
+
+class _SubConfig:
+    """Shared behaviour of the shell sub-configs: a spec, an owner to re-validate, attribute access."""
+
+    _spec_cls: ClassVar[type]
+    _field: ClassVar[str]
+
+    def __init__(self, spec: Any) -> None:
+        object.__setattr__(self, "_spec", spec)
+        object.__setattr__(self, "_owner", None)
+
+    @property
+    def spec(self) -> Any:
+        return self._spec
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in attrs.fields_dict(self._spec_cls):
+            return _present(getattr(self._spec, name))
+        if name in ("effective_max_loras",):
+            return getattr(self._spec, name)
+        known = attrs.fields_dict(self._spec_cls)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}; {did_you_mean(name, known)}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        data = {**sub_to_dict(self._spec), name: value}
+        new = unwrap_or_raise(parse_sub(self._spec_cls, data, prefix=self._field))
+        if self._owner is not None:
+            self._owner._replace_sub(self._field, new)
+        object.__setattr__(self, "_spec", new)
+
+    def to_dict(self) -> dict[str, Any]:
+        return sub_to_dict(self._spec)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other._spec == self._spec  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self._spec)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.to_dict()})"
+
+
+class OnDeviceSamplingConfig(_SubConfig):
+    """Sampling inside the compiled model. Attributes: do_sample, top_k, top_p, temperature,
+    dynamic, deterministic, global_topk, top_k_kernel_enabled, sampling_dp_degree.
+
+    Raises:
+        IncompatibleConfigError: an unknown attribute or an out-of-range value (all listed).
+    """
+
+    _spec_cls = OnDeviceSamplingSpec
+    _field = "on_device_sampling_config"
+
+    def __init__(self, **kwargs: Any) -> None:
+        raw = {"top_k_kernel_enabled": _platform() is not Platform.TRN1, **kwargs}
+        super().__init__(unwrap_or_raise(parse_sub(OnDeviceSamplingSpec, raw, prefix=self._field)))
+
+
+class ChunkedPrefillConfig(_SubConfig):
+    """Chunked prefill: max_num_seqs, tkg_model_enabled, kernel_q_tile_size, kernel_kv_tile_size."""
+
+    _spec_cls = ChunkedPrefillSpec
+    _field = "chunked_prefill_config"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(unwrap_or_raise(parse_sub(ChunkedPrefillSpec, kwargs, prefix=self._field)))
+
+
+class LoraServingConfig(_SubConfig):
+    """Multi-LoRA serving. Checkpoint paths may be a list of `"id : path"` strings, a dict
+    `{id: path}`, or a JSON file (`lora_ckpt_json`) with `lora-ckpt-dir`, `lora-ckpt-paths` and
+    `lora-ckpt-paths-cpu`. Adapter configs on disk widen `target_modules` and `max_lora_rank`.
+
+    Raises:
+        FileNotFoundError: a path file or adapter checkpoint does not exist.
+        IncompatibleConfigError: duplicate adapter ids, too many CPU adapters, bad values.
+    """
+
+    _spec_cls = LoraSpec
+    _field = "lora_config"
+
+    def __init__(self, **kwargs: Any) -> None:
+        raw = dict(kwargs)
+        if raw.get("lora_ckpt_json"):
+            for key, value in lora_io.read_paths_json(raw["lora_ckpt_json"]).items():
+                raw.setdefault(key, value)
+        parsed = unwrap_or_raise(neuron_parse.parse_neuron_spec({"lora_config": raw})).spec.lora_config
+        assert parsed is not None
+        infos = []
+        for key in ("lora_ckpt_paths", "lora_ckpt_paths_cpu"):
+            paths = getattr(parsed, key)
+            if paths is not None:
+                lora_io.check_paths_exist(paths.to_dict(), f"lora_config.{key}")
+                infos.extend(lora_io.read_adapter_info(p) for p in paths.to_dict().values())
+        modules, rank = lora_io.merge_adapter_infos(
+            infos, target_modules=parsed.target_modules, max_rank=parsed.max_lora_rank
+        )
+        super().__init__(attrs.evolve(parsed, target_modules=modules, max_lora_rank=rank))
+
+
+_SUB_CLASSES: Mapping[str, type[_SubConfig]] = {
+    "on_device_sampling_config": OnDeviceSamplingConfig,
+    "lora_config": LoraServingConfig,
+    "chunked_prefill_config": ChunkedPrefillConfig,
+}
+
+
+def _normalize(value: Any) -> Any:
+    """User values as core accepts them: dtype names, sub-specs instead of shell sub-configs."""
+    if _is_torch_dtype(value):
+        return str(value)
+    if isinstance(value, _SubConfig):
+        return value.spec
+    return value
+
+
+class NeuronConfig:
+    """Compile-time configuration for inference (every documented NeuronConfig attribute).
+
+    Raises:
+        IncompatibleConfigError: unknown attribute names (with suggestions), bad values, or
+            violated cross-field rules, all listed in one message.
+    """
+
+    _moe: ClassVar[bool] = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        given = {k: _normalize(v) for k, v in kwargs.items()}
+        self._install(given, self._parse(given))
+
+    def _parse(self, given: Mapping[str, Any]) -> neuron_parse.ParsedNeuronSpec:
+        env = env_mod.read_env()
+        result = neuron_parse.parse_neuron_spec(
+            given, env_lnc=env.logical_nc_config, platform=env.platform_target or Platform.TRN1, moe=self._moe
+        )
+        return unwrap_or_raise(result, f"Invalid {type(self).__name__}")
+
+    def _install(self, given: dict[str, Any], parsed: neuron_parse.ParsedNeuronSpec) -> None:
+        object.__setattr__(self, "_given", given)
+        object.__setattr__(self, "_spec", parsed.spec)
+        object.__setattr__(self, "_subs", {})
+        for note in parsed.notes:
+            warnings.warn(note, DeprecationWarning if "deprecated" in note else UserWarning, stacklevel=3)
+
+    @classmethod
+    def from_spec(cls, spec: NeuronSpec) -> NeuronConfig:
+        """A NeuronConfig over an existing spec; every field counts as given."""
+        self = cls.__new__(cls)
+        self._install(neuron_parse.spec_kwargs(spec), neuron_parse.ParsedNeuronSpec(spec=spec))
+        return self
+
+    @property
+    def spec(self) -> NeuronSpec:
+        """The validated, immutable core spec."""
+        return self._spec
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        spec = self._spec
+        if name in _SUB_CLASSES and name in _NEURON_FIELDS:
+            return self._sub(name)
+        if name in _NEURON_FIELDS or name in DERIVED:
+            value = getattr(spec, name)
+            return to_torch_dtype(value) if name in _DTYPE_FIELDS and value is not None else _present(value)
+        if self._moe and name in _MOE_FIELDS and spec.moe is not None:
+            value = getattr(spec.moe, name)
+            return sub_to_dict(value) if attrs.has(type(value)) and not isinstance(value, JsonMap) else _present(value)
+        if name == "logical_neuron_cores":
+            warnings.warn("logical_neuron_cores is deprecated; use logical_nc_config", DeprecationWarning, stacklevel=2)
+            return spec.logical_nc_config
+        known = neuron_parse.known_names(moe=self._moe)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}; {did_you_mean(name, known)}")
+
+    def _sub(self, name: str) -> Any:
+        value = getattr(self._spec, name)
+        if value is None:
+            return None
+        cached = self._subs.get(name)
+        if cached is None or cached.spec != value:
+            cached = _SUB_CLASSES[name].__new__(_SUB_CLASSES[name])
+            _SubConfig.__init__(cached, value)
+            object.__setattr__(cached, "_owner", self)
+            self._subs[name] = cached
+        return cached
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+            return
+        self.update(**{name: value})
+
+    def update(self, **changes: Any) -> None:
+        """Assign several attributes at once, re-validating once (all or nothing)."""
+        given = {**self._given, **{k: _normalize(v) for k, v in changes.items()}}
+        parsed = self._parse(given)
+        self._install(given, parsed)
+
+    def _replace_sub(self, name: str, spec: Any) -> None:
+        self.update(**{name: spec})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every attribute, as neuron_config.json holds it."""
+        from nxdi.core import codec
+
+        return codec.neuron_spec_to_dict(self._spec)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NeuronConfig) and other._spec == self._spec
+
+    def __hash__(self) -> int:
+        return hash(self._spec)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in self._given.items())
+        return f"{type(self).__name__}({shown})"
+
+
+class MoENeuronConfig(NeuronConfig):
+    """NeuronConfig plus the mixture-of-experts attributes (capacity_factor, glu_mlp, router, ...)."""
+
+    _moe = True

@@ -1,0 +1,320 @@
+"""InferenceConfig, FusedSpecNeuronConfig and load_pretrained_config (NxDI names and behaviour).
+
+An InferenceConfig is a NeuronConfig plus the model's Hugging Face attributes. Construction order
+follows NxDI: neuron_config, fused_spec_config, the load_config hook (or `self.load_config()`),
+metadata, kwargs (which override loaded values), `add_derived_config()`, `validate_config()`.
+Serialization writes the reference `neuron_config.json` layout as standard JSON, deterministic.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import types
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+from returns.result import Failure, Success
+
+from nxdi.core import codec
+from nxdi.core.errors import Problem
+from nxdi.core.model_spec import ModelSpec, parse_model_spec
+from nxdi.core.platform import Platform
+from nxdi.effects import env as env_mod
+from nxdi.effects.files import write_text_atomic
+from nxdi.shell.config import MoENeuronConfig, NeuronConfig, _is_torch_dtype
+from nxdi.shell.errors import IncompatibleConfigError, MissingAttributesError, unwrap_or_raise
+
+CONFIG_FILE = "neuron_config.json"
+
+
+def _class_ref(cls: type) -> dict[str, str]:
+    return {"__module__": cls.__module__, "__name__": cls.__name__}
+
+
+def _resolve_class(ref: Any, field: str) -> Any:
+    """`{"__module__": m, "__name__": n}` -> the class; ModuleNotFoundError naming both otherwise."""
+    if not isinstance(ref, Mapping) or "__module__" not in ref:
+        return ref
+    module, name = ref["__module__"], ref.get("__name__")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        raise ModuleNotFoundError(f"{field}: cannot import class {name!r} from module {module!r}") from None
+
+
+def _jsonable(value: Any) -> Any:
+    """Attribute values as the reference's to_dict writes them."""
+    if isinstance(value, NeuronConfig):
+        return value.to_dict()
+    if isinstance(value, (InferenceConfig, FusedSpecNeuronConfig)):
+        return value.to_dict()
+    if isinstance(value, type):
+        return _class_ref(value)
+    if _is_torch_dtype(value):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, types.SimpleNamespace):
+        return {k: _jsonable(v) for k, v in vars(value).items()}
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+class FusedSpecNeuronConfig:
+    """Fused speculation: the target's worker class, the draft model's config, path and class."""
+
+    def __init__(
+        self,
+        worker_cls: Any,
+        draft_config: InferenceConfig | None = None,
+        draft_model_path: str | None = None,
+        draft_model_cls: Any = None,
+    ) -> None:
+        self.worker_cls = worker_cls
+        self.draft_config = draft_config
+        self.draft_model_path = draft_model_path
+        self.draft_model_cls = draft_model_cls
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _jsonable(v) for k, v in vars(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], config_cls: type[InferenceConfig]) -> FusedSpecNeuronConfig:
+        """Rebuild from JSON, importing the referenced classes (ModuleNotFoundError if one is gone)."""
+        worker = _resolve_class(data.get("worker_cls"), "fused_spec_config.worker_cls")
+        draft_cls = _resolve_class(data.get("draft_model_cls"), "fused_spec_config.draft_model_cls")
+        draft = data.get("draft_config")
+        if isinstance(draft, Mapping):
+            draft_config_cls = draft_cls.get_config_cls() if hasattr(draft_cls, "get_config_cls") else config_cls
+            draft = draft_config_cls.from_dict(draft)
+        return cls(worker, draft_config=draft, draft_model_path=data.get("draft_model_path"), draft_model_cls=draft_cls)
+
+
+class InferenceConfig:
+    """A NeuronConfig plus model attributes, loadable from Hugging Face and from neuron_config.json.
+
+    Raises:
+        MissingAttributesError: a required attribute is absent (an AssertionError and a ValueError).
+        IncompatibleConfigError: the model attributes are inconsistent (every problem listed).
+    """
+
+    attribute_map: ClassVar[dict[str, str]] = {}
+    _model_type: ClassVar[str | None] = None
+    """HF model_type assumed when the attributes do not name one (set by family subclasses)."""
+
+    def __init__(
+        self,
+        neuron_config: NeuronConfig,
+        fused_spec_config: FusedSpecNeuronConfig | None = None,
+        load_config: Callable[[InferenceConfig], None] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.neuron_config = neuron_config
+        self.fused_spec_config = fused_spec_config
+        if load_config is not None:
+            load_config(self)
+        else:
+            self.load_config()
+        self.metadata = metadata
+        for key, value in kwargs.items():
+            setattr(self, key, value)
+        self.add_derived_config()
+        self.validate_config()
+
+    # --- attribute aliases ---------------------------------------------------------------
+    def __setattr__(self, name: str, value: Any) -> None:
+        aliases = self.__dict__.get("attribute_map", type(self).attribute_map)
+        if name != "attribute_map" and name in aliases:
+            name = aliases[name]
+        if name == "neuron_config" and isinstance(value, Mapping):
+            value = self.get_neuron_config_cls()(**value)
+        object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        aliases = self.__dict__.get("attribute_map", type(self).attribute_map)
+        if name in aliases:
+            return getattr(self, aliases[name])
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    # --- hooks subclasses override ---------------------------------------------------------
+    def load_config(self) -> None:
+        """Load attributes from another source; nothing by default."""
+
+    def get_required_attributes(self) -> list[str]:
+        """Attribute names that must be present; none by default."""
+        return []
+
+    def add_derived_config(self) -> None:
+        """Compute attributes derived from others."""
+        self.num_cores_per_group = 1
+
+    @classmethod
+    def get_neuron_config_cls(cls) -> type[NeuronConfig]:
+        return NeuronConfig
+
+    def validate_config(self) -> None:
+        """Check required attributes (all missing ones listed) and the model attributes."""
+        missing = [name for name in self.get_required_attributes() if not hasattr(self, name)]
+        if missing:
+            lines = "\n".join(f"  - {name}: is required but missing" for name in missing)
+            raise MissingAttributesError(
+                f"Config must define {missing}:\n{lines}\nFix: pass them as keyword arguments or use "
+                "load_config=load_pretrained_config(model_path)"
+            )
+        problems = list(self._chunked_attention_problems())
+        if problems:
+            from nxdi.core.errors import ConfigError
+
+            error = ConfigError(problems=tuple(problems))
+            raise IncompatibleConfigError(error.render("Invalid InferenceConfig"), error)
+        if self._model_type is not None:
+            self.model_spec()
+
+    def _chunked_attention_problems(self) -> list[Problem]:
+        chunk = getattr(self, "attention_chunk_size", None)
+        nc = self.neuron_config.spec
+        out = []
+        if isinstance(chunk, int) and chunk < nc.seq_len:
+            for name, bad in (
+                ("flash_decoding_enabled", nc.flash_decoding_enabled),
+                ("attn_block_tkg_nki_kernel_enabled", nc.attn_block_tkg_nki_kernel_enabled),
+                ("is_prefix_caching", nc.is_prefix_caching),
+                ("chunked_prefill_config", nc.chunked_prefill_config is not None),
+                ("padding_side", nc.padding_side != "right"),
+                ("attention_dp_degree", nc.attention_dp_degree != 1),
+            ):
+                if bad:
+                    value = getattr(nc, name)
+                    out.append(
+                        Problem.of(f"neuron_config.{name}", value, "is not yet supported with chunked attention")
+                    )
+            if chunk % nc.cp_degree or (nc.seq_len % chunk) % nc.cp_degree:
+                out.append(Problem.of("attention_chunk_size", chunk, f"is incompatible with cp_degree={nc.cp_degree}"))
+        window = nc.windowed_context_encoding_size
+        if window is not None and window != getattr(self, "sliding_window", window):
+            out.append(Problem.of("neuron_config.windowed_context_encoding_size", window, "must equal sliding_window"))
+        return out
+
+    # --- the model ---------------------------------------------------------------------------
+    def hf_dict(self) -> dict[str, Any]:
+        """The Hugging Face attributes (everything but the Neuron-specific ones)."""
+        skip = {"neuron_config", "fused_spec_config", "metadata", "attribute_map", "num_cores_per_group"}
+        out = {k: _jsonable(v) for k, v in vars(self).items() if k not in skip}
+        if self._model_type is not None:
+            out.setdefault("model_type", self._model_type)
+        return out
+
+    def model_spec(self) -> ModelSpec:
+        """The architecture these attributes describe (IncompatibleConfigError listing every problem)."""
+        return unwrap_or_raise(parse_model_spec(self.hf_dict()), "Invalid model configuration")
+
+    # --- serialization -----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: _jsonable(v) for k, v in vars(self).items()}
+        out.setdefault("attribute_map", dict(type(self).attribute_map))
+        out.setdefault("fused_spec_config", None)
+        return out
+
+    def to_json_string(self) -> str:
+        """Deterministic JSON (sorted keys, indent 2, standard JSON)."""
+        return codec.dumps(self.to_dict())
+
+    def to_json_file(self, json_file: str | os.PathLike[str]) -> None:
+        write_text_atomic(json_file, self.to_json_string() + "\n")
+
+    def save(self, model_path: str | os.PathLike[str]) -> None:
+        """Write `model_path/neuron_config.json` (atomically), creating the folder."""
+        Path(model_path).mkdir(parents=True, exist_ok=True)
+        self.to_json_file(Path(model_path) / CONFIG_FILE)
+
+    @classmethod
+    def load(cls, model_path: str | os.PathLike[str], **kwargs: Any) -> InferenceConfig:
+        """Read `model_path/neuron_config.json`; kwargs override attributes."""
+        return cls.from_json_file(Path(model_path) / CONFIG_FILE, **kwargs)
+
+    @classmethod
+    def from_json_file(cls, json_file: str | os.PathLike[str], **kwargs: Any) -> InferenceConfig:
+        path = Path(json_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"{str(path)!r}: no such configuration file")
+        return cls.from_json_string(path.read_text(), source=str(path), **kwargs)
+
+    @classmethod
+    def from_json_string(cls, json_string: str, source: str = CONFIG_FILE, **kwargs: Any) -> InferenceConfig:
+        data = unwrap_or_raise(codec.loads(json_string, source=source), f"Cannot read {source}")
+        return cls.from_dict({**data, **kwargs})
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> InferenceConfig:
+        """Build from a to_dict()-shaped mapping (neuron_config and fused_spec_config as dicts)."""
+        rest = dict(data)
+        neuron = rest.pop("neuron_config", None)
+        if neuron is None:
+            raise MissingAttributesError("neuron_config: is required but missing from the configuration")
+        neuron_config = neuron if isinstance(neuron, NeuronConfig) else _neuron_config_from_dict(cls, neuron)
+        fused = rest.pop("fused_spec_config", None)
+        if isinstance(fused, Mapping):
+            fused = FusedSpecNeuronConfig.from_dict(fused, cls)
+        metadata = rest.pop("metadata", None)
+        aliases = rest.pop("attribute_map", None)
+        ordered = ({"attribute_map": aliases} if aliases is not None else {}) | rest
+        return cls(neuron_config, fused_spec_config=fused, metadata=metadata, **ordered)
+
+
+def _neuron_config_from_dict(cls: type[InferenceConfig], data: Mapping[str, Any]) -> NeuronConfig:
+    neuron_cls = cls.get_neuron_config_cls()
+    env = env_mod.read_env()
+    moe = issubclass(neuron_cls, MoENeuronConfig)
+    parsed = codec.parse_neuron_dict(
+        data, moe=moe, env_lnc=env.logical_nc_config, platform=env.platform_target or Platform.TRN1
+    )
+    match parsed:
+        case Success(p):
+            return neuron_cls.from_spec(p.spec)
+        case Failure(_):
+            unwrap_or_raise(parsed, "Invalid neuron_config in configuration file")
+    raise AssertionError("unreachable")
+
+
+def load_pretrained_config(
+    model_path_or_name: str | os.PathLike[str] | None = None, hf_config: Any = None
+) -> Callable[[InferenceConfig], None]:
+    """A load_config hook that copies a Hugging Face config's attributes onto an InferenceConfig.
+
+    The checkpoint's `dtype` (or `torch_dtype`) becomes neuron_config.torch_dtype unless the
+    NeuronConfig was given a torch_dtype explicitly. Nested configs become SimpleNamespaces.
+
+    Raises:
+        ValueError: both or neither of the two arguments given.
+    """
+    if (model_path_or_name is None) == (hf_config is None):
+        raise ValueError("Please provide only one of model_path_or_name or hf_config")
+
+    def load_config(self: InferenceConfig) -> None:
+        config = hf_config
+        if config is None:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model_path_or_name)
+        data = config.to_dict()
+        dtype = data.pop("dtype", None)
+        dtype = data.pop("torch_dtype", None) or dtype
+        if dtype is not None and not self.neuron_config.spec.overrides_torch_dtype:
+            name = str(dtype).removeprefix("torch.")
+            self.neuron_config.update(torch_dtype=name, overrides_torch_dtype=False)
+        for key, value in list(data.items()):
+            if hasattr(getattr(config, key, None), "to_dict") and isinstance(value, Mapping):
+                data[key] = types.SimpleNamespace(**value)
+        rope = data.get("rope_parameters")
+        if "rope_theta" not in data and isinstance(rope, Mapping) and "rope_theta" in rope:
+            data["rope_theta"] = rope["rope_theta"]  # newer transformers nest it; NxDI requires it top level
+        self.attribute_map = dict(getattr(config, "attribute_map", {}) or {})
+        self.__dict__.update(data)
+
+    return load_config
