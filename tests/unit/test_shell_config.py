@@ -6,6 +6,7 @@ import copy
 import json
 import warnings
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -314,7 +315,7 @@ def test_inconsistent_model_attributes_raise() -> None:
 
 def test_attribute_map_aliases() -> None:
     class Aliased(InferenceConfig):
-        attribute_map = {"n_embd": "hidden_size"}
+        attribute_map: ClassVar[dict[str, str]] = {"n_embd": "hidden_size"}
 
     cfg = Aliased(NeuronConfig(), hidden_size=8)
     assert cfg.n_embd == 8
@@ -346,7 +347,7 @@ def test_load_without_file_raises_file_not_found(tmp_path: Path) -> None:
 
 def test_bad_json_names_the_file(tmp_path: Path) -> None:
     (tmp_path / "neuron_config.json").write_text("{ not json")
-    with pytest.raises(IncompatibleConfigError, match="neuron_config.json"):
+    with pytest.raises(IncompatibleConfigError, match=r"neuron_config\.json"):
         InferenceConfig.load(tmp_path)
 
 
