@@ -173,7 +173,9 @@ def parse_sub(cls: type[S], raw: Mapping[str, Any], *, prefix: str) -> Result[S,
     problems: list[Problem] = []
     for name, value in raw.items():
         if name not in types_:
-            problems.append(Problem.of(f"{prefix}.{name}", value, "is not a known attribute", did_you_mean(name, known)))
+            problems.append(
+                Problem.of(f"{prefix}.{name}", value, "is not a known attribute", did_you_mean(name, known))
+            )
             continue
         sub = _NESTED.get(types_[name])
         if sub is not None and isinstance(value, Mapping):
