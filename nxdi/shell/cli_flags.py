@@ -1,0 +1,65 @@
+"""NeuronConfig attributes as kebab-case command-line flags, derived from NeuronSpec's fields.
+
+Every simple attribute (bool, int, float, string, choice, list of ints) gets a flag named like
+the reference's inference demo (`--tp-degree 8`, `--enable-bucketing`, `--no-fused-qkv`,
+`--context-encoding-buckets 128 256`); the parsed values come back as NeuronConfig kwargs, with
+only the flags the user actually gave.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from typing import Any
+
+import attrs
+
+from nxdi.core.fields import field_types
+from nxdi.core.neuron_spec import NeuronSpec
+
+_SKIP = frozenset({"moe", "is_prefill_stage", "overrides_torch_dtype"})
+
+
+def _scalar(tp: Any) -> tuple[Any, Any, str] | None:
+    """(argparse type, choices, nargs) for a simple annotation, or None when it has no flag."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        return _scalar(rest[0]) if len(rest) == 1 else None
+    if typing.get_origin(tp) is typing.Literal:
+        return str, args, ""
+    if typing.get_origin(tp) is tuple and args and args[0] is int:
+        return int, None, "+"
+    if tp in (int, float, str):
+        return tp, None, ""
+    return None
+
+
+def add_neuron_config_flags(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per simple NeuronConfig attribute (default: not given)."""
+    group = parser.add_argument_group("NeuronConfig attributes")
+    types_ = field_types(NeuronSpec)
+    for field in attrs.fields(NeuronSpec):
+        if field.name in _SKIP:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        tp = types_[field.name]
+        if tp is bool or tp == (bool | None):
+            group.add_argument(flag, dest=f"nc_{field.name}", action=argparse.BooleanOptionalAction, default=None)
+            continue
+        simple = _scalar(tp)
+        if simple is None:
+            continue
+        kind, choices, nargs = simple
+        kw: dict[str, Any] = {"type": kind, "default": None, "dest": f"nc_{field.name}"}
+        if choices:
+            kw["choices"] = choices
+        if nargs:
+            kw["nargs"] = nargs
+        group.add_argument(flag, **kw)
+
+
+def neuron_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The NeuronConfig kwargs the user gave on the command line."""
+    return {k.removeprefix("nc_"): v for k, v in vars(args).items() if k.startswith("nc_") and v is not None}
