@@ -1,0 +1,262 @@
+"""Device memory per core: weights, KV cache, LoRA adapters and activations against the core's HBM. Pure.
+
+Theory of operation (all figures per logical core; every rank holds the same amount):
+- Weights: the rank's slice of every weight of the sharding plan, so padded Q heads, replicated KV
+  heads and zero-padded intermediate/vocab sizes are counted. `lm_head` is counted even when tied to the
+  embedding, since the reference keeps a separate copy on device. With weight quantization, decoder
+  linear weights take one byte per value plus fp32 scales; embeddings, norms and lm_head keep the dtype.
+- KV cache: `kv_layout.KVLayout.bytes_per_rank`.
+- LoRA: `max_loras` adapters at `lora.bytes_per_core` each.
+- Activations: an estimate of the largest live tensors of one layer while encoding the largest
+  context bucket: 4 hidden-state buffers `[B, S, E]`, the rank's q/k/v `[B, S, (H_r + 2 K_r) * D]` and
+  MLP intermediate `[B, S, 2 F_r]` in the compute dtype, fp32 attention scores over query tiles of at
+  most 1024 rows `[B, H_r, min(S, 1024), S]`, and fp32 last-token logits `[B, V_r]`.
+- The verdict compares the sum with the platform's HBM per core; `min_tp_degree` is the smallest
+  TP degree valid on the platform (and instance) whose plan fits.
+"""
+
+from __future__ import annotations
+
+import attrs
+from returns.result import Result, Success
+
+from nxdi.core import gqa, kv_layout, lora, sharding
+from nxdi.core.errors import ConfigError
+from nxdi.core.model_spec import ModelSpec
+from nxdi.core.neuron_spec import DTYPE_BYTES, NeuronSpec
+from nxdi.core.platform import PLATFORMS, Platform
+
+SCORE_TILE_ROWS = 1024
+"""Query rows whose attention scores are assumed live at once (flash-attention style tiling)."""
+SCALE_BYTES = 4
+
+
+@attrs.frozen(kw_only=True)
+class LoraLoad:
+    """Adapters resident on device."""
+
+    adapter: lora.AdapterSize
+    max_loras: int = attrs.field(validator=attrs.validators.ge(0))
+    shard_linear_layer: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class MemoryRequest:
+    """The run settings the memory planner needs (NeuronConfig names where they exist)."""
+
+    tp_degree: int = attrs.field(validator=attrs.validators.gt(0))
+    batch_size: int = attrs.field(default=1, validator=attrs.validators.gt(0))
+    """Context-encoding batch (activations)."""
+    max_context_length: int = attrs.field(default=128, validator=attrs.validators.gt(0))
+    """Largest context-encoding bucket (activations)."""
+    max_length: int = attrs.field(default=128, validator=attrs.validators.gt(0))
+    kv_cache_batch_size: int = attrs.field(default=1, validator=attrs.validators.gt(0))
+    kv_cache_padding_size: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    torch_dtype: str = attrs.field(default="bfloat16", validator=attrs.validators.in_(DTYPE_BYTES))
+    attention_dtype: str | None = None
+    kv_cache_quant: bool = False
+    kv_quant_dtype: str = kv_layout.KV_QUANT_DTYPE
+    weight_quant_dtype: str | None = None
+    """Storage dtype of quantized decoder linear weights (`int8`, `f8e4m3`, ...); None when not quantized."""
+    per_channel_scales: bool = False
+    strategy: gqa.GQAStrategy | None = None
+    fused_qkv: bool = False
+    vocab_parallel: bool = False
+    flash_decoding_enabled: bool = False
+    lora: LoraLoad | None = None
+    platform: Platform = Platform.TRN1
+    logical_nc_config: int | None = None
+    """None means the platform default."""
+    instance: str | None = None
+
+    @property
+    def lnc(self) -> int:
+        return self.logical_nc_config or PLATFORMS[self.platform].default_lnc
+
+
+@attrs.frozen(kw_only=True)
+class MemoryPlan:
+    """Memory per core and in total, and the verdict."""
+
+    tp_degree: int
+    weights_bytes_per_core: int
+    kv_cache_bytes_per_core: int
+    lora_bytes_per_core: int
+    activation_bytes_per_core: int
+    hbm_per_core_bytes: int
+    min_tp_degree: int | None
+    """Smallest valid TP degree whose plan fits; None when none does."""
+
+    @property
+    def per_core_bytes(self) -> int:
+        return (
+            self.weights_bytes_per_core
+            + self.kv_cache_bytes_per_core
+            + self.lora_bytes_per_core
+            + self.activation_bytes_per_core
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        return self.per_core_bytes * self.tp_degree
+
+    @property
+    def weights_bytes(self) -> int:
+        """Weights over all cores (replicas and padding included)."""
+        return self.weights_bytes_per_core * self.tp_degree
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache_bytes_per_core * self.tp_degree
+
+    @property
+    def fits(self) -> bool:
+        return self.per_core_bytes <= self.hbm_per_core_bytes
+
+
+def _is_decoder_linear(w: sharding.WeightShard) -> bool:
+    return w.per_layer and w.name.endswith(".weight") and ("_proj." in w.name or ".Wqkv." in w.name)
+
+
+def weight_bytes_per_core(plan: sharding.ShardPlan, req: MemoryRequest) -> int:
+    """Bytes of one rank's weights (see the module rules for quantization)."""
+    dt = DTYPE_BYTES[req.torch_dtype]
+    total = 0
+    for w in plan.weights:
+        n = w.rank_numel()
+        if req.weight_quant_dtype is not None and _is_decoder_linear(w):
+            out_features = w.rank_shape()[-2]
+            size = n + (out_features if req.per_channel_scales else 1) * SCALE_BYTES
+        else:
+            size = n * dt
+        total += size * (plan.num_layers if w.per_layer else 1)
+    return total
+
+
+def activation_bytes_per_core(model: ModelSpec, counts: gqa.HeadCounts, req: MemoryRequest) -> int:
+    """Estimate of the live activations of one rank (see the module rules)."""
+    b, s, tp = req.batch_size, req.max_context_length, counts.tp
+    dt = DTYPE_BYTES[req.attention_dtype or req.torch_dtype]
+    f_r = sharding.round_up(model.intermediate_size, tp) // tp
+    v_r = sharding.round_up(model.vocab_size, tp) // tp
+    qkv = (counts.q_per_rank + 2 * counts.kv_per_rank) * model.head_dim
+    per_token = 4 * model.hidden_size + qkv + 2 * f_r
+    scores = b * counts.q_per_rank * min(s, SCORE_TILE_ROWS) * s * 4
+    return b * s * per_token * dt + scores + b * v_r * 4
+
+
+def layout_for(model: ModelSpec, counts: gqa.HeadCounts, req: MemoryRequest) -> Result[kv_layout.KVLayout, ConfigError]:
+    """The KV layout these settings give (flash decoding groups included)."""
+    group: Result[int, ConfigError] = Success(1)
+    if req.flash_decoding_enabled:
+        group = gqa.flash_decoding_group(counts.tp, model.num_attention_heads, model.num_kv_heads)
+    return group.bind(
+        lambda g: kv_layout.kv_layout(
+            tp=counts.tp,
+            num_layers=model.num_layers,
+            kv_heads_per_rank=counts.kv_per_rank,
+            head_dim=model.head_dim,
+            kv_cache_batch_size=req.kv_cache_batch_size,
+            kv_cache_padding_size=req.kv_cache_padding_size,
+            max_length=req.max_length,
+            dtype=req.attention_dtype or req.torch_dtype,
+            kv_cache_quant=req.kv_cache_quant,
+            quant_dtype=req.kv_quant_dtype,
+            sliding_window=model.sliding_window,
+            flash_decoding_group=g,
+        )
+    )
+
+
+def _per_core(model: ModelSpec, req: MemoryRequest) -> Result[MemoryPlan, ConfigError]:
+    """Memory at `req.tp_degree`, without the search for the smallest fitting degree."""
+    plan = sharding.shard_plan(
+        model, tp=req.tp_degree, strategy=req.strategy, fused_qkv=req.fused_qkv, vocab_parallel=req.vocab_parallel
+    )
+    return plan.bind(lambda p: layout_for(model, p.counts, req).map(lambda kv: _compose(model, p, kv, req)))
+
+
+def _compose(model: ModelSpec, plan: sharding.ShardPlan, kv: kv_layout.KVLayout, req: MemoryRequest) -> MemoryPlan:
+    lora_bytes = 0
+    if req.lora is not None:
+        each = lora.bytes_per_core(req.lora.adapter, tp=plan.tp, shard_linear_layer=req.lora.shard_linear_layer)
+        lora_bytes = req.lora.max_loras * each
+    return MemoryPlan(
+        tp_degree=plan.tp,
+        weights_bytes_per_core=weight_bytes_per_core(plan, req),
+        kv_cache_bytes_per_core=kv.bytes_per_rank,
+        lora_bytes_per_core=lora_bytes,
+        activation_bytes_per_core=activation_bytes_per_core(model, plan.counts, req),
+        hbm_per_core_bytes=PLATFORMS[req.platform].hbm_per_core_bytes(req.lnc),
+        min_tp_degree=None,
+    )
+
+
+def min_tp_degree(model: ModelSpec, req: MemoryRequest) -> int | None:
+    """The smallest TP degree valid on the request's platform/LNC/instance whose plan fits, or None."""
+    for tp in sharding.valid_tp_degrees(req.platform, req.lnc, instance=req.instance):
+        match _per_core(model, attrs.evolve(req, tp_degree=tp)):
+            case Success(p) if p.fits:
+                return tp
+    return None
+
+
+def memory_plan(model: ModelSpec, req: MemoryRequest) -> Result[MemoryPlan, ConfigError]:
+    """Memory per core at `req.tp_degree`, the verdict and the smallest valid TP degree that fits.
+
+    Returns:
+        `Failure` when the sharding or the KV layout cannot be planned (see `sharding.shard_plan`,
+        `kv_layout.kv_layout`, `gqa.flash_decoding_group`). Not fitting is a verdict, not a failure.
+    """
+    return _per_core(model, req).map(lambda p: attrs.evolve(p, min_tp_degree=min_tp_degree(model, req)))
+
+
+def memory_request_for(
+    model: ModelSpec, spec: NeuronSpec, *, platform: Platform = Platform.TRN1, instance: str | None = None
+) -> Result[MemoryRequest, ConfigError]:
+    """The memory request `spec` implies, LoRA adapters (`lora_config`) included.
+
+    Returns:
+        `Failure` when the LoRA adapter size cannot be computed (unknown target modules, ...).
+    """
+    load: Result[LoraLoad | None, ConfigError] = Success(None)
+    cfg = spec.lora_config
+    if cfg is not None:
+        load = lora.adapter_size_for(model, cfg, dtype=spec.torch_dtype).map(
+            lambda size: LoraLoad(
+                adapter=size, max_loras=cfg.effective_max_loras, shard_linear_layer=cfg.lora_shard_linear_layer
+            )
+        )
+    quantized = spec.quantized
+    return load.map(
+        lambda lora_load: MemoryRequest(
+            tp_degree=spec.tp_degree,
+            batch_size=spec.ctx_batch_size,
+            max_context_length=spec.max_context_length,
+            max_length=spec.max_length,
+            kv_cache_batch_size=spec.kv_cache_batch_size,
+            kv_cache_padding_size=spec.kv_cache_padding_size,
+            torch_dtype=spec.torch_dtype,
+            attention_dtype=spec.attention_dtype,
+            kv_cache_quant=spec.kv_cache_quant or spec.kv_quant_config is not None,
+            kv_quant_dtype=spec.kv_dtype if spec.kv_quant_config is not None else kv_layout.KV_QUANT_DTYPE,
+            weight_quant_dtype=spec.quantization_dtype if quantized else None,
+            per_channel_scales=quantized and spec.quantization_type != "per_tensor_symmetric",
+            fused_qkv=spec.fused_qkv,
+            vocab_parallel=spec.vocab_parallel,
+            flash_decoding_enabled=spec.flash_decoding_enabled,
+            lora=lora_load,
+            platform=platform,
+            logical_nc_config=spec.logical_nc_config,
+            instance=instance,
+        )
+    )
+
+
+def memory_plan_for(
+    model: ModelSpec, spec: NeuronSpec, *, platform: Platform = Platform.TRN1, instance: str | None = None
+) -> Result[MemoryPlan, ConfigError]:
+    """`memory_plan` for the settings of `spec` on `platform` (or `instance`)."""
+    return memory_request_for(model, spec, platform=platform, instance=instance).bind(
+        lambda req: memory_plan(model, req)
+    )

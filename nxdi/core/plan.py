@@ -1,0 +1,253 @@
+"""The deployment plan: buckets, sharding, KV cache, memory and LoRA capacity of one configuration. Pure.
+
+`plan_for(model, spec, ...)` answers "will this model fit, with which buckets, how is it split, how
+many adapters fit?" without torch, a device or a compile. It fails only when a part cannot be computed
+at all (an invalid bucket list, an impossible flash-decoding group, unknown LoRA target modules);
+a configuration that can be planned but will not run as asked (a TP degree the platform does not
+support, memory that does not fit, sequence parallelism over odd buckets, more adapters than fit) is
+planned anyway and its `problems` say why, so one call reports everything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from returns.result import Failure, Result, Success
+
+from nxdi.core import buckets, kv_layout, lora, memory, sharding
+from nxdi.core.errors import ConfigError, Problem
+from nxdi.core.model_spec import ModelSpec
+from nxdi.core.neuron_spec import NeuronSpec
+from nxdi.core.platform import INSTANCES, Platform
+
+
+@attrs.frozen(kw_only=True)
+class LoraRequest:
+    """A LoRA capacity question: adapters of this size, in this much memory per core."""
+
+    rank: int = attrs.field(default=16, validator=attrs.validators.gt(0))
+    target_modules: tuple[str, ...] = lora.DEFAULT_TARGET_MODULES
+    adapter_bytes: int | None = None
+    """Size of one adapter (e.g. its checkpoint size); overrides rank and target_modules."""
+    reserved_bytes_per_core: int | None = None
+    """Memory set aside per core for adapters; None means whatever the plan leaves free."""
+    shard_linear_layer: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class Plan:
+    """Everything `nxdi plan` reports for one configuration."""
+
+    platform: Platform
+    instance: str | None
+    logical_nc_config: int
+    context_encoding: buckets.BucketTable
+    token_generation: buckets.BucketTable
+    speculation: buckets.BucketTable | None
+    sharding: sharding.ShardPlan
+    kv_cache: kv_layout.KVLayout
+    memory: memory.MemoryPlan
+    lora: lora.LoraCapacity | None
+    problems: tuple[Problem, ...] = ()
+    """Why this configuration will not run as asked (empty when it will)."""
+    warnings: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `nxdi plan --json` document."""
+        return {
+            "platform": self.platform.value,
+            "instance": self.instance,
+            "logical_nc_config": self.logical_nc_config,
+            "buckets": _buckets_dict(self),
+            "sharding": _sharding_dict(self.sharding),
+            "kv_cache": _kv_dict(self.kv_cache),
+            "memory": _memory_dict(self.memory),
+            "lora": _lora_dict(self.lora),
+            "problems": [attrs.asdict(p) for p in self.problems],
+            "warnings": list(self.warnings),
+        }
+
+
+def _table(t: buckets.BucketTable) -> list[Any]:
+    return [list(b) for b in t.buckets_2d()] if t.is_2d else list(t.lengths)
+
+
+def _buckets_dict(p: Plan) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "context_encoding": _table(p.context_encoding),
+        "token_generation": _table(p.token_generation),
+    }
+    if p.speculation is not None:
+        out["speculation"] = _table(p.speculation)
+    return out
+
+
+def _sharding_dict(s: sharding.ShardPlan) -> dict[str, Any]:
+    c = s.counts
+    return {
+        "tp_degree": s.tp,
+        "strategy": c.strategy.value,
+        "num_attention_heads": c.q,
+        "num_key_value_heads": c.kv,
+        "q_heads": c.q_padded,
+        "kv_heads": c.kv_padded,
+        "q_heads_per_rank": c.q_per_rank,
+        "kv_heads_per_rank": c.kv_per_rank,
+        "params_per_rank": s.rank_params(),
+    }
+
+
+def _kv_dict(k: kv_layout.KVLayout) -> dict[str, Any]:
+    return {
+        "shape_per_rank": list(k.shape_per_rank),
+        "num_layers": k.num_layers,
+        "dtype": k.dtype,
+        "bytes_per_rank": k.bytes_per_rank,
+        "total_bytes": k.total_bytes,
+    }
+
+
+def _memory_dict(m: memory.MemoryPlan) -> dict[str, Any]:
+    return {
+        "weights_bytes": m.weights_bytes,
+        "kv_cache_bytes": m.kv_cache_bytes,
+        "total_bytes": m.total_bytes,
+        "per_core_bytes": m.per_core_bytes,
+        "weights_bytes_per_core": m.weights_bytes_per_core,
+        "kv_cache_bytes_per_core": m.kv_cache_bytes_per_core,
+        "lora_bytes_per_core": m.lora_bytes_per_core,
+        "activation_bytes_per_core": m.activation_bytes_per_core,
+        "hbm_per_core_bytes": m.hbm_per_core_bytes,
+        "fits": m.fits,
+        "min_tp_degree": m.min_tp_degree,
+    }
+
+
+def _lora_dict(c: lora.LoraCapacity | None) -> dict[str, Any]:
+    if c is None:
+        return {"max_adapters": None}
+    return {
+        "max_adapters": c.max_adapters,
+        "adapter_bytes": c.adapter.total_bytes,
+        "bytes_per_core": c.bytes_per_core,
+        "reserved_bytes_per_core": c.reserved_bytes_per_core,
+        "requested": c.requested,
+    }
+
+
+def _platform(spec: NeuronSpec, platform: Platform | None, instance: str | None) -> Platform:
+    """instance > platform argument > spec.target > trn1."""
+    known = INSTANCES.get(instance) if instance is not None else None
+    if known is not None:
+        return known.platform
+    if platform is not None:
+        return platform
+    return Platform(spec.target) if spec.target is not None else Platform.TRN1
+
+
+def _problems(*results: Result[Any, ConfigError]) -> tuple[Problem, ...]:
+    found: list[Problem] = []
+    for r in results:
+        match r:
+            case Failure(err):
+                found.extend(err.problems)
+    return tuple(found)
+
+
+def _lora_capacity(
+    model: ModelSpec, spec: NeuronSpec, mem: memory.MemoryPlan, request: LoraRequest | None
+) -> Result[lora.LoraCapacity | None, ConfigError]:
+    """Capacity for the requested adapters, else for `spec.lora_config`'s, else None."""
+    free = max(mem.hbm_per_core_bytes - (mem.per_core_bytes - mem.lora_bytes_per_core), 0)
+    cfg = spec.lora_config
+    if request is not None:
+        size = (
+            Success(lora.adapter_size_of(request.adapter_bytes))
+            if request.adapter_bytes is not None
+            else lora.adapter_size(
+                model, rank=request.rank, target_modules=request.target_modules, dtype=spec.torch_dtype
+            )
+        )
+        reserved = free if request.reserved_bytes_per_core is None else request.reserved_bytes_per_core
+        shard, requested = request.shard_linear_layer, cfg.effective_max_loras if cfg is not None else None
+    elif cfg is not None:
+        size = lora.adapter_size_for(model, cfg, dtype=spec.torch_dtype)
+        reserved, shard, requested = free, cfg.lora_shard_linear_layer, cfg.effective_max_loras
+    else:
+        return Success(None)
+    return size.bind(
+        lambda s: lora.lora_capacity(
+            s, reserved_bytes=reserved, tp=spec.tp_degree, shard_linear_layer=shard, requested=requested
+        )
+    )
+
+
+def _verdict(spec: NeuronSpec, p: Plan) -> tuple[Problem, ...]:
+    """Why the planned configuration will not run as asked."""
+    found = list(
+        _problems(
+            sharding.check_tp_degree(spec.tp_degree, platform=p.platform, lnc=p.logical_nc_config, instance=p.instance),
+            sharding.check_sequence_parallel(spec.tp_degree, p.context_encoding.lengths)
+            if spec.sequence_parallel_enabled
+            else Success(0),
+        )
+    )
+    m = p.memory
+    if not m.fits:
+        fix = f"use tp_degree={m.min_tp_degree}" if m.min_tp_degree else "use a larger instance, quantize, or shrink"
+        found.append(
+            Problem.of(
+                "tp_degree",
+                spec.tp_degree,
+                f"needs {m.per_core_bytes / 2**30:.2f} GiB per core, more than the "
+                f"{m.hbm_per_core_bytes / 2**30:.2f} GiB of a {p.platform.value} core",
+                fix,
+            )
+        )
+    c = p.lora
+    if c is not None and c.requested is not None and c.requested > c.max_adapters:
+        found.append(
+            Problem.of("lora_config.max_loras", c.requested, f"only {c.max_adapters} adapters fit", "lower max_loras")
+        )
+    return tuple(found)
+
+
+def plan_for(
+    model: ModelSpec,
+    spec: NeuronSpec,
+    *,
+    platform: Platform | None = None,
+    instance: str | None = None,
+    lora_request: LoraRequest | None = None,
+) -> Result[Plan, ConfigError]:
+    """Plan `model` under `spec` on `instance` (or `platform`, or `spec.target`, or trn1).
+
+    Returns:
+        `Success(Plan)` whose `problems` list what will not run as asked, or `Failure` listing every
+        part that cannot be planned at all.
+    """
+    where = _platform(spec, platform, instance)
+    ctx, tkg = buckets.context_table_for(spec), buckets.token_table_for(spec)
+    spec_table = buckets.speculation_table_for(spec) if spec.speculation_length > 0 else Success(None)
+    shard, kv = sharding.shard_plan_for(model, spec), kv_layout.kv_layout_for(model, spec)
+    mem = memory.memory_plan_for(model, spec, platform=where, instance=instance)
+    capacity = mem.bind(lambda m: _lora_capacity(model, spec, m, lora_request))
+    match ctx, tkg, spec_table, shard, kv, mem, capacity:
+        case Success(c), Success(t), Success(s), Success(sh), Success(k), Success(m), Success(cap):
+            plan = Plan(
+                platform=where,
+                instance=instance,
+                logical_nc_config=spec.logical_nc_config,
+                context_encoding=c,
+                token_generation=t,
+                speculation=s,
+                sharding=sh,
+                kv_cache=k,
+                memory=m,
+                lora=cap,
+                warnings=sh.notes,
+            )
+            return Success(attrs.evolve(plan, problems=_verdict(spec, plan)))
+    problems = dict.fromkeys(_problems(ctx, tkg, spec_table, shard, kv, mem, capacity))
+    return Failure(ConfigError(problems=tuple(problems)))

@@ -1,0 +1,388 @@
+"""Tensor-parallel sharding plans: every weight's rule and per-rank slice, and which TP degrees work. Pure.
+
+Rules:
+- Weights are named as NxD Inference names a Llama checkpoint after conversion (`layers.{i}.self_attn.q_proj.weight`,
+  `embed_tokens.weight`, `lm_head.weight`, ...); every family is described with those logical names and
+  the state-dict transforms map checkpoint keys onto them. Entries with `per_layer` stand for every layer.
+- Linear weights are `[out, in]`. COLUMN_PARALLEL splits dim 0 (q/k/v, gate/up, lm_head's vocab),
+  ROW_PARALLEL splits dim 1 (o_proj, down_proj) and is followed by an all-reduce, VOCAB_PARALLEL splits
+  the embedding's vocab rows, REPLICATED keeps a full copy per rank (norms, row-parallel biases, router).
+  Without `vocab_parallel` the embedding is split along its hidden dim (dim 1, COLUMN_PARALLEL).
+- Slices are given in the *padded* layout: first the `remap` (GQA head padding/replication of q/k/v/o,
+  zero padding of an intermediate or vocab size that tp does not divide) builds the padded tensor, then
+  rank r takes `rank_spans[r]` along `dim`. With `fused_qkv`, rank r holds `[Q_r; K_r; V_r]`, three spans.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import attrs
+from returns.result import Failure, Result, Success
+
+from nxdi.core import gqa
+from nxdi.core.errors import ConfigError, Problem
+from nxdi.core.model_spec import ModelSpec, NormKind, PositionKind
+from nxdi.core.neuron_spec import NeuronSpec
+from nxdi.core.platform import INSTANCES, PLATFORMS, Platform
+
+Span = tuple[int, int]
+"""Half-open `[start, stop)` range of indices along a weight's split dim."""
+
+
+class ShardRule(enum.Enum):
+    COLUMN_PARALLEL = "column_parallel"
+    ROW_PARALLEL = "row_parallel"
+    REPLICATED = "replicated"
+    VOCAB_PARALLEL = "vocab_parallel"
+
+
+@attrs.frozen(kw_only=True)
+class Remap:
+    """Builds the padded layout along `dim` from blocks of `block` indices of the original tensor."""
+
+    dim: int
+    block: int
+    """Indices per block: head_dim for head remaps, 1 for plain zero padding."""
+    sources: tuple[int | None, ...]
+    """For every block of the padded layout, the original block it copies, or None for zeros."""
+
+    def indices(self) -> tuple[int | None, ...]:
+        """Per padded index along `dim`, the original index, or None for a zero."""
+        b = self.block
+        return tuple(None if s is None else s * b + j for s in self.sources for j in range(b))
+
+
+def _tail(dim: int, size: int, padded: int) -> Remap | None:
+    return None if padded == size else Remap(dim=dim, block=1, sources=(*range(size), *([None] * (padded - size))))
+
+
+@attrs.frozen(kw_only=True)
+class WeightShard:
+    """One weight (or one per layer), how it is padded and which slice each rank holds."""
+
+    name: str
+    per_layer: bool
+    rule: ShardRule
+    shape: tuple[int, ...]
+    """Shape in the (converted) checkpoint."""
+    padded_shape: tuple[int, ...]
+    dim: int | None
+    """The split dim; None when replicated."""
+    rank_spans: tuple[tuple[Span, ...], ...]
+    """Per rank, the spans along `dim` of the padded layout it holds (one span, or three for fused QKV)."""
+    remap: Remap | None = None
+
+    def rank_shape(self, rank: int = 0) -> tuple[int, ...]:
+        if self.dim is None:
+            return self.padded_shape
+        n = sum(stop - start for start, stop in self.rank_spans[rank])
+        return tuple(n if d == self.dim else s for d, s in enumerate(self.padded_shape))
+
+    def rank_numel(self, rank: int = 0) -> int:
+        out = 1
+        for s in self.rank_shape(rank):
+            out *= s
+        return out
+
+
+def _even_spans(size: int, tp: int, offset: int = 0) -> tuple[Span, ...]:
+    step = size // tp
+    return tuple((offset + r * step, offset + (r + 1) * step) for r in range(tp))
+
+
+def _split(
+    name: str,
+    rule: ShardRule,
+    shape: tuple[int, ...],
+    dim: int,
+    tp: int,
+    *,
+    per_layer: bool = True,
+    padded: int | None = None,
+    remap: Remap | None = None,
+) -> WeightShard:
+    size = shape[dim] if padded is None else padded
+    padded_shape = tuple(size if d == dim else s for d, s in enumerate(shape))
+    spans = tuple((s,) for s in _even_spans(size, tp))
+    remap = remap if remap is not None else _tail(dim, shape[dim], size)
+    return WeightShard(
+        name=name,
+        per_layer=per_layer,
+        rule=rule,
+        shape=shape,
+        padded_shape=padded_shape,
+        dim=dim,
+        rank_spans=spans,
+        remap=remap,
+    )
+
+
+def _copy(name: str, shape: tuple[int, ...], tp: int, *, per_layer: bool = True) -> WeightShard:
+    spans = ((0, shape[0]),)
+    return WeightShard(
+        name=name,
+        per_layer=per_layer,
+        rule=ShardRule.REPLICATED,
+        shape=shape,
+        padded_shape=shape,
+        dim=None,
+        rank_spans=(spans,) * tp,
+    )
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _attention(model: ModelSpec, layout: gqa.HeadLayout, *, fused_qkv: bool) -> list[WeightShard]:
+    """q/k/v/o weights (+ biases) of one layer, with the GQA remap on their head dim."""
+    c, d, e, tp = layout.counts, model.head_dim, model.hidden_size, layout.counts.tp
+    a = "layers.{i}.self_attn"
+    q_map = Remap(dim=0, block=d, sources=layout.q_sources)
+    kv_map = Remap(dim=0, block=d, sources=layout.kv_sources)
+    out: list[WeightShard] = []
+    suffixes = ("weight", "bias") if model.qkv_bias else ("weight",)
+    for sfx in suffixes:
+        tail = (e,) if sfx == "weight" else ()
+        if fused_qkv:
+            out.append(_fused_qkv(f"{a}.Wqkv.{sfx}", layout, tail, d))
+            continue
+        out.append(
+            _split(
+                f"{a}.q_proj.{sfx}",
+                ShardRule.COLUMN_PARALLEL,
+                (c.q * d, *tail),
+                0,
+                tp,
+                padded=c.q_padded * d,
+                remap=q_map,
+            )
+        )
+        for proj in ("k_proj", "v_proj"):
+            out.append(
+                _split(
+                    f"{a}.{proj}.{sfx}",
+                    ShardRule.COLUMN_PARALLEL,
+                    (c.kv * d, *tail),
+                    0,
+                    tp,
+                    padded=c.kv_padded * d,
+                    remap=kv_map,
+                )
+            )
+    o_map = Remap(dim=1, block=d, sources=layout.q_sources)
+    out.append(
+        _split(f"{a}.o_proj.weight", ShardRule.ROW_PARALLEL, (e, c.q * d), 1, tp, padded=c.q_padded * d, remap=o_map)
+    )
+    if model.o_bias:
+        out.append(_copy(f"{a}.o_proj.bias", (e,), tp))
+    if model.qk_norm:
+        out.extend(_copy(f"{a}.{n}.weight", (d,), tp) for n in ("q_norm", "k_norm"))
+    return out
+
+
+def _fused_qkv(name: str, layout: gqa.HeadLayout, tail: tuple[int, ...], d: int) -> WeightShard:
+    """`[Q; K; V]` fused along dim 0; rank r holds `[Q_r; K_r; V_r]` of the padded segments."""
+    c = layout.counts
+    k0, v0 = c.q, c.q + c.kv  # source blocks of K and V inside the fused checkpoint tensor
+    sources = (
+        *layout.q_sources,
+        *(None if s is None else k0 + s for s in layout.kv_sources),
+        *(None if s is None else v0 + s for s in layout.kv_sources),
+    )
+    qn, kn = c.q_padded * d, c.kv_padded * d
+    spans = tuple(zip(_even_spans(qn, c.tp), _even_spans(kn, c.tp, qn), _even_spans(kn, c.tp, qn + kn), strict=True))
+    return WeightShard(
+        name=name,
+        per_layer=True,
+        rule=ShardRule.COLUMN_PARALLEL,
+        shape=((c.q + 2 * c.kv) * d, *tail),
+        padded_shape=(qn + 2 * kn, *tail),
+        dim=0,
+        rank_spans=spans,
+        remap=Remap(dim=0, block=d, sources=sources),
+    )
+
+
+def _mlp(model: ModelSpec, tp: int) -> list[WeightShard]:
+    """The MLP of one layer; the intermediate size is zero padded to a multiple of tp."""
+    e, f = model.hidden_size, model.intermediate_size
+    fp = round_up(f, tp)
+    m = "layers.{i}.mlp"
+    col, row = ShardRule.COLUMN_PARALLEL, ShardRule.ROW_PARALLEL
+    ins = ("gate_proj", "up_proj") if model.gated_mlp else ("up_proj",)
+    if model.is_moe:
+        n = model.num_experts
+        out = [_copy(f"{m}.router.weight", (n, e), tp)]
+        out += [_split(f"{m}.experts.{p}.weight", col, (n, f, e), 1, tp, padded=fp) for p in ins]
+        if model.mlp_bias:
+            out += [_split(f"{m}.experts.{p}.bias", col, (n, f), 1, tp, padded=fp) for p in ins]
+            out.append(_copy(f"{m}.experts.down_proj.bias", (n, e), tp))
+        return [*out, _split(f"{m}.experts.down_proj.weight", row, (n, e, f), 2, tp, padded=fp)]
+    out = [_split(f"{m}.{p}.weight", col, (f, e), 0, tp, padded=fp) for p in ins]
+    if model.mlp_bias:
+        out += [_split(f"{m}.{p}.bias", col, (f,), 0, tp, padded=fp) for p in ins]
+        out.append(_copy(f"{m}.down_proj.bias", (e,), tp))
+    return [*out, _split(f"{m}.down_proj.weight", row, (e, f), 1, tp, padded=fp)]
+
+
+def _norms(model: ModelSpec, tp: int) -> list[WeightShard]:
+    e = model.hidden_size
+    kinds = ("weight", "bias") if model.norm is NormKind.LAYER and model.norm_bias else ("weight",)
+    layer = [
+        _copy(f"layers.{{i}}.{n}.{k}", (e,), tp) for n in ("input_layernorm", "post_attention_layernorm") for k in kinds
+    ]
+    return [*layer, *(_copy(f"norm.{k}", (e,), tp, per_layer=False) for k in kinds)]
+
+
+def _embeddings(model: ModelSpec, tp: int, *, vocab_parallel: bool) -> list[WeightShard]:
+    e, v = model.hidden_size, model.vocab_size
+    vp = round_up(v, tp)
+    if vocab_parallel:
+        embed = _split("embed_tokens.weight", ShardRule.VOCAB_PARALLEL, (v, e), 0, tp, per_layer=False, padded=vp)
+    else:
+        embed = _split(
+            "embed_tokens.weight", ShardRule.COLUMN_PARALLEL, (v, e), 1, tp, per_layer=False, padded=round_up(e, tp)
+        )
+    out = [embed, _split("lm_head.weight", ShardRule.COLUMN_PARALLEL, (v, e), 0, tp, per_layer=False, padded=vp)]
+    if model.position is PositionKind.LEARNED:
+        rows = model.max_position_embeddings + model.position_offset
+        out.append(_copy("embed_positions.weight", (rows, e), tp, per_layer=False))
+    return out
+
+
+@attrs.frozen(kw_only=True)
+class ShardPlan:
+    """How a model is split over `tp` ranks."""
+
+    tp: int
+    counts: gqa.HeadCounts
+    layout: gqa.HeadLayout
+    num_layers: int
+    weights: tuple[WeightShard, ...]
+    notes: tuple[str, ...] = ()
+    """Warnings for the shell (strategy fallbacks, padding)."""
+
+    @property
+    def strategy(self) -> gqa.GQAStrategy:
+        return self.counts.strategy
+
+    def rank_params(self, rank: int = 0) -> int:
+        """Parameters held by one rank (every layer counted)."""
+        return sum(w.rank_numel(rank) * (self.num_layers if w.per_layer else 1) for w in self.weights)
+
+    def weight(self, name: str) -> WeightShard:
+        return next(w for w in self.weights if w.name == name)
+
+
+def shard_plan(
+    model: ModelSpec,
+    *,
+    tp: int,
+    strategy: gqa.GQAStrategy | None = None,
+    fused_qkv: bool = False,
+    vocab_parallel: bool = False,
+) -> Result[ShardPlan, ConfigError]:
+    """The weight table of `model` over `tp` ranks, with the GQA strategy the reference would use.
+
+    Returns:
+        `Failure` when tp is not positive or the head counts are inconsistent (see
+        `gqa.shardable_head_counts`); platform limits are checked by `check_tp_degree`.
+    """
+    if tp < 1:
+        return Failure(ConfigError.of("tp_degree", tp, "must be a positive integer"))
+    chosen, notes = gqa.determine_strategy(tp, model.num_kv_heads, strategy)
+    return gqa.shardable_head_counts(tp, model.num_attention_heads, model.num_kv_heads, chosen).map(
+        lambda counts: _assemble(model, counts, notes, fused_qkv=fused_qkv, vocab_parallel=vocab_parallel)
+    )
+
+
+def _assemble(
+    model: ModelSpec, counts: gqa.HeadCounts, notes: tuple[str, ...], *, fused_qkv: bool, vocab_parallel: bool
+) -> ShardPlan:
+    layout = gqa.head_layout(counts)
+    tp = counts.tp
+    weights = (
+        *_attention(model, layout, fused_qkv=fused_qkv),
+        *_mlp(model, tp),
+        *_norms(model, tp),
+        *_embeddings(model, tp, vocab_parallel=vocab_parallel),
+    )
+    extra: list[str] = []
+    if counts.q_padded != counts.q:
+        extra.append(f"{counts.q_padded - counts.q} zero Q heads pad num_attention_heads={counts.q} for tp_degree={tp}")
+    if model.intermediate_size % tp:
+        extra.append(f"intermediate_size={model.intermediate_size} is zero padded to a multiple of tp_degree={tp}")
+    return ShardPlan(
+        tp=tp, counts=counts, layout=layout, num_layers=model.num_layers, weights=weights, notes=(*notes, *extra)
+    )
+
+
+def valid_tp_degrees(platform: Platform, lnc: int, *, instance: str | None = None) -> tuple[int, ...]:
+    """TP degrees the Neuron runtime supports on `platform` at `lnc`, capped by the instance's logical cores."""
+    degrees = PLATFORMS[platform].tp_degrees(lnc)
+    known = INSTANCES.get(instance) if instance is not None else None
+    if known is None:
+        return degrees
+    return tuple(t for t in degrees if t <= known.logical_cores(lnc))
+
+
+def check_tp_degree(tp: int, *, platform: Platform, lnc: int, instance: str | None = None) -> Result[int, ConfigError]:
+    """Fail unless `tp` is a TP degree the runtime supports on `platform`/`lnc` (and fits the instance).
+
+    Returns:
+        `Failure` listing an unsupported LNC, an unsupported degree (with the valid ones as the fix), and
+        a degree above the instance's logical core count.
+    """
+    problems: list[Problem] = []
+    spec = PLATFORMS[platform]
+    if not spec.tp_degrees(lnc):
+        known = sorted(spec.valid_tp_degrees)
+        problems.append(Problem.of("logical_nc_config", lnc, f"is not supported on {platform.value}", f"use {known}"))
+    elif tp not in spec.tp_degrees(lnc):
+        problems.append(
+            Problem.of(
+                "tp_degree",
+                tp,
+                f"is not supported on {platform.value} at LNC={lnc}",
+                f"use one of {list(spec.tp_degrees(lnc))}",
+            )
+        )
+    known_instance = INSTANCES.get(instance) if instance is not None else None
+    if known_instance is not None and tp > known_instance.logical_cores(lnc):
+        cores = known_instance.logical_cores(lnc)
+        problems.append(
+            Problem.of(
+                "tp_degree",
+                tp,
+                f"exceeds the {cores} logical cores of {instance} at LNC={lnc}",
+                f"use at most {cores}, or a larger instance",
+            )
+        )
+    return Failure(ConfigError(problems=tuple(problems))) if problems else Success(tp)
+
+
+def check_sequence_parallel(tp: int, context_buckets: Sequence[int]) -> Result[int, ConfigError]:
+    """Sequence parallelism splits every context-encoding bucket over tp ranks: each must divide evenly.
+
+    Returns:
+        `Failure` (field `sequence_parallel_enabled`) naming every bucket that tp does not divide.
+    """
+    odd = [b for b in context_buckets if b % tp]
+    if not odd:
+        return Success(tp)
+    return Failure(
+        ConfigError.of(
+            "sequence_parallel_enabled",
+            True,
+            f"context-encoding buckets {odd} are not divisible by tp_degree={tp}",
+            f"use buckets that are multiples of {tp}, or disable sequence parallelism",
+        )
+    )
+
+
+def shard_plan_for(model: ModelSpec, spec: NeuronSpec) -> Result[ShardPlan, ConfigError]:
+    """The sharding plan of `model` under `spec` (tp_degree, fused_qkv, vocab_parallel)."""
+    return shard_plan(model, tp=spec.tp_degree, fused_qkv=spec.fused_qkv, vocab_parallel=spec.vocab_parallel)

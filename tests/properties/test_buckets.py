@@ -1,0 +1,127 @@
+"""Properties of bucket tables, bucket selection, padding plans and batch plans."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+from returns.result import Failure, Success
+
+from nxdi.core import buckets, padding
+from tests.properties.strategies.planners import bucket_tables
+
+
+@given(st.integers(min_value=1, max_value=1 << 20))
+def test_auto_tables_are_sorted_unique_and_cover_the_max(max_length: int) -> None:
+    lengths = buckets.auto_lengths(max_length)
+    assert list(lengths) == sorted(set(lengths))
+    assert lengths[-1] == max_length
+    # no power of two from 128 up to (excluding) the maximum is skipped
+    powers = [1 << i for i in range(7, 21) if 128 <= 1 << i < max_length]
+    assert [b for b in lengths[:-1]] == powers
+
+
+@given(st.integers(min_value=1, max_value=1 << 16), st.booleans(), st.integers(min_value=1, max_value=16))
+def test_tables_for_every_kind_cover_their_max(limit: int, bucketing: bool, batch: int) -> None:
+    for table in (
+        buckets.context_encoding_table(max_context_length=limit, batch_size=batch, enable_bucketing=bucketing),
+        buckets.token_generation_table(max_length=limit, batch_size=batch, enable_bucketing=bucketing),
+        buckets.speculation_table(max_length=limit, batch_size=batch, enable_bucketing=bucketing, speculation_length=3),
+    ):
+        t = table.unwrap()
+        assert t.largest == limit and list(t.lengths) == sorted(set(t.lengths))
+
+
+@given(st.lists(st.integers(min_value=-5, max_value=5000), max_size=8), st.integers(min_value=1, max_value=4096))
+def test_explicit_tables_are_sorted_or_fail_naming_the_field(values: list[int], limit: int) -> None:
+    result = buckets.check_lengths(values, limit=limit, field="context_encoding_buckets", limit_field="max")
+    valid = bool(values) and len(set(values)) == len(values) and all(0 < v <= limit for v in values)
+    match result:
+        case Success(lengths):
+            assert valid and list(lengths) == sorted(values)
+        case Failure(err):
+            assert not valid and err.fields() == {"context_encoding_buckets"}
+
+
+@given(bucket_tables(), st.integers(min_value=1, max_value=1 << 17))
+def test_select_bucket_returns_the_smallest_fit_or_a_failure(table: buckets.BucketTable, n: int) -> None:
+    required = n + table.extra_tokens
+    match buckets.select_bucket(table, n):
+        case Success(b):
+            assert required <= b and b in table.lengths
+            assert all(x < required for x in table.lengths if x < b)
+        case Failure(err):
+            assert required > table.largest
+            (problem,) = err.problems
+            assert problem.field == "input_length" and str(table.largest) in problem.reason
+            assert "allow_input_truncation" in problem.fix
+
+
+@given(bucket_tables(), st.integers(min_value=1, max_value=1 << 17))
+def test_truncation_always_selects_a_bucket(table: buckets.BucketTable, n: int) -> None:
+    b = buckets.select_bucket(table, n, allow_input_truncation=True).unwrap()
+    assert b == min((x for x in table.lengths if n + table.extra_tokens <= x), default=table.largest)
+
+
+@given(bucket_tables(), st.integers(min_value=1, max_value=80), st.integers(min_value=1, max_value=1 << 17))
+def test_2d_selection_takes_the_smallest_batch_then_the_smallest_length(
+    table: buckets.BucketTable, batch: int, n: int
+) -> None:
+    pairs = table.buckets_2d()
+    assert [b for b, _ in pairs] == sorted((b for b, _ in pairs), reverse=True)
+    match buckets.select_batch_bucket(table, batch, n):
+        case Success((b, s)):
+            fitting = [(bb, ss) for bb, ss in pairs if batch <= bb and n + table.extra_tokens <= ss]
+            assert (b, s) == min(fitting)
+        case Failure(err):
+            assert batch > table.batch_sizes[0] or n + table.extra_tokens > table.largest
+            assert err.fields() <= {"batch_size", "input_length"}
+
+
+@st.composite
+def padded_inputs(draw: st.DrawFn) -> tuple[list[int], int, int, padding.PaddingSide]:
+    width = draw(st.integers(min_value=1, max_value=40))
+    lengths = draw(st.lists(st.integers(min_value=1, max_value=width), min_size=1, max_size=5))
+    bucket = draw(st.integers(min_value=width, max_value=width + 40))
+    return lengths, width, bucket, draw(st.sampled_from(list(padding.PaddingSide)))
+
+
+@given(padded_inputs())
+def test_padding_keeps_real_tokens_and_finds_the_last_one(
+    case: tuple[list[int], int, int, padding.PaddingSide],
+) -> None:
+    lengths, width, bucket, side = case
+    plan = padding.padding_plan(lengths, input_width=width, bucket=bucket, side=side, pad_token_id=7).unwrap()
+    for i, n in enumerate(lengths):
+        pads = width - n
+        real = [100 + j for j in range(n)]
+        ids = real + [7] * pads if side is padding.PaddingSide.RIGHT else [7] * pads + real
+        mask = [int(t != 7) for t in ids]
+        positions = list(range(n)) + [1] * pads if side is padding.PaddingSide.RIGHT else [1] * pads + list(range(n))
+        out_ids, out_mask = plan.pad_ids(ids), plan.pad_mask(mask)
+        out_pos = plan.pad_positions(positions)
+        assert len(out_ids) == len(out_mask) == len(out_pos) == bucket
+        assert [t for t in out_ids if t != 7] == real and sum(out_mask) == n
+        last = plan.last_token_index[i]
+        assert out_ids[last] == real[-1] and out_mask[last] == 1
+        assert out_pos[last] == plan.last_position[i] == n - 1
+
+
+@given(st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=12, unique=True), st.integers(1, 6))
+def test_batch_plans_cover_every_row_once_and_restore_the_order(seq_ids: list[int], compiled: int) -> None:
+    plan = padding.batch_plan(seq_ids, compiled_batch=compiled).unwrap()
+    covered = [r for c in plan.chunks for r in c.user_rows]
+    assert covered == list(range(len(seq_ids)))
+    for c in plan.chunks:
+        assert len(c.seq_ids) == compiled and list(c.seq_ids) == sorted(set(c.seq_ids))
+        pad_ids = {s for s, p in zip(c.seq_ids, c.is_pad, strict=True) if p}
+        assert not pad_ids & set(seq_ids)
+        for user_row, run_row in zip(c.user_rows, c.output_rows, strict=True):
+            assert c.seq_ids[run_row] == seq_ids[user_row] and c.source_rows[run_row] == user_row
+            assert not c.is_pad[run_row]
+        assert all(c.source_rows[j] == c.user_rows[0] for j, p in enumerate(c.is_pad) if p)
+
+
+@given(st.lists(st.integers(min_value=-3, max_value=5), min_size=1, max_size=8))
+def test_batch_plans_reject_duplicate_or_negative_ids(seq_ids: list[int]) -> None:
+    ok = len(set(seq_ids)) == len(seq_ids) and min(seq_ids) >= 0
+    assert isinstance(padding.batch_plan(seq_ids, compiled_batch=4), Success) == ok
