@@ -10,7 +10,6 @@ Rules (the reference's `prepare_sampling_params` / `validate_sampling_params` / 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from returns.result import Failure, Result, Success
@@ -65,7 +64,7 @@ def _row_problems(i: int, row: Sequence[float], global_topk: int) -> list[Proble
         problems.append(Problem.of(f"{at}.top_k", k, "top-k values must be represented as integers"))
     if not (0.0 < p <= 1.0):
         problems.append(Problem.of(f"{at}.top_p", p, "invalid top-p value: must be in (0, 1]"))
-    if not (t >= 0.0) or math.isinf(t):
+    if not t >= 0.0:  # also catches NaN
         problems.append(Problem.of(f"{at}.temperature", t, "invalid temperature value: must be >= 0"))
     if t == 0.0 and k in (-1, 0):
         problems.append(

@@ -1,0 +1,80 @@
+"""Properties of the memory planner: monotone in batch and length, non-increasing in tp, honest verdicts."""
+
+from __future__ import annotations
+
+import attrs
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from nxdi.core import memory, sharding
+from nxdi.core.model_spec import ModelSpec
+from nxdi.core.platform import Platform
+from tests.properties.strategies.planners import model_specs
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> memory.MemoryRequest:
+    batch = draw(st.integers(1, 8))
+    length = draw(st.integers(1, 4096))
+    return memory.MemoryRequest(
+        tp_degree=draw(st.sampled_from([1, 2, 4, 8])),
+        batch_size=batch,
+        kv_cache_batch_size=batch,
+        kv_cache_padding_size=draw(st.integers(0, 1)),
+        max_context_length=draw(st.integers(1, length)),
+        max_length=length,
+        torch_dtype=draw(st.sampled_from(["bfloat16", "float32"])),
+        kv_cache_quant=draw(st.booleans()),
+        weight_quant_dtype=draw(st.sampled_from([None, "int8"])),
+        per_channel_scales=draw(st.booleans()),
+        fused_qkv=draw(st.booleans()),
+        vocab_parallel=draw(st.booleans()),
+        platform=draw(st.sampled_from(list(Platform))),
+    )
+
+
+def _per_core(model: ModelSpec, req: memory.MemoryRequest) -> int:
+    return memory.memory_plan(model, req).unwrap().per_core_bytes
+
+
+@given(model_specs(), requests(), st.integers(1, 4))
+def test_memory_grows_with_batch(model: ModelSpec, req: memory.MemoryRequest, more: int) -> None:
+    bigger = attrs.evolve(req, batch_size=req.batch_size + more, kv_cache_batch_size=req.kv_cache_batch_size + more)
+    assert _per_core(model, bigger) >= _per_core(model, req)
+
+
+@given(model_specs(), requests(), st.integers(1, 2048), st.integers(0, 2048))
+def test_memory_grows_with_sequence_length(model: ModelSpec, req: memory.MemoryRequest, more: int, ctx: int) -> None:
+    longer = attrs.evolve(
+        req,
+        max_length=req.max_length + more,
+        max_context_length=min(req.max_context_length + ctx, req.max_length + more),
+    )
+    assert _per_core(model, longer) >= _per_core(model, req)
+
+
+def _no_mha_conversion(model: ModelSpec, tp: int) -> bool:
+    """KV heads split or replicate evenly (REPLICATE_TO_TP_DEGREE applies, or nothing needs converting)."""
+    q, kv = model.num_attention_heads, model.num_kv_heads
+    return q == kv or kv % tp == 0 or tp % kv == 0
+
+
+@given(model_specs(), requests(), st.sampled_from([1, 2, 3, 4, 8, 16, 24, 32]), st.sampled_from([2, 3, 4, 8, 16]))
+def test_memory_per_core_does_not_grow_with_tp(model: ModelSpec, req: memory.MemoryRequest, tp: int, k: int) -> None:
+    """More ranks never cost more per core, unless the larger tp forces CONVERT_TO_MHA (see the unit tests)."""
+    small, large = tp, tp * k
+    assume(_no_mha_conversion(model, small) and _no_mha_conversion(model, large))
+    at_small = _per_core(model, attrs.evolve(req, tp_degree=small))
+    assert _per_core(model, attrs.evolve(req, tp_degree=large)) <= at_small
+
+
+@given(model_specs(), requests(), st.sampled_from([1, 64, 4096, 1 << 16, 1 << 20]))
+def test_verdict_and_min_tp_are_consistent(model: ModelSpec, req: memory.MemoryRequest, scale: int) -> None:
+    # tiny specs fit anywhere; scaling the batch up makes some plans fit only at larger tp and some never
+    req = attrs.evolve(req, batch_size=req.batch_size * scale, kv_cache_batch_size=req.kv_cache_batch_size * scale)
+    plan = memory.memory_plan(model, req).unwrap()
+    assert plan.fits == (plan.per_core_bytes <= plan.hbm_per_core_bytes)
+    assert plan.total_bytes == plan.per_core_bytes * req.tp_degree
+    degrees = sharding.valid_tp_degrees(req.platform, req.lnc)
+    fitting = [t for t in degrees if memory.memory_plan(model, attrs.evolve(req, tp_degree=t)).unwrap().fits]
+    assert plan.min_tp_degree == (fitting[0] if fitting else None)

@@ -1,0 +1,135 @@
+"""Real Hugging Face `config.json` contents of the models the seeds' worked examples name (values as published)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nxdi.core.model_spec import ModelSpec, parse_model_spec
+
+_LLAMA_31_ROPE = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+}
+
+LLAMA_31_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": _LLAMA_31_ROPE,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+
+LLAMA_31_70B: dict[str, Any] = {
+    **LLAMA_31_8B,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_attention_heads": 64,
+    "num_hidden_layers": 80,
+}
+"""Llama-3.1-70B; Llama-3.3-70B has the same architecture."""
+
+LLAMA_31_405B: dict[str, Any] = {
+    **LLAMA_31_8B,
+    "hidden_size": 16384,
+    "intermediate_size": 53248,
+    "num_attention_heads": 128,
+    "num_hidden_layers": 126,
+}
+
+LLAMA_3_8B: dict[str, Any] = {
+    **LLAMA_31_8B,
+    "max_position_embeddings": 8192,
+    "rope_scaling": None,
+    "transformers_version": "4.40.0.dev0",
+}
+
+OPT_13B: dict[str, Any] = {
+    "_name_or_path": "facebook/opt-13b",
+    "activation_dropout": 0.0,
+    "activation_function": "relu",
+    "architectures": ["OPTForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 2,
+    "do_layer_norm_before": True,
+    "dropout": 0.1,
+    "eos_token_id": 2,
+    "ffn_dim": 20480,
+    "hidden_size": 5120,
+    "init_std": 0.02,
+    "layerdrop": 0.0,
+    "max_position_embeddings": 2048,
+    "model_type": "opt",
+    "num_attention_heads": 40,
+    "num_hidden_layers": 40,
+    "output_projection": True,
+    "pad_token_id": 1,
+    "prefix": "</s>",
+    "torch_dtype": "float16",
+    "transformers_version": "4.21.0.dev0",
+    "use_cache": True,
+    "vocab_size": 50272,
+    "word_embed_proj_dim": 5120,
+}
+
+OPT_30B: dict[str, Any] = {
+    **OPT_13B,
+    "_name_or_path": "facebook/opt-30b",
+    "ffn_dim": 28672,
+    "hidden_size": 7168,
+    "num_attention_heads": 56,
+    "num_hidden_layers": 48,
+    "word_embed_proj_dim": 7168,
+}
+
+GPT2_XL: dict[str, Any] = {
+    "activation_function": "gelu_new",
+    "architectures": ["GPT2LMHeadModel"],
+    "attn_pdrop": 0.1,
+    "bos_token_id": 50256,
+    "embd_pdrop": 0.1,
+    "eos_token_id": 50256,
+    "initializer_range": 0.02,
+    "layer_norm_epsilon": 1e-05,
+    "model_type": "gpt2",
+    "n_ctx": 1024,
+    "n_embd": 1600,
+    "n_head": 25,
+    "n_layer": 48,
+    "n_positions": 1024,
+    "output_past": True,
+    "resid_pdrop": 0.1,
+    "summary_activation": None,
+    "summary_first_dropout": 0.1,
+    "summary_proj_to_labels": True,
+    "summary_type": "cls_index",
+    "summary_use_proj": True,
+    "task_specific_params": {"text-generation": {"do_sample": True, "max_length": 50}},
+    "vocab_size": 50257,
+}
+
+
+def spec(config: dict[str, Any]) -> ModelSpec:
+    """The parsed ModelSpec of a config dict (tests only; a parse failure fails the test)."""
+    return parse_model_spec(config).unwrap()
