@@ -261,7 +261,10 @@ def _overflow(table: BucketTable, n: int) -> ConfigError:
     if table.largest < table.max_length:
         fix = f"add a bucket >= {required} to {_BUCKETS_FIELD[table.kind]}, or set allow_input_truncation=True"
     else:
-        fix = f"raise {table.limit_field} (now {table.max_length}) to at least {required}, or set allow_input_truncation=True"
+        fix = (
+            f"raise {table.limit_field} (now {table.max_length}; it defaults to seq_len) to at least {required}, "
+            "or set allow_input_truncation=True"
+        )
     reason = f"input length {n}{spec} exceeds the largest {table.kind.value} bucket ({table.largest})"
     return ConfigError(problems=(Problem.of("input_length", n, reason, fix),))
 

@@ -80,6 +80,22 @@ def cache_positions(max_length: int, *, sliding_window: int | None = None, flash
     return t
 
 
+def _size_problems(
+    sizes: dict[str, int], padding: int, window: int | None, dtype: str, quant_dtype: str
+) -> list[Problem]:
+    problems = [Problem.of(k, v, "must be a positive integer") for k, v in sizes.items() if v < 1]
+    if padding < 0:
+        problems.append(Problem.of("kv_cache_padding_size", padding, "must be >= 0"))
+    if window is not None and window < 1:
+        problems.append(Problem.of("sliding_window", window, "must be a positive integer or None"))
+    problems.extend(
+        Problem.of(f, v, f"is not a known dtype ({', '.join(DTYPE_BYTES)})")
+        for f, v in (("torch_dtype", dtype), ("kv_quant_config.quant_dtype", quant_dtype))
+        if v not in DTYPE_BYTES
+    )
+    return problems
+
+
 def kv_layout(
     *,
     tp: int,
@@ -115,16 +131,7 @@ def kv_layout(
         "max_length": max_length,
         "flash_decoding_group": flash_decoding_group,
     }
-    problems = [Problem.of(k, v, "must be a positive integer") for k, v in sizes.items() if v < 1]
-    if kv_cache_padding_size < 0:
-        problems.append(Problem.of("kv_cache_padding_size", kv_cache_padding_size, "must be >= 0"))
-    if sliding_window is not None and sliding_window < 1:
-        problems.append(Problem.of("sliding_window", sliding_window, "must be a positive integer or None"))
-    problems.extend(
-        Problem.of(f, v, f"is not a known dtype ({', '.join(DTYPE_BYTES)})")
-        for f, v in (("torch_dtype", dtype), ("kv_quant_config.quant_dtype", quant_dtype))
-        if v not in DTYPE_BYTES
-    )
+    problems = _size_problems(sizes, kv_cache_padding_size, sliding_window, dtype, quant_dtype)
     if problems:
         return Failure(ConfigError(problems=tuple(problems)))
     positions = cache_positions(max_length, sliding_window=sliding_window, flash_decoding_group=flash_decoding_group)

@@ -4,7 +4,8 @@ Theory of operation (all figures per logical core; every rank holds the same amo
 - Weights: the rank's slice of every weight of the sharding plan, so padded Q heads, replicated KV
   heads and zero-padded intermediate/vocab sizes are counted. `lm_head` is counted even when tied to the
   embedding, since the reference keeps a separate copy on device. With weight quantization, decoder
-  linear weights take one byte per value plus fp32 scales; embeddings, norms and lm_head keep the dtype.
+  linear weights take one byte per value (mxfp4 too: an overestimate) plus fp32 scales (one per tensor,
+  or one per output row per channel); embeddings, norms and lm_head keep the dtype.
 - KV cache: `kv_layout.KVLayout.bytes_per_rank`.
 - LoRA: `max_loras` adapters at `lora.bytes_per_core` each.
 - Activations: an estimate of the largest live tensors of one layer while encoding the largest

@@ -80,6 +80,30 @@ class PaddingPlan:
         return self._apply(row, POSITION_PAD)
 
 
+def _padding_problems(row_lengths: Sequence[int], input_width: int, bucket: int, truncate: bool) -> list[Problem]:
+    problems: list[Problem] = []
+    if not row_lengths:
+        problems.append(Problem.of("input_ids", [], "holds no rows"))
+    problems.extend(
+        Problem.of(f"attention_mask[{i}]", n, f"must hold between 1 and {input_width} real tokens")
+        for i, n in enumerate(row_lengths)
+        if not 1 <= n <= input_width
+    )
+    if input_width > bucket and not truncate:
+        problems.append(
+            Problem.of(
+                "input_ids",
+                input_width,
+                f"inputs of {input_width} tokens are longer than the bucket ({bucket} tokens)",
+                "raise the maximum length, or set allow_input_truncation=True",
+            )
+        )
+    problems.extend(
+        Problem.of(f, v, "must be at least 1") for f, v in (("input_width", input_width), ("bucket", bucket)) if v < 1
+    )
+    return problems
+
+
 def padding_plan(
     row_lengths: Sequence[int],
     *,
@@ -97,25 +121,7 @@ def padding_plan(
         `Success(PaddingPlan)`, or `Failure` listing: an empty batch, a row length outside
         `[1, input_width]`, and an input wider than `bucket` without `allow_input_truncation`.
     """
-    problems: list[Problem] = []
-    if not row_lengths:
-        problems.append(Problem.of("input_ids", [], "holds no rows"))
-    problems.extend(
-        Problem.of(f"attention_mask[{i}]", n, f"must hold between 1 and {input_width} real tokens")
-        for i, n in enumerate(row_lengths)
-        if not 1 <= n <= input_width
-    )
-    if input_width > bucket and not allow_input_truncation:
-        problems.append(
-            Problem.of(
-                "input_ids",
-                input_width,
-                f"inputs of {input_width} tokens are longer than the bucket ({bucket} tokens)",
-                "raise the maximum length, or set allow_input_truncation=True",
-            )
-        )
-    if bucket < 1:
-        problems.append(Problem.of("bucket", bucket, "must be at least 1"))
+    problems = _padding_problems(row_lengths, input_width, bucket, allow_input_truncation)
     if problems:
         return Failure(ConfigError(problems=tuple(problems)))
     kept = tuple(min(n, bucket) for n in row_lengths)

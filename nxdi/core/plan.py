@@ -19,7 +19,7 @@ from nxdi.core import buckets, kv_layout, lora, memory, sharding
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.neuron_spec import NeuronSpec
-from nxdi.core.platform import INSTANCES, Platform
+from nxdi.core.platform import INSTANCES, PLATFORMS, Platform
 
 
 @attrs.frozen(kw_only=True)
@@ -146,6 +146,16 @@ def _platform(spec: NeuronSpec, platform: Platform | None, instance: str | None)
     return Platform(spec.target) if spec.target is not None else Platform.TRN1
 
 
+def _lnc_note(spec: NeuronSpec, where: Platform) -> tuple[str, ...]:
+    default = PLATFORMS[where].default_lnc
+    if spec.logical_nc_config == default:
+        return ()
+    return (
+        f"logical_nc_config={spec.logical_nc_config} differs from {where.value}'s default LNC={default}; "
+        f"per-core HBM and valid TP degrees are those of LNC={spec.logical_nc_config}",
+    )
+
+
 def _problems(*results: Result[Any, ConfigError]) -> tuple[Problem, ...]:
     found: list[Problem] = []
     for r in results:
@@ -246,7 +256,7 @@ def plan_for(
                 kv_cache=k,
                 memory=m,
                 lora=cap,
-                warnings=sh.notes,
+                warnings=(*sh.notes, *_lnc_note(spec, where)),
             )
             return Success(attrs.evolve(plan, problems=_verdict(spec, plan)))
     problems = dict.fromkeys(_problems(ctx, tkg, spec_table, shard, kv, mem, capacity))

@@ -140,38 +140,11 @@ def _attention(model: ModelSpec, layout: gqa.HeadLayout, *, fused_qkv: bool) -> 
     """q/k/v/o weights (+ biases) of one layer, with the GQA remap on their head dim."""
     c, d, e, tp = layout.counts, model.head_dim, model.hidden_size, layout.counts.tp
     a = "layers.{i}.self_attn"
-    q_map = Remap(dim=0, block=d, sources=layout.q_sources)
-    kv_map = Remap(dim=0, block=d, sources=layout.kv_sources)
     out: list[WeightShard] = []
     suffixes = ("weight", "bias") if model.qkv_bias else ("weight",)
     for sfx in suffixes:
         tail = (e,) if sfx == "weight" else ()
-        if fused_qkv:
-            out.append(_fused_qkv(f"{a}.Wqkv.{sfx}", layout, tail, d))
-            continue
-        out.append(
-            _split(
-                f"{a}.q_proj.{sfx}",
-                ShardRule.COLUMN_PARALLEL,
-                (c.q * d, *tail),
-                0,
-                tp,
-                padded=c.q_padded * d,
-                remap=q_map,
-            )
-        )
-        for proj in ("k_proj", "v_proj"):
-            out.append(
-                _split(
-                    f"{a}.{proj}.{sfx}",
-                    ShardRule.COLUMN_PARALLEL,
-                    (c.kv * d, *tail),
-                    0,
-                    tp,
-                    padded=c.kv_padded * d,
-                    remap=kv_map,
-                )
-            )
+        out.extend([_fused_qkv(f"{a}.Wqkv.{sfx}", layout, tail, d)] if fused_qkv else _qkv(a, sfx, layout, tail, d))
     o_map = Remap(dim=1, block=d, sources=layout.q_sources)
     out.append(
         _split(f"{a}.o_proj.weight", ShardRule.ROW_PARALLEL, (e, c.q * d), 1, tp, padded=c.q_padded * d, remap=o_map)
@@ -181,6 +154,20 @@ def _attention(model: ModelSpec, layout: gqa.HeadLayout, *, fused_qkv: bool) -> 
     if model.qk_norm:
         out.extend(_copy(f"{a}.{n}.weight", (d,), tp) for n in ("q_norm", "k_norm"))
     return out
+
+
+def _qkv(prefix: str, sfx: str, layout: gqa.HeadLayout, tail: tuple[int, ...], d: int) -> list[WeightShard]:
+    """Separate q/k/v projections (`{prefix}.q_proj.{sfx}`, ...), remapped along their head dim."""
+    c, col = layout.counts, ShardRule.COLUMN_PARALLEL
+    q_map = Remap(dim=0, block=d, sources=layout.q_sources)
+    kv_map = Remap(dim=0, block=d, sources=layout.kv_sources)
+    return [
+        _split(f"{prefix}.q_proj.{sfx}", col, (c.q * d, *tail), 0, c.tp, padded=c.q_padded * d, remap=q_map),
+        *(
+            _split(f"{prefix}.{p}.{sfx}", col, (c.kv * d, *tail), 0, c.tp, padded=c.kv_padded * d, remap=kv_map)
+            for p in ("k_proj", "v_proj")
+        ),
+    ]
 
 
 def _fused_qkv(name: str, layout: gqa.HeadLayout, tail: tuple[int, ...], d: int) -> WeightShard:

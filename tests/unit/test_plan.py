@@ -113,3 +113,13 @@ def test_planning_405b_takes_under_50_ms() -> None:
     p = result.unwrap()
     assert p.sharding.counts.q_padded == 128 and p.kv_cache.shape_per_rank == (4, 1, 16384, 128)
     assert best < 0.050, best
+
+
+def test_lnc_mismatch_is_a_warning() -> None:
+    trn1_spec = _spec(tp_degree=32)  # parsed for trn1: LNC 1
+    p = plan.plan_for(spec(LLAMA_3_8B), trn1_spec, instance="trn2.48xlarge").unwrap()
+    assert p.platform is Platform.TRN2 and p.memory.hbm_per_core_bytes == 12 << 30
+    assert any("default LNC=2" in w for w in p.warnings)
+    trn2_spec = _spec(Platform.TRN2, tp_degree=32)
+    p2 = plan.plan_for(spec(LLAMA_3_8B), trn2_spec, instance="trn2.48xlarge").unwrap()
+    assert p2.warnings == () and p2.memory.hbm_per_core_bytes == 24 << 30
