@@ -80,7 +80,9 @@ def compare_position(
         err = relative_error(e[top], a[top], atol=atol)
         errors["all" if k is None else str(k)] = err
         passed &= err <= rtol
-    exp_tok, act_tok = int(expected.argmax()), int(actual.argmax())
+    # Tokens masked on either side can be neither the expected nor the actual choice.
+    exp_tok = int(expected.masked_fill(~keep, float("-inf")).argmax())
+    act_tok = int(actual.masked_fill(~keep, float("-inf")).argmax())
     diverged = exp_tok != act_tok and float((actual[act_tok] - actual[exp_tok]).abs()) >= divergence_tol
     return PositionResult(
         index=index,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -56,4 +57,4 @@ def test_near_tie_is_not_divergence() -> None:
 
 def test_error_is_scaled_by_largest_expected_magnitude() -> None:
     expected = torch.tensor([10.0, 1.0, 0.0])
-    assert accuracy.relative_error(expected, expected + torch.tensor([0.0, 0.5, 0.0]), atol=0.0) == 0.05
+    assert accuracy.relative_error(expected, expected + torch.tensor([0.0, 0.5, 0.0]), atol=0.0) == pytest.approx(0.05)
