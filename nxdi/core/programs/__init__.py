@@ -1,0 +1,26 @@
+"""Pure tensor programs: decoder forward passes and the on-device sampler. Pure.
+
+Every program is a function of tensors and frozen specs, `forward(weights, cache, inputs, *, spec)
+-> (outputs, cache)`: equal inputs give equal outputs, nothing is mutated, randomness is an input
+tensor, and shapes (batch, bucket length) come from the tensors, never from module state. The same
+functions run eagerly on CPU, trace with `torch.export`, and compile with `torch.compile(fullgraph=True)`.
+
+Dimension letters, used in shape comments and docstrings:
+
+    B  batch rows (sequences)
+    S  active tokens in this step (the context bucket in context encoding, 1 in token generation)
+    T  cache positions visible to this step (the bucket length of the cache view)
+    H  query heads
+    K  key/value heads (H = K * G, G query heads share one kv head)
+    G  query heads per kv head
+    D  head dim
+    E  hidden size
+    F  MLP intermediate size
+    V  vocabulary
+    L  layers
+    C  sampling candidates (global top-k)
+
+Modules: `layers` (norms, RoPE, attention, MLP), `kv_cache` (the KVCache value and its writes),
+`inputs` (StepInputs), `llama` (the dense decoder: Llama and the families that are Llama plus
+flags: `mistral`, `qwen2`, `qwen3`), `families` (model_type -> program), `sampling`.
+"""

@@ -1,0 +1,101 @@
+"""Tensor side of weight plans: apply a `WeightStep` to tensors, fuse and split QKV, cast. Pure.
+
+`nxdi.core.weights` says what to do (no torch); this module does it to tensors it is given, without
+mutating them. Reading tensors from files is `nxdi.effects.weights`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from returns.result import Failure, Result, Success
+from torch import Tensor
+
+from nxdi.core import weights
+from nxdi.core.errors import CheckpointError
+
+_FLOAT8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz") if hasattr(torch, n))
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype called `name` (`"bfloat16"` -> `torch.bfloat16`)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype name")
+    return dtype
+
+
+def fuse_qkv(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """`Wqkv = cat([q, k, v], dim 0)`: [H*D + 2*K*D, ...] from [H*D, ...], [K*D, ...], [K*D, ...]."""
+    return torch.cat((q, k, v), dim=0)
+
+
+def split_qkv(wqkv: Tensor, sizes: tuple[int, int, int]) -> tuple[Tensor, Tensor, Tensor]:
+    """The inverse of `fuse_qkv`: views of the Q, K and V rows (sizes from `weights.qkv_sizes`)."""
+    q, k, v = torch.split(wqkv, list(sizes), dim=0)
+    return q, k, v
+
+
+def cast_float(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """`t` in `dtype` when `t` is a non-float8 floating tensor; otherwise `t` itself."""
+    if not t.is_floating_point() or t.dtype in _FLOAT8:
+        return t
+    return t.to(dtype)
+
+
+def apply_transform(t: Tensor, transform: weights.Transform) -> Tensor:
+    """One transform of a step."""
+    match transform:
+        case weights.CastFloat(dtype=name):
+            return cast_float(t, torch_dtype(name))
+    raise AssertionError(f"unknown transform {transform!r}")
+
+
+def apply_step(step: weights.WeightStep, sources: Sequence[Tensor]) -> Tensor:
+    """The weight `step` makes from its source tensors (in `step.sources` order).
+
+    ALIAS steps are resolved by the caller, which already holds the aliased output.
+    """
+    assert step.combine is not weights.Combine.ALIAS, "an alias step reuses an earlier output"
+    out = sources[0] if step.combine is weights.Combine.COPY else torch.cat(tuple(sources), dim=0)
+    for t in step.transforms:
+        out = apply_transform(out, t)
+    return out
+
+
+def tensor_shapes(state_dict: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
+    """Key -> shape, the input `weights.check_checkpoint` takes."""
+    return {k: tuple(v.shape) for k, v in state_dict.items()}
+
+
+def convert(plan: weights.WeightPlan, state_dict: Mapping[str, Tensor]) -> Result[dict[str, Tensor], CheckpointError]:
+    """Apply `plan` to an in-memory checkpoint (keys as stored, e.g. `model.layers.0...`).
+
+    Returns:
+        `Success(dict)` of nxdi name -> tensor in `plan.names()` order (tied weights are one tensor
+        under two names), or `Failure(CheckpointError)` listing every missing, unexpected or
+        wrongly shaped key. `state_dict` is not modified.
+    """
+    match weights.check_checkpoint(plan, tensor_shapes(state_dict)):
+        case Failure(err):
+            return Failure(err)
+        case Success(keys):
+            out: dict[str, Tensor] = {}
+            for step in plan.steps:
+                if step.combine is weights.Combine.ALIAS:
+                    out[step.name] = out[step.sources[0]]
+                else:
+                    out[step.name] = apply_step(step, [state_dict[keys[s]] for s in step.sources])
+            return Success(out)
+    raise AssertionError("unreachable")
+
+
+def rename_state_dict(
+    state_dict: Mapping[str, Tensor],
+    *,
+    model_prefix: str = weights.STATE_DICT_MODEL_PREFIX,
+    new_prefix: str = weights.NEW_STATE_DICT_MODEL_PREFIX,
+) -> dict[str, Tensor]:
+    """NxDI's key rewrite applied to a whole dict (a new dict; the tensors are shared, not copied)."""
+    return {weights.rename_key(k, model_prefix=model_prefix, new_prefix=new_prefix): v for k, v in state_dict.items()}

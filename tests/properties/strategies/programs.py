@@ -1,0 +1,82 @@
+"""Strategies for the tensor programs: tiny dense decoder specs, and random weights drawn from a seed.
+
+- `dense_specs()`: tiny llama/mistral/qwen2/qwen3 `ModelSpec`s covering GQA, every RoPE kind, sliding
+  windows, biases, q/k norms, tied embeddings and the activations (small enough to run eagerly).
+- `random_state_dict(spec, seed)`: a checkpoint-style dict (`model.` keys) of random fp32 tensors.
+- `random_weights(spec, seed, fused_qkv)`: the same weights as a `LlamaWeights`, via the weight plan.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import strategies as st
+
+from nxdi.core import weights
+from nxdi.core.model_spec import ModelSpec, RopeKind, RopeSpec
+from nxdi.core.programs import llama, weight_ops
+
+
+@st.composite
+def rope_specs(draw: st.DrawFn, max_positions: int) -> RopeSpec:
+    kind = draw(st.sampled_from(list(RopeKind)))
+    factor = draw(st.sampled_from([2.0, 4.0, 8.0])) if kind is not RopeKind.DEFAULT else 1.0
+    original = draw(st.sampled_from([4, 8, 16])) if kind in (RopeKind.LLAMA3, RopeKind.YARN) else None
+    return RopeSpec(
+        theta=draw(st.sampled_from([100.0, 10000.0, 500000.0])),
+        kind=kind,
+        factor=factor,
+        high_freq_factor=draw(st.sampled_from([2.0, 4.0])),
+        original_max_position_embeddings=original,
+    )
+
+
+@st.composite
+def dense_specs(draw: st.DrawFn, *, max_positions: int = 32) -> ModelSpec:
+    """A tiny dense decoder spec; `max_positions` is small so dynamic NTK scaling is exercised."""
+    model_type = draw(st.sampled_from(["llama", "mistral", "qwen2", "qwen3"]))
+    kv = draw(st.integers(1, 3))
+    heads = kv * draw(st.integers(1, 3))
+    head_dim = draw(st.sampled_from([4, 8, 16]))
+    explicit = model_type == "qwen3" and draw(st.booleans())
+    qkv_bias = model_type == "qwen2" or draw(st.booleans())
+    return ModelSpec(
+        model_type=model_type,
+        hidden_size=draw(st.sampled_from([8, 16, 24])) if explicit else heads * head_dim,
+        num_attention_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        num_layers=draw(st.integers(1, 2)),
+        vocab_size=draw(st.integers(8, 48)),
+        intermediate_size=draw(st.integers(4, 40)),
+        max_position_embeddings=max_positions,
+        norm_eps=1e-6,
+        activation=draw(st.sampled_from(["silu", "gelu", "gelu_pytorch_tanh", "relu"])),
+        rope=draw(rope_specs(max_positions)),
+        tie_word_embeddings=draw(st.booleans()),
+        qkv_bias=qkv_bias,
+        o_bias=model_type != "qwen2" and draw(st.booleans()),
+        mlp_bias=model_type == "llama" and draw(st.booleans()),
+        qk_norm=model_type == "qwen3",
+        sliding_window=draw(st.integers(1, 8)) if model_type == "mistral" and draw(st.booleans()) else None,
+    )
+
+
+def random_state_dict(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
+    """Random fp32 tensors under Hugging Face keys (`model.` prefix; no `lm_head` when tied)."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in weights.weight_shapes(spec):
+        if name == "lm_head.weight" and spec.tie_word_embeddings:
+            continue
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            t = 1.0 + 0.2 * torch.randn(shape, generator=g)
+        else:
+            t = torch.randn(shape, generator=g) * (0.5 if len(shape) == 1 else shape[-1] ** -0.5)
+        out[name if name == "lm_head.weight" else f"model.{name}"] = t
+    return out
+
+
+def random_weights(spec: ModelSpec, seed: int, *, fused_qkv: bool = False) -> llama.LlamaWeights:
+    """`random_state_dict` converted by the weight plan into program weights."""
+    plan = weights.weight_plan_for(spec, fused_qkv=fused_qkv).unwrap()
+    return llama.LlamaWeights.from_tensors(weight_ops.convert(plan, random_state_dict(spec, seed)).unwrap(), spec=spec)

@@ -1,0 +1,135 @@
+"""Properties of the decoder programs on tiny random specs (mlx-lm's runner checks, as properties).
+
+- prefill then token-by-token decoding gives the logits of one full forward;
+- a right-padded batch gives each row the logits it gets alone (padding never leaks);
+- fused and separate QKV weights give the same logits;
+- cache writes are out of place, touch only the written slots, and agree with an in-place write;
+- weights and caches round-trip through to_tensors/from_tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nxdi.core import weights
+from nxdi.core.model_spec import ModelSpec
+from nxdi.core.programs import inputs, kv_cache, llama
+from tests.properties.strategies.programs import dense_specs, random_weights
+
+SEEDS = st.integers(0, 2**31 - 1)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-4) -> None:
+    """Within `rel` of the largest |expected| (NxDI's max-scaled closeness)."""
+    scale = max(expected.abs().max().item(), 1e-6)
+    assert (actual - expected).abs().max().item() <= rel * scale, (actual - expected).abs().max()
+
+
+def _tokens(spec: ModelSpec, seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, spec.vocab_size, (n,), generator=g).tolist()
+
+
+@settings(deadline=None, max_examples=30)
+@given(spec=dense_specs(), seed=SEEDS, n=st.integers(2, 12), data=st.data())
+def test_prefill_then_decode_equals_full_forward(spec: ModelSpec, seed: int, n: int, data: st.DataObject) -> None:
+    m = data.draw(st.integers(1, n - 1), label="prefill length")
+    bucket = data.draw(st.integers(m, n), label="context bucket")
+    w = random_weights(spec, seed)
+    toks = _tokens(spec, seed, n)
+    cache = kv_cache.empty_cache(spec, batch=1, length=n, dtype=torch.float32)
+    full, _ = llama.forward(w, cache, inputs.prompt_inputs([toks], length=n), spec=spec, all_logits=True)
+    logits, part = llama.forward(w, cache.prefix(bucket), inputs.prompt_inputs([toks[:m]], length=bucket), spec=spec)
+    cache = cache.splice(part)
+    steps = [logits[:, 0]]
+    for p in range(m, n - 1):
+        x = inputs.token_inputs(torch.tensor([toks[p]]), torch.tensor([p]))
+        logits, cache = llama.forward(w, cache, x, spec=spec)
+        steps.append(logits[:, 0])
+    _close(torch.stack(steps, 1), full[:, m - 1 : n - 1])
+
+
+@settings(deadline=None, max_examples=20)
+@given(spec=dense_specs(), seed=SEEDS, lengths=st.lists(st.integers(1, 9), min_size=2, max_size=4))
+def test_padded_batch_rows_equal_rows_alone(spec: ModelSpec, seed: int, lengths: list[int]) -> None:
+    w = random_weights(spec, seed)
+    prompts = [_tokens(spec, seed + i, n) for i, n in enumerate(lengths)]
+    bucket = max(lengths) + 1
+    cache = kv_cache.empty_cache(spec, batch=len(prompts), length=bucket + 2, dtype=torch.float32)
+    batched, new = llama.forward(w, cache, inputs.prompt_inputs(prompts, length=bucket), spec=spec)
+    for i, p in enumerate(prompts):
+        one = kv_cache.empty_cache(spec, batch=1, length=len(p), dtype=torch.float32)
+        alone, _ = llama.forward(w, one, inputs.prompt_inputs([p], length=len(p)), spec=spec)
+        _close(batched[i], alone[0])
+    # a decode step right after each prompt also matches, whatever the padding wrote
+    nxt = torch.tensor([p[0] for p in prompts])
+    pos = torch.tensor(lengths)
+    stepped, _ = llama.forward(w, new, inputs.token_inputs(nxt, pos), spec=spec)
+    for i, p in enumerate(prompts):
+        one = kv_cache.empty_cache(spec, batch=1, length=len(p) + 1, dtype=torch.float32)
+        alone, _ = llama.forward(w, one, inputs.prompt_inputs([[*p, p[0]]], length=len(p) + 1), spec=spec)
+        _close(stepped[i], alone[0])
+
+
+@settings(deadline=None, max_examples=15)
+@given(spec=dense_specs(), seed=SEEDS, n=st.integers(1, 8))
+def test_fused_qkv_gives_the_same_logits(spec: ModelSpec, seed: int, n: int) -> None:
+    toks = _tokens(spec, seed, n)
+    cache = kv_cache.empty_cache(spec, batch=1, length=n, dtype=torch.float32)
+    x = inputs.prompt_inputs([toks], length=n)
+    a, ca = llama.forward(random_weights(spec, seed), cache, x, spec=spec, all_logits=True)
+    b, cb = llama.forward(random_weights(spec, seed, fused_qkv=True), cache, x, spec=spec, all_logits=True)
+    _close(b, a)
+    for t, u in zip(ca.to_tensors(), cb.to_tensors(), strict=True):
+        _close(u, t)
+
+
+@st.composite
+def cache_writes(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, k, t, d = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 10)), draw(st.integers(1, 4))
+    s = draw(st.integers(1, t))
+    g = torch.Generator().manual_seed(draw(SEEDS))
+    slots = torch.stack([torch.randperm(t, generator=g)[:s] for _ in range(b)])  # distinct per row
+    return torch.randn(b, k, t, d, generator=g), torch.randn(b, k, s, d, generator=g), slots
+
+
+@given(cache_writes())
+def test_cache_write_is_out_of_place_and_agrees_with_an_in_place_write(
+    case: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:
+    cache, new, slots = case
+    before = cache.clone()
+    out = kv_cache.write(cache, new, slots)
+    assert torch.equal(cache, before), "the input cache was modified"
+    in_place = cache.clone()
+    rows = torch.arange(cache.shape[0])[:, None]
+    in_place.permute(0, 2, 1, 3)[rows, slots] = new.permute(0, 2, 1, 3)  # index_put_ on [B, T, K, D]
+    assert torch.equal(out, in_place)
+    untouched = torch.ones(cache.shape[0], cache.shape[2], dtype=torch.bool)
+    untouched[rows, slots] = False
+    assert torch.equal(out.permute(0, 2, 1, 3)[untouched], before.permute(0, 2, 1, 3)[untouched])
+
+
+@settings(deadline=None, max_examples=15)
+@given(spec=dense_specs(), seed=SEEDS, fused=st.booleans())
+def test_weights_round_trip_and_bind_in_plan_order(spec: ModelSpec, seed: int, fused: bool) -> None:
+    w = random_weights(spec, seed, fused_qkv=fused)
+    flat = w.to_tensors()
+    assert tuple(flat) == weights.weight_names(spec, fused_qkv=fused)
+    assert {n: tuple(t.shape) for n, t in flat.items()} == dict(weights.weight_shapes(spec, fused_qkv=fused))
+    again = llama.LlamaWeights.from_tensors(flat, spec=spec).to_tensors()
+    assert all(again[n] is t for n, t in flat.items())
+    if spec.tie_word_embeddings:
+        assert flat["lm_head.weight"] is flat["embed_tokens.weight"], "tied weights must be stored once"
+
+
+@given(spec=dense_specs(), b=st.integers(1, 3), t=st.integers(1, 6))
+def test_cache_round_trips_through_flat_tensors(spec: ModelSpec, b: int, t: int) -> None:
+    cache = kv_cache.empty_cache(spec, batch=b, length=t, dtype=torch.float32)
+    flat = cache.to_tensors()
+    assert len(flat) == 2 * spec.num_layers and flat[0] is cache.k[0] and flat[1] is cache.v[0]
+    back = kv_cache.KVCache.from_tensors(flat)
+    assert all(x is y for x, y in zip(back.to_tensors(), flat, strict=True))
+    assert cache.prefix(t).length == t and cache.splice(cache.prefix(max(t - 1, 1))).length == t
