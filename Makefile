@@ -1,0 +1,61 @@
+# nxdi developer commands. Each target creates .venv when it is missing and installs into it.
+#
+#   make demo     set up, then run the main job (`nxdi demo`)
+#   make test     set up, then ruff check, mypy nxdi/core, the layer contract (import-linter), pytest
+#   make lint     ruff check + ruff format --check + mypy + import-linter, without the tests
+#   make format   ruff format + ruff check --fix
+#   make bench    set up, then `nxdi bench $(BENCH_ARGS)`
+#
+# The install step is recorded in a stamp file and reruns only when pyproject.toml or this Makefile
+# changes, so repeated runs start immediately.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.nxdi-installed
+# torch is pinned here (not in pyproject.toml, which admits the torch-neuronx releases): the CPU
+# build of 2.13.0 is what the development machines and CI use, so no CUDA build is pulled.
+TORCH ?= torch==2.13.0
+PIP_ARGS ?=
+PYTEST_ARGS ?=
+BENCH_ARGS ?=
+
+.PHONY: setup demo test lint format bench clean
+
+setup: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml Makefile | $(BIN)/python
+	$(BIN)/python -m pip install $(PIP_ARGS) "$(TORCH)"
+	$(BIN)/python -m pip install $(PIP_ARGS) -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/nxdi demo
+
+# pytest exits 5 when it collected no tests; the suite always has tests, so that is a failure too.
+test: setup
+	$(BIN)/ruff check nxdi tests
+	$(BIN)/mypy nxdi/core
+	$(BIN)/lint-imports
+	$(BIN)/pytest $(PYTEST_ARGS); status=$$?; \
+	if [ $$status -eq 5 ]; then echo "pytest collected no tests (exit 5): treating as failure" >&2; fi; \
+	exit $$status
+
+lint: setup
+	$(BIN)/ruff check nxdi tests
+	$(BIN)/ruff format --check nxdi tests
+	$(BIN)/mypy nxdi/core
+	$(BIN)/lint-imports
+
+format: setup
+	$(BIN)/ruff format nxdi tests
+	$(BIN)/ruff check --fix nxdi tests
+
+bench: setup
+	$(BIN)/nxdi bench $(BENCH_ARGS)
+
+clean:
+	rm -rf .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist *.egg-info

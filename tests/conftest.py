@@ -1,0 +1,27 @@
+"""Shared test configuration: hypothesis profiles.
+
+Profiles (select with the environment variable HYPOTHESIS_PROFILE; default `dev`):
+- `dev`: few examples, for quick local runs.
+- `ci`: more examples, no per-example deadline (CI machines are shared and timings are noisy).
+
+Tensor-program property tests set `deadline=None` themselves, whatever the profile.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("dev", max_examples=25, deadline=1000)
+settings.register_profile(
+    "ci",
+    max_examples=150,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=(HealthCheck.too_slow,),
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+# Tiny Hugging Face checkpoints (session-scoped fixtures `tiny_model`, `tiny_checkpoint`).
+from tests.checkpoint_fixtures import tiny_checkpoint, tiny_model  # noqa: E402, F401
