@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nxdi.core import accuracy
+from nxdi.core.programs import accuracy
 
 
 def _logits(seed: int, n: int = 3, v: int = 64) -> torch.Tensor:
