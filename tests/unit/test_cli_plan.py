@@ -1,0 +1,212 @@
+"""`nxdi plan` and `nxdi bench plan` through the real entry point, on published config.json files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nxdi.shell import bench_plan
+from nxdi.shell.bench_timing import Timings
+from nxdi.shell.cli import main
+from tests.unit.planner_configs import LLAMA_31_8B, LLAMA_31_70B, OPT_13B
+
+JSON_KEYS = {
+    "buckets": {"context_encoding", "token_generation"},
+    "sharding": {"strategy", "q_heads", "kv_heads", "q_heads_per_rank", "kv_heads_per_rank"},
+    "kv_cache": {"shape_per_rank", "dtype", "bytes_per_rank"},
+    "memory": {
+        "weights_bytes",
+        "kv_cache_bytes",
+        "total_bytes",
+        "per_core_bytes",
+        "hbm_per_core_bytes",
+        "fits",
+        "min_tp_degree",
+    },
+    "lora": {"max_adapters"},
+}
+L8_TRN1 = ["--instance", "trn1.32xlarge", "--tp-degree", "32"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Model folders holding only a config.json: llama-8b, llama-70b, opt-13b."""
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for name, config in (("llama-8b", LLAMA_31_8B), ("llama-70b", LLAMA_31_70B), ("opt-13b", OPT_13B)):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+        out[name] = root / name
+    return out
+
+
+def _plan(capsys: pytest.CaptureFixture[str], model: Path, *flags: str) -> tuple[int, str, str]:
+    status = main(["plan", "--model-path", str(model), *flags])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def _plan_json(capsys: pytest.CaptureFixture[str], model: Path, *flags: str) -> tuple[int, dict[str, Any]]:
+    status, out, _ = _plan(capsys, model, *flags, "--json")
+    return status, json.loads(out)
+
+
+def test_llama_8b_on_trn1_text(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = _plan(
+        capsys, models["llama-8b"], *L8_TRN1, "--batch-size", "4", "--seq-len", "2048", "--enable-bucketing"
+    )
+    assert status == 0 and err == ""
+    assert "8.03B parameters" in out and "torch_dtype bfloat16 (from config.json)" in out
+    assert "replicate_to_tp_degree over 32 ranks: 32 query heads, 8 KV heads -> 32" in out
+    assert "per rank: 1 query head, 1 KV head" in out
+    assert "[4, 1, 2048, 128] [B, K, T, D] bfloat16" in out and "128.0 MiB per rank" in out
+    assert "Verdict    fits; smallest TP degree that fits on trn1.32xlarge: 2" in out
+    assert out.count("128, 256, 512, 1024, 2048") == 2  # context encoding and token generation
+    assert "No problems" in out
+
+
+def test_llama_8b_on_trn1_json(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    status, doc = _plan_json(
+        capsys, models["llama-8b"], *L8_TRN1, "--batch-size", "4", "--seq-len", "2048", "--enable-bucketing"
+    )
+    assert status == 0
+    for section, keys in JSON_KEYS.items():
+        assert keys <= set(doc[section]), section
+    assert doc["problems"] == [] and isinstance(doc["warnings"], list)
+    assert doc["buckets"]["token_generation"] == [128, 256, 512, 1024, 2048]
+    assert doc["sharding"]["kv_heads"] == 32 and doc["sharding"]["kv_heads_per_rank"] == 1
+    assert doc["kv_cache"] == {**doc["kv_cache"], "shape_per_rank": [4, 1, 2048, 128], "bytes_per_rank": 128 << 20}
+    assert doc["memory"]["kv_cache_bytes"] == 32 * (128 << 20) and doc["memory"]["hbm_per_core_bytes"] == 16 << 30
+    assert doc["memory"]["fits"] is True and doc["memory"]["min_tp_degree"] == 2
+    assert doc["lora"] == {"max_adapters": None}
+    assert doc["model"]["num_params"] == 8_030_261_248 and doc["settings"]["torch_dtype_source"] == "config.json"
+
+
+def test_llama_70b_tp16_fits_and_tp8_does_not(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ("--instance", "trn1.32xlarge", "--seq-len", "8192", "--enable-bucketing")
+    status, doc = _plan_json(capsys, models["llama-70b"], *flags, "--tp-degree", "16")
+    assert status == 0 and doc["memory"]["fits"] is True and doc["memory"]["min_tp_degree"] == 16
+    assert (doc["sharding"]["q_heads_per_rank"], doc["sharding"]["kv_heads_per_rank"]) == (4, 1)
+    assert doc["kv_cache"]["shape_per_rank"] == [1, 1, 8192, 128]
+    # tp 8 is planned (exit 1, not 2): the verdict and the fix come with the whole plan.
+    status, out, _ = _plan(capsys, models["llama-70b"], *flags, "--tp-degree", "8")
+    assert status == 1
+    assert "DOES NOT FIT" in out and "Fix: use tp_degree=16" in out and "Sharding" in out
+    status, doc = _plan_json(capsys, models["llama-70b"], *flags, "--tp-degree", "8")
+    assert status == 1 and doc["memory"]["fits"] is False
+    assert [p["field"] for p in doc["problems"]] == ["tp_degree"]
+
+
+def test_opt_13b_from_its_config_file(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    config = models["opt-13b"] / "config.json"
+    status, out, _ = _plan(capsys, config, "--instance", "inf2.48xlarge", "--tp-degree", "8", "--seq-len", "2048")
+    assert status == 0
+    assert "opt from" in out and "torch_dtype float16 (from config.json)" in out
+    assert "per rank: 5 query heads, 5 KV heads" in out and "[1, 5, 2048, 128] [B, K, T, D] float16" in out
+    status, doc = _plan_json(capsys, config, "--tp-degree", "8", "--torch-dtype", "float32")
+    assert status == 0 and doc["platform"] == "trn1" and doc["kv_cache"]["dtype"] == "float32"
+    assert doc["settings"]["torch_dtype_source"] == "--torch-dtype"
+
+
+@pytest.mark.parametrize(
+    ("shard", "expected"), [("--lora-shard-linear-layer", 376), ("--no-lora-shard-linear-layer", 23)]
+)
+def test_seed_lora_capacity(
+    models: dict[str, Path], capsys: pytest.CaptureFixture[str], shard: str, expected: int
+) -> None:
+    """nxdi-feature-guide.rst: 170 MB Llama-3.1-8B rank-16 adapters in 2 GB per trn1 core at tp 32."""
+    lora = ("--lora-adapter-mb", "170", "--lora-memory-gb", "2", shard)
+    status, doc = _plan_json(capsys, models["llama-8b"], *L8_TRN1, *lora)
+    assert status == 0 and abs(doc["lora"]["max_adapters"] - expected) <= 1
+    assert doc["lora"]["reserved_bytes_per_core"] == 2 * 10**9 and doc["lora"]["adapter_bytes"] == 170 * 10**6
+    _, out, _ = _plan(capsys, models["llama-8b"], *L8_TRN1, *lora)
+    assert (
+        f"LoRA       {doc['lora']['max_adapters']} adapters fit: 170.0 MB each" in out
+        and "2.00 GB per core reserved" in out
+    )
+
+
+def test_resident_adapters_count_in_memory(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    status, doc = _plan_json(capsys, models["llama-8b"], *L8_TRN1, "--max-loras", "8", "--lora-rank", "32")
+    assert status == 0 and doc["lora"]["requested"] == 8 and doc["lora"]["max_adapters"] > 8
+    assert doc["memory"]["lora_bytes_per_core"] == 8 * doc["lora"]["bytes_per_core"] > 0
+
+
+def test_invalid_input_lists_every_problem(
+    models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 768}))
+    bad = ("--instance", "trn9.32xlarge", "--tp-degree", "0", "--batch-size", "0", "--max-context-length", "512")
+    status, out, err = _plan(capsys, tmp_path, *bad, "--lora-adapter-mb", "-3")
+    assert status == 2 and out == ""
+    for text in ("--instance='trn9.32xlarge'", "config.json.model_type='bert'", "tp_degree=0", "batch_size=0"):
+        assert text in err
+    assert "max_context_length=512" in err and "--lora-adapter-mb=-3.0" in err and "6 problems" in err
+    status, doc = _plan_json(capsys, tmp_path, *bad)
+    assert status == 2 and len(doc["problems"]) == 5
+    # a configuration that cannot be planned at all, plus a contradiction between flags
+    status, _, err = _plan(
+        capsys, models["llama-8b"], "--tp-degree", "4", "--flash-decoding-enabled", "--target", "trn2", *L8_TRN1[:2]
+    )
+    assert status == 2 and "flash_decoding_enabled=True" in err and "target='trn2'" in err
+
+
+def test_unreadable_config_is_invalid_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "llama",')
+    status, _, err = _plan(capsys, tmp_path)
+    assert status == 2 and "is not valid JSON" in err
+    status, _, err = _plan(capsys, tmp_path / "missing")
+    assert status == 2 and "has no config.json" in err
+
+
+def test_help_documents_the_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
+    assert "exit status:" in out and "does not fit" in out and "--lora-adapter-mb" in out and "--tp-degree" in out
+
+
+def test_planning_imports_no_torch(models: dict[str, Path]) -> None:
+    code = (
+        "import sys\n"
+        "from nxdi.shell.cli import main\n"
+        f"assert main(['plan', '--model-path', {str(models['llama-70b'])!r}, '--tp-degree', '16', '--json']) == 0\n"
+        "assert main(['bench', 'plan', '--repeat', '2', '--warmup', '0']) == 0\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'safetensors', 'numpy') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+
+
+def test_bench_plan_prints_timings(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "plan", "--repeat", "20", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "20 timed runs per case" in out and "median ms" in out and "p90 ms" in out
+    rows = [line for line in out.splitlines() if "405B" in line]
+    assert len(rows) == 3 and all(len(row.split()) > 8 for row in rows)
+    assert "target: median < 50 ms per plan:" in out
+    assert main(["bench", "plan", "--repeat", "3", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [c["repeat"] for c in doc["cases"]] == [3, 3, 3]
+    assert all(0 < c["min_ms"] <= c["median_ms"] <= c["p90_ms"] for c in doc["cases"])
+
+
+def test_bench_without_a_name_runs_the_default_set(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench_plan, "CASES", bench_plan.CASES[:1])  # the default path, at a third of the cost
+    assert main(["bench"]) == 0
+    assert "nxdi bench plan: 200 timed runs" in capsys.readouterr().out
+
+
+def test_timings_summary() -> None:
+    t = Timings(samples=[0.010, 0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009])
+    assert (t.min, t.median, t.p90) == (0.001, 0.0055, 0.009)
+    assert Timings(samples=[0.5]).p90 == 0.5
