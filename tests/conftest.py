@@ -22,3 +22,6 @@ settings.register_profile(
     suppress_health_check=(HealthCheck.too_slow,),
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+# Tiny Hugging Face checkpoints (session-scoped fixtures `tiny_model`, `tiny_checkpoint`).
+from tests.checkpoint_fixtures import tiny_checkpoint, tiny_model  # noqa: E402, F401

@@ -12,14 +12,14 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
-import attrs
 import torch
 from torch import Tensor
 
 
-@attrs.frozen(kw_only=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
 class StepInputs:
     """Inputs of one context-encoding or token-generation step."""
 

@@ -9,16 +9,16 @@ splices it back into the full cache. `write` is the one place a cache changes; a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
-import attrs
 import torch
 from torch import Tensor
 
 from nxdi.core.model_spec import ModelSpec
 
 
-@attrs.frozen(kw_only=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
 class KVCache:
     """Per-layer keys and values, each [B, K, T, D]."""
 

@@ -15,9 +15,9 @@ window), which is causal attention inside a prompt and "everything cached so far
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
-import attrs
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -51,7 +51,7 @@ _LAYER_NAMES: tuple[tuple[str, str], ...] = (
 """Field -> nxdi name suffix under `layers.{i}.`, in `nxdi.core.weights.weight_names` order."""
 
 
-@attrs.frozen(kw_only=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
 class LayerWeights:
     """One decoder layer. Linear weights are [out, in]; absent optional parts are None.
 
@@ -90,7 +90,7 @@ class LayerWeights:
         return cls(**{f: tensors[prefix + name] for f, name in _LAYER_NAMES if prefix + name in tensors})
 
 
-@attrs.frozen(kw_only=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
 class LlamaWeights:
     """All weights of a dense decoder. `lm_head` may be the `embed` tensor itself (tied)."""
 

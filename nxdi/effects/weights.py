@@ -1,0 +1,70 @@
+"""Running a weight plan against checkpoint files, one tensor at a time. Effects: reads checkpoint files.
+
+The plan (`nxdi.core.weights`) is checked against the checkpoint's keys and shapes before any
+tensor data is read, so a bad checkpoint fails fast with every problem listed. Then each step reads
+its sources, combines and casts them (`nxdi.core.programs.weight_ops`) and yields the result; only aliased
+outputs (the embedding of tied models) are held back, so the stream itself keeps about one weight
+in flight. The functions NxDI users know map as follows: `get_state_dict(path, config)` is
+`get_state_dict` here; `convert_hf_to_neuron_state_dict(sd, config)` is `weight_ops.convert(plan, sd)`;
+`_STATE_DICT_MODEL_PREFIX` is `WeightPlan.model_prefix`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+
+from returns.result import Failure, Result, Success
+from torch import Tensor
+
+from nxdi.core import weights
+from nxdi.core.errors import CheckpointError
+from nxdi.core.programs import weight_ops
+from nxdi.effects import checkpoint
+
+
+def iter_weights(
+    plan: weights.WeightPlan, ckpt: checkpoint.Checkpoint, keys: Mapping[str, str]
+) -> Iterator[tuple[str, Tensor]]:
+    """(nxdi name, tensor) in plan order; `keys` is the mapping `weights.check_checkpoint` returned.
+
+    A tied weight is yielded as the very tensor its alias target was (no copy).
+    """
+    targets = {s.sources[0] for s in plan.steps if s.combine is weights.Combine.ALIAS}
+    held: dict[str, Tensor] = {}
+    for step in plan.steps:
+        if step.combine is weights.Combine.ALIAS:
+            out = held[step.sources[0]]
+        else:
+            out = weight_ops.apply_step(step, [ckpt.read(keys[s]) for s in step.sources])
+        if step.name in targets:
+            held[step.name] = out
+        yield step.name, out
+
+
+def load_weights(plan: weights.WeightPlan, ckpt: checkpoint.Checkpoint) -> Result[dict[str, Tensor], CheckpointError]:
+    """Every weight of `plan` read from an open checkpoint.
+
+    Returns:
+        `Success(dict)` of nxdi name -> tensor in plan order, or `Failure(CheckpointError)` listing
+        every missing, unexpected or wrongly shaped key (nothing is read in that case).
+    """
+    match weights.check_checkpoint(plan, ckpt.shapes()):
+        case Success(keys):
+            return Success(dict(iter_weights(plan, ckpt, keys)))
+        case Failure(err):
+            return Failure(err)
+    raise AssertionError("unreachable")
+
+
+def get_state_dict(
+    path: str | os.PathLike[str], plan: weights.WeightPlan
+) -> Result[dict[str, Tensor], CheckpointError]:
+    """The converted weights of the checkpoint at `path` (a model directory or a checkpoint file).
+
+    Raises:
+        CheckpointReadError: (a subclass of) when the files cannot be found or read; see
+            `nxdi.effects.checkpoint.find_checkpoint`.
+    """
+    with checkpoint.open_checkpoint(path) as ckpt:
+        return load_weights(plan, ckpt)

@@ -1,0 +1,172 @@
+"""Tiny random Hugging Face checkpoints, saved in each format nxdi reads. Effects: writes model directories.
+
+For tests and examples that need a real checkpoint without a model hub:
+
+    model = build_model("qwen3", seed=0)              # a transformers model, random weights, eval mode
+    path = save_checkpoint(model, tmp / "q3", SaveFormat.BIN_SHARDED)
+
+`VARIANTS` names small configurations that between them cover what the CPU programs implement:
+GQA, Llama-3 RoPE scaling and tied embeddings, a Mistral sliding window shorter than the test
+sequences, Qwen2 q/k/v biases, and Qwen3 q/k norms with an explicit head_dim. Weights are drawn
+with a private seeded generator state, so the caller's global RNG is left as it was.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from nxdi.effects import checkpoint
+
+
+class SaveFormat(enum.Enum):
+    """The four layouts of a Hugging Face checkpoint directory."""
+
+    SAFETENSORS = "safetensors"
+    SAFETENSORS_SHARDED = "safetensors-sharded"
+    BIN = "bin"
+    BIN_SHARDED = "bin-sharded"
+
+
+_BASE: Mapping[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 160,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.1,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+VARIANTS: Mapping[str, tuple[str, Mapping[str, Any]]] = {
+    "llama": ("llama", {}),
+    "llama3-tied": (
+        "llama",
+        {
+            "tie_word_embeddings": True,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        },
+    ),
+    "mistral": ("mistral", {"sliding_window": 8}),
+    "qwen2": ("qwen2", {"use_sliding_window": False}),
+    "qwen3": ("qwen3", {"head_dim": 32, "use_sliding_window": False}),
+}
+"""Variant name -> (model_type, config overrides on top of the tiny base)."""
+
+_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
+def tiny_config(variant: str, **overrides: Any) -> transformers.PretrainedConfig:
+    """The transformers config of a variant in `VARIANTS` (or a bare model_type), with overrides."""
+    model_type, extra = VARIANTS.get(variant, (variant, {}))
+    config_cls = getattr(transformers, _CLASSES[model_type][0])
+    config: transformers.PretrainedConfig = config_cls(**{**_BASE, **extra, **overrides})
+    return config
+
+
+def build_model(variant: str, *, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
+    """A transformers causal LM of `variant` with random fp32 weights drawn from `seed`, in eval mode."""
+    config = tiny_config(variant, **overrides)
+    model_cls = getattr(transformers, _CLASSES[config.model_type][1])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model: transformers.PreTrainedModel = model_cls(config)
+    return model.eval()
+
+
+def _checkpoint_tensors(model: transformers.PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The state dict as Hugging Face saves it: tied `lm_head.weight` left out, tensors contiguous."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    return {k: v.detach().contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+
+
+def _shards(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += n
+    return shards
+
+
+def _save_bin(tensors: Mapping[str, torch.Tensor], directory: Path, *, max_bytes: int | None) -> None:
+    """`pytorch_model.bin`, or `pytorch_model-0000i-of-0000n.bin` shards plus their index."""
+    if max_bytes is None:
+        torch.save(dict(tensors), directory / "pytorch_model.bin")
+        return
+    shards = _shards(tensors, max_bytes)
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards, start=1):
+        name = f"pytorch_model-{i:05d}-of-{len(shards):05d}.bin"
+        torch.save(shard, directory / name)
+        weight_map |= dict.fromkeys(shard, name)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "pytorch_model.bin.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def save_checkpoint(
+    model: transformers.PreTrainedModel,
+    directory: str | os.PathLike[str],
+    fmt: SaveFormat,
+    *,
+    shard_bytes: int = 20_000,
+) -> Path:
+    """Save `model` (config.json + weights) into `directory` in `fmt`; returns the directory.
+
+    Safetensors layouts use transformers' own `save_pretrained` (sharded with `max_shard_size`);
+    the `.bin` layouts, which current transformers no longer writes, are written with `torch.save`
+    in the Hugging Face file names and index format. Sharded layouts split every `shard_bytes`.
+    """
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    if fmt is SaveFormat.SAFETENSORS:
+        model.save_pretrained(path)
+    elif fmt is SaveFormat.SAFETENSORS_SHARDED:
+        model.save_pretrained(path, max_shard_size=shard_bytes)
+    else:
+        model.config.save_pretrained(path)
+        sharded = fmt is SaveFormat.BIN_SHARDED
+        _save_bin(_checkpoint_tensors(model), path, max_bytes=shard_bytes if sharded else None)
+    return path
+
+
+def build_checkpoint(
+    directory: str | os.PathLike[str], variant: str, fmt: SaveFormat, *, seed: int = 0, **overrides: Any
+) -> tuple[Path, transformers.PreTrainedModel]:
+    """`build_model` then `save_checkpoint`: the directory and the in-memory reference model."""
+    model = build_model(variant, seed=seed, **overrides)
+    return save_checkpoint(model, directory, fmt), model
+
+
+def write_checkpoint_file(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]) -> Path:
+    """Write raw tensors as one safetensors file (atomically), for hand-made test checkpoints."""
+    return checkpoint.write_safetensors(path, tensors, metadata={"format": "pt"})
