@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from nxdi.shell.causal_lm import NeuronBaseForCausalLM
 from nxdi.shell.config import NeuronConfig
 from nxdi.shell.inference_config import InferenceConfig
 
@@ -45,3 +46,13 @@ class LlamaInferenceConfig(InferenceConfig):
     @classmethod
     def get_neuron_config_cls(cls) -> type[NeuronConfig]:
         return LlamaNeuronConfig
+
+
+class NeuronLlamaForCausalLM(NeuronBaseForCausalLM):
+    """Llama causal LM (the dense decoder program in nxdi.core.programs)."""
+
+    _model_cls = "llama"
+
+    @classmethod
+    def get_config_cls(cls) -> type[InferenceConfig]:
+        return LlamaInferenceConfig

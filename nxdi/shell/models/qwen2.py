@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from nxdi.shell.causal_lm import NeuronBaseForCausalLM
+from nxdi.shell.inference_config import InferenceConfig
 from nxdi.shell.models.llama import LlamaInferenceConfig
 
 
@@ -14,3 +16,13 @@ class Qwen2InferenceConfig(LlamaInferenceConfig):
         super().add_derived_config()
         self.qkv_bias = True
         self.o_bias = False
+
+
+class NeuronQwen2ForCausalLM(NeuronBaseForCausalLM):
+    """Qwen2 causal LM (the dense decoder program in nxdi.core.programs)."""
+
+    _model_cls = "qwen2"
+
+    @classmethod
+    def get_config_cls(cls) -> type[InferenceConfig]:
+        return Qwen2InferenceConfig

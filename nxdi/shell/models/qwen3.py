@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from nxdi.shell.causal_lm import NeuronBaseForCausalLM
+from nxdi.shell.inference_config import InferenceConfig
 from nxdi.shell.models.llama import LLAMA_REQUIRED, LlamaInferenceConfig
 
 
@@ -12,3 +14,13 @@ class Qwen3InferenceConfig(LlamaInferenceConfig):
 
     def get_required_attributes(self) -> list[str]:
         return [*LLAMA_REQUIRED, "head_dim"]
+
+
+class NeuronQwen3ForCausalLM(NeuronBaseForCausalLM):
+    """Qwen3 causal LM (the dense decoder program in nxdi.core.programs)."""
+
+    _model_cls = "qwen3"
+
+    @classmethod
+    def get_config_cls(cls) -> type[InferenceConfig]:
+        return Qwen3InferenceConfig

@@ -1,0 +1,65 @@
+"""One compiled step: the decoder forward plus, optionally, the on-device sampler. Pure.
+
+This is the function a backend traces per sub-model and bucket. Its static part is a `StepSpec`
+(architecture, whether sampling happens inside the program, whether logits are returned); its
+dynamic part is tensors only, so buckets and batch sizes come from the input shapes:
+
+    step(weights, cache, x, params, uniforms) -> (logits [B, 1, V] fp32 | None, tokens [B] | None, cache)
+
+`params` [B, 3] holds (top_k, top_p, temperature) per row and `uniforms` [B] the random draws
+(the caller's seeded generator, or 0.5 for deterministic sampling); both are ignored without
+on-device sampling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+
+from nxdi.core.model_spec import ModelSpec
+from nxdi.core.programs import sampling
+from nxdi.core.programs.inputs import StepInputs
+from nxdi.core.programs.kv_cache import KVCache
+
+Forward = Callable[..., tuple[Tensor, KVCache]]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepSpec:
+    """What is fixed when a step is traced."""
+
+    model: ModelSpec
+    on_device_sampling: bool = False
+    """Return sampled tokens instead of (or with) logits."""
+    do_sample: bool = False
+    """Multinomial sampling; greedy argmax otherwise (ignored without on-device sampling)."""
+    global_topk: int = 256
+    output_logits: bool = True
+    """Return logits too; always True without on-device sampling."""
+
+
+def step(
+    forward: Forward,
+    weights: Any,
+    cache: KVCache,
+    x: StepInputs,
+    params: Tensor,
+    uniforms: Tensor,
+    *,
+    spec: StepSpec,
+) -> tuple[Tensor | None, Tensor | None, KVCache]:
+    """Run `forward` for one step and sample if the spec says so.
+
+    Returns:
+        logits [B, 1, V] fp32 (None when only tokens were asked for), tokens [B] int64 (None
+        without on-device sampling), and the updated cache view.
+    """
+    logits, cache = forward(weights, cache, x, spec=spec.model)
+    if not spec.on_device_sampling:
+        return logits, None, cache
+    last = logits[:, -1]  # [B, V]
+    tokens = sampling.select(last, params, uniforms, do_sample=spec.do_sample, global_topk=spec.global_topk)
+    return (logits if spec.output_logits else None), tokens, cache

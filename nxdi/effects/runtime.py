@@ -1,0 +1,108 @@
+"""The loaded model: weights, the KV cache, and one step program per sub-model and bucket.
+Effects: owns and mutates the KV cache tensors, draws random numbers from a seeded generator.
+
+A `Runtime` is what `load()` / `to_cpu()` produce. It runs a step on a *view* of the cache (the
+first `bucket` slots, and the rows the caller names) and writes the program's updated view back
+in place, so the cache lives in one set of tensors for the life of the model. Programs are
+interchangeable: the eager pure step, or whatever a backend compiled from it, as long as they
+keep the calling convention of `nxdi.core.programs.step.step`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from nxdi.core.programs.inputs import StepInputs
+from nxdi.core.programs.kv_cache import KVCache
+
+Program = Callable[[Any, KVCache, StepInputs, Tensor, Tensor], tuple[Tensor | None, Tensor | None, KVCache]]
+"""(weights, cache view, inputs, params [B, 3], uniforms [B]) -> (logits | None, tokens | None, cache view)."""
+
+
+class Phase(enum.Enum):
+    """The compiled sub-models (NxDI's context-encoding and token-generation models)."""
+
+    CONTEXT = "context_encoding"
+    TOKEN = "token_generation"
+
+
+class Runtime:
+    """Weights, the KV cache and the step programs of a loaded model."""
+
+    def __init__(
+        self,
+        *,
+        weights: Any,
+        cache: KVCache,
+        programs: Mapping[tuple[Phase, int], Program],
+        seed: int = 0,
+        deterministic: bool = False,
+    ) -> None:
+        self.weights = weights
+        self.cache = cache
+        self.programs = dict(programs)
+        self.deterministic = deterministic
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def buckets(self, phase: Phase) -> tuple[int, ...]:
+        """The buckets compiled for `phase`, ascending."""
+        return tuple(sorted(b for p, b in self.programs if p is phase))
+
+    def set_seed(self, seed: int) -> None:
+        """Restart the sampling random stream (same seed, same draws)."""
+        self.generator.manual_seed(seed)
+
+    def reset_cache(self) -> None:
+        """Zero every key and value (NxDI's reset_kv_cache)."""
+        for t in (*self.cache.k, *self.cache.v):
+            t.zero_()
+
+    def uniforms(self, rows: int) -> Tensor:
+        """One draw in [0, 1) per row from the model's generator (0.5 each when deterministic)."""
+        if self.deterministic:
+            return torch.full((rows,), 0.5)
+        return torch.rand(rows, generator=self.generator)
+
+    def run(
+        self, phase: Phase, bucket: int, x: StepInputs, *, rows: Tensor | None, params: Tensor
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """Run the `(phase, bucket)` program on cache rows `rows` (None: rows 0..B-1 in order).
+
+        Args:
+            x: inputs [B, S]; S is the bucket in context encoding and 1 in token generation.
+            rows: [B] cache rows (seq_ids) the batch rows read and write.
+            params: [B, 3] sampling parameters.
+
+        Returns:
+            logits [B, 1, V] fp32 or None, tokens [B] or None.
+        """
+        program = self.programs[(phase, bucket)]
+        view = self._view(bucket, rows, x.input_ids.shape[0])
+        logits, tokens, updated = program(self.weights, view, x, params, self.uniforms(x.input_ids.shape[0]))
+        self._write_back(updated, bucket, rows)
+        return logits, tokens
+
+    def _view(self, bucket: int, rows: Tensor | None, batch: int) -> KVCache:
+        if rows is None:
+            return KVCache(
+                k=tuple(t[:batch, :, :bucket] for t in self.cache.k),
+                v=tuple(t[:batch, :, :bucket] for t in self.cache.v),
+            )
+        return KVCache(
+            k=tuple(t.index_select(0, rows)[:, :, :bucket] for t in self.cache.k),
+            v=tuple(t.index_select(0, rows)[:, :, :bucket] for t in self.cache.v),
+        )
+
+    def _write_back(self, updated: KVCache, bucket: int, rows: Tensor | None) -> None:
+        for full, part in zip((*self.cache.k, *self.cache.v), (*updated.k, *updated.v), strict=True):
+            if part.data_ptr() == full.data_ptr():
+                continue  # the program wrote the runtime's tensor in place
+            if rows is None:
+                full[: part.shape[0], :, :bucket].copy_(part)
+            else:
+                full[:, :, :bucket].index_copy_(0, rows, part.to(full.dtype))

@@ -1,0 +1,244 @@
+"""NeuronBaseForCausalLM: NxDI's forward, routing each call to context encoding or token generation.
+
+Routing (as NxDI): a call whose smallest position id is 0 is a prefill and runs the
+context-encoding sub-model; any other call runs token generation on the populated KV cache.
+Inputs are fitted to the compiled shapes on the host: prompts are compacted to right padding and
+padded to the smallest bucket that fits, batches smaller than compiled are completed with pad rows
+(repeating the first row, on unused cache rows) and larger ones split into chunks; outputs come
+back in the caller's row order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from nxdi.core import buckets, padding
+from nxdi.core import sampling as sampling_params_core
+from nxdi.core.programs import batching
+from nxdi.core.programs.inputs import StepInputs
+from nxdi.effects.runtime import Phase, Runtime
+from nxdi.shell.application import NeuronApplicationBase
+from nxdi.shell.errors import unwrap_or_raise
+
+
+def prepare_sampling_params(
+    batch_size: int,
+    top_k: float | list[float] | Tensor = (1,),  # type: ignore[assignment]
+    top_p: float | list[float] | Tensor = (1.0,),  # type: ignore[assignment]
+    temperature: float | list[float] | Tensor = (1.0,),  # type: ignore[assignment]
+) -> Tensor:
+    """The [batch_size, 3] float tensor of (top_k, top_p, temperature) rows; length-1 lists broadcast.
+
+    Raises:
+        IncompatibleConfigError: lists whose lengths are neither 1 nor batch_size.
+    """
+
+    def as_list(v: Any) -> Any:
+        return v.flatten().tolist() if isinstance(v, Tensor) else list(v) if isinstance(v, (list, tuple)) else v
+
+    rows = sampling_params_core.prepare_sampling_params(
+        batch_size, top_k=as_list(top_k), top_p=as_list(top_p), temperature=as_list(temperature)
+    )
+    return torch.tensor(unwrap_or_raise(rows, "Invalid sampling parameters"), dtype=torch.float32)
+
+
+class CausalLMOutput(dict):  # type: ignore[type-arg]
+    """What `forward` returns: `logits`, `hidden_states` and `tokens`, as attributes and keys
+    (the shape of transformers' CausalLMOutputWithPast that NxDI returns)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class NeuronBaseForCausalLM(NeuronApplicationBase):
+    """A causal language model: context encoding plus token generation over a KV cache."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kv_cache_populated = False
+        self._tables = {
+            Phase.CONTEXT: unwrap_or_raise(buckets.context_table_for(self.spec)),
+            Phase.TOKEN: unwrap_or_raise(buckets.token_table_for(self.spec)),
+        }
+
+    def reset(self) -> None:
+        """Start a new batch: the next call runs context encoding."""
+        self.kv_cache_populated = False
+
+    def reset_kv_cache(self) -> None:
+        """Zero the KV cache."""
+        self._require_runtime().reset_cache()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> CausalLMOutput:
+        return self.forward(*args, **kwargs)
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        seq_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        sampling_params: Tensor | None = None,
+        **unsupported: Any,
+    ) -> CausalLMOutput:
+        """Run one step for every row.
+
+        Args:
+            input_ids: [B, W] token ids (prompt, or one new token per row).
+            seq_ids: [B] the KV-cache row of each batch row (default 0..B-1).
+            attention_mask: [B, W] 1 for real tokens (any padding side); inferred from position_ids.
+            position_ids: [B, W] positions; inferred from attention_mask (cumsum - 1).
+            sampling_params: [B, 3] (top_k, top_p, temperature), used with on-device sampling.
+
+        Returns:
+            `logits` [B, 1, V] fp32 (None under on-device sampling unless output_logits),
+            `tokens` [B] sampled ids under on-device sampling (else the logits, as NxDI does),
+            and `hidden_states` (the same tensor as `tokens`).
+
+        Raises:
+            IncompatibleConfigError: a prompt longer than max_context_length without
+                allow_input_truncation, a position past max_length, bad sampling params or seq_ids.
+        """
+        given = sorted(k for k, v in unsupported.items() if v is not None and k not in _IGNORED)
+        if given:
+            raise TypeError(f"forward() does not support {', '.join(given)} on the CPU backend")
+        if input_ids is None:
+            raise TypeError("forward() needs input_ids")
+        runtime = self._require_runtime()
+        ids = torch.as_tensor(input_ids).to(torch.int64)
+        if ids.dim() == 1:
+            ids = ids[None, :]
+        mask, positions = _mask_and_positions(ids, attention_mask, position_ids)
+        rows = torch.arange(ids.shape[0]) if seq_ids is None else torch.as_tensor(seq_ids).to(torch.int64).flatten()
+        params = self._sampling_rows(sampling_params, ids.shape[0])
+        if int(positions.min()) == 0:
+            logits, tokens = self._context(runtime, ids, mask, rows, params)
+            self.kv_cache_populated = True
+        else:
+            logits, tokens = self._token(runtime, ids[:, -1:], positions[:, -1:], rows, params)
+        ods = self.spec.on_device_sampling_config is not None
+        shown = tokens if ods else logits
+        return CausalLMOutput(logits=logits, hidden_states=shown, tokens=shown, attentions=None, past_key_values=None)
+
+    # --- host-side preparation ----------------------------------------------------------------
+    def _sampling_rows(self, given: Tensor | None, batch: int) -> Tensor:
+        ods = self.spec.on_device_sampling_config
+        if given is None:
+            row = (ods.top_k, ods.top_p, ods.temperature) if ods is not None else (1, 1.0, 1.0)
+            return torch.tensor([row] * batch, dtype=torch.float32)
+        rows = torch.as_tensor(given, dtype=torch.float32)
+        topk = ods.global_topk if ods is not None else 256
+        checked = unwrap_or_raise(
+            sampling_params_core.validate_sampling_params(rows.tolist(), topk), "Invalid sampling_params"
+        )
+        if len(checked) != batch:
+            from nxdi.shell.errors import IncompatibleConfigError
+
+            raise IncompatibleConfigError(f"sampling_params: has {len(checked)} rows for a batch of {batch}")
+        return torch.tensor(sampling_params_core.infer_sampling_params(checked), dtype=torch.float32)
+
+    def _context(
+        self, runtime: Runtime, ids: Tensor, mask: Tensor, rows: Tensor, params: Tensor
+    ) -> tuple[Tensor | None, Tensor | None]:
+        compacted, lengths = batching.compact(ids, mask)
+        bucket = unwrap_or_raise(
+            buckets.select_bucket(
+                self._tables[Phase.CONTEXT],
+                int(lengths.max()),
+                allow_input_truncation=self.spec.allow_input_truncation,
+            ),
+            f"Prompt longer than max_context_length={self.spec.max_context_length}",
+        )
+        pad = self.model_spec.pad_token_id or 0
+        x = batching.context_inputs(compacted, lengths, bucket=bucket, pad_token_id=pad)
+        return self._run_batched(runtime, Phase.CONTEXT, bucket, x, rows, params, self.spec.ctx_batch_size)
+
+    def _token(
+        self, runtime: Runtime, ids: Tensor, positions: Tensor, rows: Tensor, params: Tensor
+    ) -> tuple[Tensor | None, Tensor | None]:
+        needed = int(positions.max()) + 1
+        if needed > self.spec.max_length:
+            from nxdi.shell.errors import IncompatibleConfigError
+
+            raise IncompatibleConfigError(
+                f"position_ids: position {needed - 1} is past max_length={self.spec.max_length} (seq_len); "
+                "generation cannot continue. Fix: raise seq_len / max_length, or generate fewer tokens"
+            )
+        bucket = unwrap_or_raise(buckets.select_bucket(self._tables[Phase.TOKEN], needed))
+        x = StepInputs(input_ids=ids, position_ids=positions, last_index=torch.zeros(ids.shape[0], dtype=torch.int64))
+        return self._run_batched(runtime, Phase.TOKEN, bucket, x, rows, params, self.spec.tkg_batch_size)
+
+    def _run_batched(
+        self, runtime: Runtime, phase: Phase, bucket: int, x: StepInputs, rows: Tensor, params: Tensor, compiled: int
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """Pad or split the batch to the compiled batch size, run, and restore the caller's order."""
+        limit = self.spec.kv_cache_batch_size
+        bad = [r for r in rows.tolist() if not 0 <= r < limit]
+        if bad:
+            from nxdi.shell.errors import IncompatibleConfigError
+
+            raise IncompatibleConfigError(f"seq_ids: {bad} are outside the KV cache rows 0..{limit - 1}")
+        plan = unwrap_or_raise(padding.batch_plan(rows.tolist(), compiled_batch=compiled), "Invalid seq_ids")
+        logits_out: list[tuple[tuple[int, ...], Tensor]] = []
+        tokens_out: list[tuple[tuple[int, ...], Tensor]] = []
+        for chunk in plan.chunks:
+            source = torch.tensor(chunk.source_rows)
+            run_rows = torch.tensor(chunk.seq_ids)
+            identity = chunk.seq_ids == tuple(range(compiled))
+            logits, tokens = runtime.run(
+                phase,
+                bucket,
+                batching.select_rows(x, source),
+                rows=None if identity else run_rows,
+                params=params.index_select(0, source),
+            )
+            take = torch.tensor(chunk.output_rows)
+            if logits is not None:
+                logits_out.append((chunk.user_rows, logits.index_select(0, take)))
+            if tokens is not None:
+                tokens_out.append((chunk.user_rows, tokens.index_select(0, take)))
+        return _gather(logits_out, len(rows)), _gather(tokens_out, len(rows))
+
+
+_IGNORED = frozenset({"use_cache", "output_attentions", "output_hidden_states", "return_dict", "past_key_values"})
+
+
+def _gather(parts: list[tuple[tuple[int, ...], Tensor]], batch: int) -> Tensor | None:
+    if not parts:
+        return None
+    first = parts[0][1]
+    out = first.new_empty((batch, *first.shape[1:]))
+    for user_rows, values in parts:
+        out[torch.tensor(user_rows)] = values
+    return out
+
+
+def _mask_and_positions(ids: Tensor, mask: Tensor | None, positions: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Fill in whichever of attention_mask / position_ids is missing, as NxDI's preprocessing does."""
+    b, w = ids.shape
+    if mask is not None:
+        mask = torch.as_tensor(mask).to(torch.int64)
+    if positions is not None:
+        positions = torch.as_tensor(positions).to(torch.int64)
+        if positions.dim() == 1:
+            positions = positions[:, None]
+    if mask is None and positions is None:
+        mask = torch.ones(b, w, dtype=torch.int64)
+    if positions is None:
+        assert mask is not None
+        if w == mask.shape[1]:
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        else:  # one new token per row after a mask covering the whole sequence so far
+            positions = (mask.sum(-1, keepdim=True) - 1).clamp(min=0)[:, -w:]
+    if mask is None:
+        cols = torch.arange(w)[None, :]
+        mask = (positions >= cols).to(torch.int64) if w > 1 else torch.ones(b, 1, dtype=torch.int64)
+    if mask.shape[1] != w:
+        mask = torch.ones(b, w, dtype=torch.int64) if w == 1 else mask[:, -w:]
+    return mask, positions

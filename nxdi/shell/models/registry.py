@@ -1,0 +1,23 @@
+"""MODEL_TYPES: the application classes by Hugging Face model_type and task, as serving clients look them up."""
+
+from __future__ import annotations
+
+from nxdi.shell.models.llama import LlamaInferenceConfig, NeuronLlamaForCausalLM
+from nxdi.shell.models.mistral import MistralInferenceConfig, NeuronMistralForCausalLM
+from nxdi.shell.models.qwen2 import NeuronQwen2ForCausalLM, Qwen2InferenceConfig
+from nxdi.shell.models.qwen3 import NeuronQwen3ForCausalLM, Qwen3InferenceConfig
+
+MODEL_TYPES: dict[str, dict[str, type]] = {
+    "llama": {"causal-lm": NeuronLlamaForCausalLM},
+    "mistral": {"causal-lm": NeuronMistralForCausalLM},
+    "qwen2": {"causal-lm": NeuronQwen2ForCausalLM},
+    "qwen3": {"causal-lm": NeuronQwen3ForCausalLM},
+}
+"""`MODEL_TYPES[model_type]["causal-lm"]` -> the application class."""
+
+CONFIG_TYPES: dict[str, type] = {
+    "llama": LlamaInferenceConfig,
+    "mistral": MistralInferenceConfig,
+    "qwen2": Qwen2InferenceConfig,
+    "qwen3": Qwen3InferenceConfig,
+}
