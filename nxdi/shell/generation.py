@@ -1,0 +1,173 @@
+"""HuggingFaceGenerationAdapter: transformers' `generate()` driving an nxdi causal LM.
+
+transformers resolves the generation config, logits processors, stopping criteria and streamer;
+the adapter replaces the decoding loop (`_sample`, used for greedy and multinomial decoding) with
+one that runs the model's context-encoding step once and then one token-generation step per token,
+on the model's own KV cache. Prompts may be padded on either side.
+
+Sampling (REFERENCE §7, with nxdi's deliberate differences):
+- Without on-device sampling the model returns logits; the logits processors run on the host and
+  tokens are picked as transformers does (argmax, or multinomial from the processed scores).
+- With on-device sampling the model returns tokens. `generation_config`'s top_k / top_p /
+  temperature become the per-row `sampling_params` (a `sampling_params` kwarg, when given, is
+  honoured instead). Logits processors that cannot run on the device (repetition penalty,
+  min length, bad words, ...) run on the host when the model also returns logits
+  (`output_logits=True`); otherwise generate() refuses them with a clear error instead of
+  silently ignoring them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from nxdi.shell.causal_lm import NeuronBaseForCausalLM
+from nxdi.shell.errors import IncompatibleConfigError
+
+_DEVICE_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+"""Processors that on-device sampling applies itself, through sampling_params."""
+
+
+def _hf_config(model: NeuronBaseForCausalLM) -> PretrainedConfig:
+    data = {k: v for k, v in model.config.hf_dict().items() if not k.startswith("_")}
+    config = PretrainedConfig(**data)
+    config.is_encoder_decoder = False
+    return config
+
+
+class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
+    """Wrap a loaded nxdi causal LM so `generate()` works as with a transformers model.
+
+    Args:
+        model: a compiled-and-loaded (or `to_cpu()`) NeuronBaseForCausalLM.
+        input_start_offsets: accepted for NxDI compatibility; prompts are located from the
+            attention mask, so offsets are not needed.
+    """
+
+    main_input_name = "input_ids"
+    _supports_cache_class = False
+
+    def __init__(self, model: NeuronBaseForCausalLM, input_start_offsets: list[int] | None = None) -> None:
+        super().__init__(_hf_config(model))
+        self.neuron_model = model
+        self.input_start_offsets = input_start_offsets
+        self.generation_config = GenerationConfig.from_model_config(self.config)
+        self._dummy = torch.nn.Parameter(torch.zeros(0), requires_grad=False)  # gives the adapter a device
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's forward."""
+        return self.neuron_model.forward(*args, **kwargs)
+
+    def can_generate(self) -> bool:  # type: ignore[override]
+        return True
+
+    def _sampling_rows(self, generation_config: GenerationConfig, batch: int, given: Tensor | None) -> Tensor:
+        if given is not None:
+            return torch.as_tensor(given, dtype=torch.float32)
+        if not generation_config.do_sample:
+            return torch.tensor([[1.0, 1.0, 1.0]] * batch)
+        top_k = generation_config.top_k if generation_config.top_k is not None else 0
+        top_p = generation_config.top_p if generation_config.top_p is not None else 1.0
+        temperature = generation_config.temperature if generation_config.temperature is not None else 1.0
+        return torch.tensor([[float(top_k), float(top_p), float(temperature)]] * batch)
+
+    def _host_processors(self, logits_processor: LogitsProcessorList, generation_config: GenerationConfig) -> bool:
+        """Whether tokens must be picked on the host from logits (raising when that is impossible)."""
+        spec = self.neuron_model.spec
+        ods = spec.on_device_sampling_config
+        if ods is None:
+            return True
+        extra = [type(p).__name__ for p in logits_processor if not isinstance(p, _DEVICE_WARPERS)]
+        samples_on_device = ods.do_sample or ods.dynamic
+        needs_host = bool(extra) or (generation_config.do_sample and not samples_on_device)
+        if needs_host and not spec.output_logits:
+            why = (
+                f"logits processors {extra} cannot run inside the compiled model"
+                if extra
+                else "generation_config.do_sample=True but the model samples greedily on device "
+                "(on_device_sampling_config has do_sample=False and dynamic=False)"
+            )
+            raise IncompatibleConfigError(
+                f"generate(): {why}. Fix: compile with output_logits=True so they run on the host, "
+                "or with on_device_sampling_config(do_sample=True) / dynamic=True, or drop those options"
+            )
+        return needs_host
+
+    def _sample(  # type: ignore[override]
+        self,
+        input_ids: Tensor,
+        logits_processor: LogitsProcessorList,
+        stopping_criteria: StoppingCriteriaList,
+        generation_config: GenerationConfig,
+        synced_gpus: bool = False,
+        streamer: Any = None,
+        **model_kwargs: Any,
+    ) -> Tensor | GenerateDecoderOnlyOutput:
+        model = self.neuron_model
+        batch, prompt_width = input_ids.shape
+        mask = model_kwargs.get("attention_mask")
+        mask = torch.ones_like(input_ids) if mask is None else mask
+        longest = int(mask.sum(-1).max())
+        new_tokens = generation_config.max_length - prompt_width
+        if longest + new_tokens - 1 > model.spec.max_length:
+            raise IncompatibleConfigError(
+                f"generate(): a {longest}-token prompt plus {new_tokens} new tokens needs {longest + new_tokens - 1} "
+                f"positions, more than max_length={model.spec.max_length} (seq_len). Fix: raise seq_len, "
+                "or lower max_new_tokens / max_length"
+            )
+        rows = self._sampling_rows(generation_config, batch, model_kwargs.get("sampling_params"))
+        host = self._host_processors(logits_processor, generation_config)
+        pad = generation_config._pad_token_tensor
+        has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+        want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
+        want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
+        scores: list[Tensor] = []
+        raw: list[Tensor] = []
+        unfinished = torch.ones(batch, dtype=torch.long)
+        model.reset()
+        out = model.forward(input_ids, attention_mask=mask, sampling_params=rows)
+        positions = mask.to(torch.int64).sum(-1, keepdim=True)  # [B, 1] position of the next token
+        while True:
+            logits = out.logits[:, -1].float() if out.logits is not None else None
+            processed = logits_processor(input_ids, logits) if logits is not None else None
+            if host:
+                assert processed is not None
+                if generation_config.do_sample:
+                    probs = torch.softmax(processed, dim=-1)
+                    next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+                else:
+                    next_tokens = torch.argmax(processed, dim=-1)
+            else:
+                next_tokens = out.tokens.to(torch.long)
+            if want_scores and processed is not None:
+                scores.append(processed)
+            if want_logits and logits is not None:
+                raw.append(logits)
+            if has_eos and pad is not None:
+                next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
+            input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+            if streamer is not None:
+                streamer.put(next_tokens.cpu())
+            unfinished = unfinished & ~stopping_criteria(input_ids, tuple(scores) or None)
+            if int(unfinished.max()) == 0:
+                break
+            out = model.forward(next_tokens[:, None], position_ids=positions, sampling_params=rows)
+            positions = positions + 1
+        if streamer is not None:
+            streamer.end()
+        if generation_config.return_dict_in_generate:
+            return GenerateDecoderOnlyOutput(
+                sequences=input_ids, scores=tuple(scores) or None, logits=tuple(raw) or None
+            )
+        return input_ids
