@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from typing import Any
 
 import attrs
 from returns.result import Failure, Result, Success
 
 from nxdi.core.errors import CheckpointError, ConfigError, Problem
 from nxdi.core.model_spec import ModelSpec, NormKind, PositionKind
+from nxdi.core.neuron_spec import NeuronSpec
 
 Shape = tuple[int, ...]
 
@@ -246,7 +246,7 @@ def weight_plan_for(
     return Success(WeightPlan(steps=steps, model_prefix=model_prefix, new_prefix=new_prefix, optional=optional))
 
 
-def weight_plan_for_spec(neuron: Any, model: ModelSpec) -> Result[WeightPlan, ConfigError]:
+def weight_plan_for_spec(neuron: NeuronSpec, model: ModelSpec) -> Result[WeightPlan, ConfigError]:
     """`weight_plan_for` with `fused_qkv`, `cast_type` and `torch_dtype` read from a `NeuronSpec`."""
     return weight_plan_for(
         model, fused_qkv=neuron.fused_qkv, cast_type=neuron.cast_type, torch_dtype=neuron.torch_dtype

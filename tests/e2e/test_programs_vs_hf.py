@@ -122,3 +122,20 @@ def test_greedy_decoding_matches_hf_generate(
     assert torch.equal(ours, row_by_row), (ours, row_by_row)
     if batch > 1:
         assert torch.equal(ours, _hf_greedy(model, prompts))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_bf16_logits_stay_within_bf16_tolerance(
+    variant: str, tiny_checkpoint: Callable[..., Path], tiny_model: Any
+) -> None:
+    """Cast by the plan (cast_type="config"), run in bf16: within 0.05 of the fp32 reference (NxDI's bf16 rtol)."""
+    path = tiny_checkpoint(variant)
+    spec = model_spec.parse_model_spec(json.loads((path / "config.json").read_text())).unwrap()
+    family = families.family_for(spec).unwrap()
+    plan = weights.weight_plan_for(spec, torch_dtype="bfloat16").unwrap()
+    w = family.weights.from_tensors(weight_io.get_state_dict(path, plan).unwrap(), spec=spec)
+    cache = kv_cache.empty_cache(spec, batch=len(PROMPTS), length=CONTEXT_BUCKET, dtype=torch.bfloat16)
+    logits, new = family.forward(w, cache, inputs.prompt_inputs(PROMPTS, length=CONTEXT_BUCKET), spec=spec)
+    assert logits.dtype == torch.float32 and new.k[0].dtype == torch.bfloat16
+    for i, expected in enumerate(_hf_rows(tiny_model(variant), PROMPTS)):
+        _close(logits[i, 0], expected[-1], rel=0.05)

@@ -9,13 +9,15 @@
 
 from __future__ import annotations
 
+import attrs
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from returns.result import Failure, Success
 
 from nxdi.core import weights
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.programs import inputs, kv_cache, llama
+from nxdi.core.programs import families, inputs, kv_cache, llama
 from tests.properties.strategies.programs import dense_specs, random_weights
 
 SEEDS = st.integers(0, 2**31 - 1)
@@ -95,6 +97,7 @@ def cache_writes(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return torch.randn(b, k, t, d, generator=g), torch.randn(b, k, s, d, generator=g), slots
 
 
+@settings(deadline=None)
 @given(cache_writes())
 def test_cache_write_is_out_of_place_and_agrees_with_an_in_place_write(
     case: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -125,6 +128,7 @@ def test_weights_round_trip_and_bind_in_plan_order(spec: ModelSpec, seed: int, f
         assert flat["lm_head.weight"] is flat["embed_tokens.weight"], "tied weights must be stored once"
 
 
+@settings(deadline=None)
 @given(spec=dense_specs(), b=st.integers(1, 3), t=st.integers(1, 6))
 def test_cache_round_trips_through_flat_tensors(spec: ModelSpec, b: int, t: int) -> None:
     cache = kv_cache.empty_cache(spec, batch=b, length=t, dtype=torch.float32)
@@ -133,3 +137,16 @@ def test_cache_round_trips_through_flat_tensors(spec: ModelSpec, b: int, t: int)
     back = kv_cache.KVCache.from_tensors(flat)
     assert all(x is y for x, y in zip(back.to_tensors(), flat, strict=True))
     assert cache.prefix(t).length == t and cache.splice(cache.prefix(max(t - 1, 1))).length == t
+
+
+@given(spec=dense_specs())
+def test_each_dense_family_has_a_program_and_other_specs_are_refused(spec: ModelSpec) -> None:
+    match families.family_for(spec):
+        case Success(family):
+            assert family.model_type == spec.model_type and family.forward is llama.forward
+        case Failure(err):
+            raise AssertionError(err.render())
+    moe = families.family_for(attrs.evolve(spec, model_type="mixtral", num_experts=4, num_experts_per_tok=2))
+    assert isinstance(moe, Failure) and moe.failure().fields() == {"model_type"}
+    windowed = families.family_for(attrs.evolve(spec, model_type="qwen2", sliding_window=4))
+    assert isinstance(windowed, Failure) and windowed.failure().fields() == {"sliding_window"}

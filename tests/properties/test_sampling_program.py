@@ -56,6 +56,7 @@ def _allowed(logits: torch.Tensor, top_k: int, top_p: float, temperature: float,
     return set(kept)
 
 
+@settings(deadline=None)
 @given(logits_cases(), st.integers(0, 2**31 - 1), st.sampled_from([0, 3, 256]))
 def test_top_k_1_equals_greedy(logits: torch.Tensor, seed: int, global_topk: int) -> None:
     b = logits.shape[0]
@@ -64,6 +65,7 @@ def test_top_k_1_equals_greedy(logits: torch.Tensor, seed: int, global_topk: int
     assert torch.equal(tokens, sampling.greedy(logits))
 
 
+@settings(deadline=None)
 @given(logits_cases(), st.integers(0, 2**31 - 1))
 def test_temperature_0_is_greedy(logits: torch.Tensor, seed: int) -> None:
     b = logits.shape[0]
@@ -71,7 +73,7 @@ def test_temperature_0_is_greedy(logits: torch.Tensor, seed: int) -> None:
     assert torch.equal(sampling.sample(logits, params, _uniforms(b, seed), global_topk=0), sampling.greedy(logits))
 
 
-@settings(max_examples=60)
+@settings(deadline=None, max_examples=60)
 @given(data=st.data(), logits=logits_cases(), seed=st.integers(0, 2**31 - 1))
 def test_sampled_tokens_respect_top_k_and_top_p(data: st.DataObject, logits: torch.Tensor, seed: int) -> None:
     b, v = logits.shape
@@ -85,6 +87,7 @@ def test_sampled_tokens_respect_top_k_and_top_p(data: st.DataObject, logits: tor
             assert tokens[i].item() in allowed, (tokens[i].item(), allowed)
 
 
+@settings(deadline=None)
 @given(logits_cases(), st.integers(0, 2**31 - 1))
 def test_fixed_uniforms_reproduce_and_extremes_pick_the_ends(logits: torch.Tensor, seed: int) -> None:
     b = logits.shape[0]
@@ -103,6 +106,7 @@ def test_fixed_uniforms_reproduce_and_extremes_pick_the_ends(logits: torch.Tenso
         assert deterministic[i].item() == order[int((cdf < 0.5).sum())].item()
 
 
+@settings(deadline=None)
 @given(logits_cases(), st.integers(0, 2**31 - 1))
 def test_sampling_draws_follow_the_filtered_distribution(logits: torch.Tensor, seed: int) -> None:
     b, v = logits.shape

@@ -115,6 +115,7 @@ def qkv_tensors(draw: st.DrawFn) -> tuple[tuple[int, int, int], torch.Tensor, to
     return (h * d, kv * d, kv * d), q, k, v
 
 
+@settings(deadline=None)
 @given(qkv_tensors())
 def test_split_inverts_fuse(case: tuple[tuple[int, int, int], torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
     sizes, q, k, v = case

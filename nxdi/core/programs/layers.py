@@ -32,14 +32,19 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 # --- rotary position embeddings ----------------------------------------------------------------
 
 
-def _base_inv_freq(theta: float, dim: int) -> Tensor:
+def _exponents(dim: int, device: torch.device) -> Tensor:
+    """[D/2] fp32: `2i / D`."""
+    return torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+
+
+def _base_inv_freq(theta: float, dim: int, device: torch.device) -> Tensor:
     """[D/2] fp32: `1 / theta ** (2i / D)`."""
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return 1.0 / (theta ** _exponents(dim, device))
 
 
-def _llama3_inv_freq(rope: RopeSpec, dim: int, max_positions: int) -> Tensor:
+def _llama3_inv_freq(rope: RopeSpec, dim: int, max_positions: int, device: torch.device) -> Tensor:
     """Llama-3.1 scaling: long wavelengths divided by `factor`, short ones kept, a smooth ramp between."""
-    inv = _base_inv_freq(rope.theta, dim)
+    inv = _base_inv_freq(rope.theta, dim, device)
     old = rope.original_max_position_embeddings or max_positions
     low_wavelen, high_wavelen = old / rope.low_freq_factor, old / rope.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -50,7 +55,7 @@ def _llama3_inv_freq(rope: RopeSpec, dim: int, max_positions: int) -> Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _yarn_inv_freq(rope: RopeSpec, dim: int, max_positions: int) -> tuple[Tensor, float]:
+def _yarn_inv_freq(rope: RopeSpec, dim: int, max_positions: int, device: torch.device) -> tuple[Tensor, float]:
     """YaRN: interpolate low frequencies, extrapolate high ones, with a linear ramp between."""
     factor, base = rope.factor, rope.theta
     original = rope.original_max_position_embeddings or max_positions
@@ -61,8 +66,8 @@ def _yarn_inv_freq(rope: RopeSpec, dim: int, max_positions: int) -> tuple[Tensor
     low = max(math.floor(correction_dim(rope.beta_fast)), 0)
     high: float = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
     high = high + 0.001 if low == high else high  # avoid a zero-width ramp
-    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** _exponents(dim, device)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low), 0, 1)
     extrapolation = 1 - ramp
     inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     scale = rope.attention_factor
@@ -76,7 +81,7 @@ def _dynamic_inv_freq(rope: RopeSpec, dim: int, max_positions: int, seq_len: Ten
     seq_len = seq_len.float()
     grown = rope.theta * ((rope.factor * seq_len / max_positions) - (rope.factor - 1)) ** (dim / (dim - 2))
     base = torch.where(seq_len > max_positions, grown, torch.full_like(grown, rope.theta))
-    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return 1.0 / (base ** _exponents(dim, seq_len.device))
 
 
 def rope_cos_sin(
@@ -94,20 +99,20 @@ def rope_cos_sin(
     original length is not given; dynamic NTK scales past it). `seq_len` (a 0-d tensor) is the
     longest real sequence in the batch, used by dynamic NTK only; it defaults to `positions.max() + 1`.
     """
-    scale = 1.0
+    scale, device = 1.0, positions.device
     match rope.kind:
         case RopeKind.DEFAULT:
-            inv = _base_inv_freq(rope.theta, head_dim)
+            inv = _base_inv_freq(rope.theta, head_dim, device)
         case RopeKind.LINEAR:
-            inv = _base_inv_freq(rope.theta, head_dim) / rope.factor
+            inv = _base_inv_freq(rope.theta, head_dim, device) / rope.factor
         case RopeKind.LLAMA3:
-            inv = _llama3_inv_freq(rope, head_dim, max_positions)
+            inv = _llama3_inv_freq(rope, head_dim, max_positions, device)
         case RopeKind.YARN:
-            inv, scale = _yarn_inv_freq(rope, head_dim, max_positions)
+            inv, scale = _yarn_inv_freq(rope, head_dim, max_positions, device)
         case RopeKind.DYNAMIC:
             longest = positions.max() + 1 if seq_len is None else seq_len
             inv = _dynamic_inv_freq(rope, head_dim, max_positions, longest)
-    freqs = positions[..., None].float() * inv.to(positions.device)  # [B, S, D/2]
+    freqs = positions[..., None].float() * inv  # [B, S, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [B, S, D]
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
