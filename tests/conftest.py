@@ -1,4 +1,4 @@
-"""Shared test configuration: hypothesis profiles.
+"""Shared test configuration: hypothesis profiles and session fixtures.
 
 Profiles (select with the environment variable HYPOTHESIS_PROFILE; default `dev`):
 - `dev`: few examples, for quick local runs.
@@ -13,6 +13,11 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+# Fixture modules shared by every test directory.
+pytest_plugins = [
+    "tests.checkpoint_fixtures",  # session-scoped tiny Hugging Face checkpoints: tiny_model, tiny_checkpoint
+]
+
 settings.register_profile("dev", max_examples=25, deadline=1000)
 settings.register_profile(
     "ci",
@@ -22,6 +27,3 @@ settings.register_profile(
     suppress_health_check=(HealthCheck.too_slow,),
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
-
-# Tiny Hugging Face checkpoints (session-scoped fixtures `tiny_model`, `tiny_checkpoint`).
-from tests.checkpoint_fixtures import tiny_checkpoint, tiny_model  # noqa: E402, F401
