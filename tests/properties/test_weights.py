@@ -42,10 +42,11 @@ def test_rename_strips_only_a_leading_prefix_and_renames_weight_scale(key: str) 
 @given(model_specs(DENSE), st.booleans(), st.sampled_from(["config", "as-declared"]))
 def test_a_well_formed_checkpoint_passes_and_every_source_is_read(spec: ModelSpec, fused: bool, cast: str) -> None:
     plan = weights.weight_plan_for(spec, fused_qkv=fused, cast_type=cast, torch_dtype="bfloat16").unwrap()
-    match weights.check_checkpoint(plan, _shapes(spec)):
+    shapes = _shapes(spec)
+    match weights.check_checkpoint(plan, shapes):
         case Success(keys):
             assert set(keys) == set(plan.read_keys())
-            assert all(keys[n] in _shapes(spec) for n in keys)
+            assert all(keys[n] in shapes for n in keys)
         case Failure(err):
             raise AssertionError(err.render())
     assert plan.names() == weights.weight_names(spec, fused_qkv=fused)
