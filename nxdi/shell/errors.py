@@ -50,3 +50,12 @@ def unwrap_checkpoint(result: Result[T, CheckpointError], title: str = "Invalid 
         case Failure(error):
             raise CheckpointValidationError(error.render(title), error) from None
     raise AssertionError("unreachable")
+
+
+class LogitMatchingValidationError(AssertionError):
+    """Logits differ from the golden model beyond tolerance (`results` holds every compared position)."""
+
+    def __init__(self, status_msg: str, results: object) -> None:
+        super().__init__(status_msg)
+        self.status_msg = status_msg
+        self.results = results

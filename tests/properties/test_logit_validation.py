@@ -47,12 +47,14 @@ def test_divergence_stops_and_is_reported() -> None:
     assert len(results) == 2 and results[1].diverged and (results[1].expected_token, results[1].actual_token) == (1, 2)
 
 
-def test_near_tie_is_not_divergence() -> None:
-    expected = torch.zeros(1, 8)
-    expected[0, 1] = 5.0
+def test_near_tie_is_not_divergence_but_stops_the_comparison() -> None:
+    expected = torch.zeros(3, 8)
+    expected[:, 1] = 5.0
+    expected[:, 2] = 4.9998
     actual = expected.clone()
-    actual[0, 2] = 5.0005
-    assert not accuracy.compare_logits(expected, actual)[0].diverged
+    actual[0, 2] = 5.0003  # a near-tie flips the argmax
+    results = accuracy.compare_logits(expected, actual)
+    assert len(results) == 1 and results[0].token_mismatch and not results[0].diverged and results[0].passed
 
 
 def test_error_is_scaled_by_largest_expected_magnitude() -> None:

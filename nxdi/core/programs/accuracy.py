@@ -8,8 +8,8 @@ The scheme (REFERENCE §10), per generated position:
    entries and require `(|actual - expected| - atol) / max|expected| <= rtol` on each; the error
    is scaled by the largest expected magnitude among them, not per element.
 4. Divergence: where the argmaxes differ, the actual logits of the two tokens must be within
-   `divergence_tol` (a near-tie, not a wrong answer); the first position that fails this is where
-   the caller restarts generation from the expected tokens (teacher forcing).
+   `divergence_tol` (a near-tie, not a wrong answer). Either way the first position whose tokens
+   differ is where the caller restarts generation from the expected tokens (teacher forcing).
 """
 
 from __future__ import annotations
@@ -41,7 +41,12 @@ class PositionResult:
     expected_token: int
     actual_token: int
     diverged: bool
-    """The argmaxes differ by more than a near-tie."""
+    """The argmaxes differ by more than a near-tie (a failure)."""
+
+    @property
+    def token_mismatch(self) -> bool:
+        """The argmaxes differ at all; later positions need the expected tokens (teacher forcing)."""
+        return self.expected_token != self.actual_token
 
 
 def _shift_removed(expected: Tensor, actual: Tensor) -> Tensor:
@@ -102,14 +107,15 @@ def compare_logits(
     divergence_tol: float = DEFAULT_DIVERGENCE_TOL,
 ) -> tuple[PositionResult, ...]:
     """Compare logits position by position, expected and actual [N, V], stopping after the first
-    divergence (later positions were generated from a different prefix, so they say nothing)."""
+    position whose tokens differ (later positions were generated from a different prefix, so they
+    say nothing; the caller restarts from the expected tokens there)."""
     if expected.shape != actual.shape:
         raise ValueError(f"logits shapes differ: expected {tuple(expected.shape)}, actual {tuple(actual.shape)}")
     out: list[PositionResult] = []
     for i in range(expected.shape[0]):
         result = compare_position(i, expected[i], actual[i], tol_map=tol_map, divergence_tol=divergence_tol)
         out.append(result)
-        if result.diverged:
+        if result.token_mismatch:
             break
     return tuple(out)
 
