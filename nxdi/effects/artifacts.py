@@ -1,0 +1,428 @@
+"""The compiled-model folder: program files, their manifest, and the compile cache.
+Effects: reads, writes, copies and hashes files; calls a backend to trace programs.
+
+Layout of a compiled-model folder:
+
+    neuron_config.json                                 the shell writes it
+    weights/tp{rank}_sharded_checkpoint.safetensors    the weights writer (once, for every program)
+    programs/<name><suffix>                            one program per sub-model and bucket, no weights
+    manifest.json                                      written last: see `Manifest`
+
+Rules:
+- A folder is compiled exactly when `manifest.json` exists. `compile_programs` deletes it before
+  writing anything and writes it last, so an interrupted compile leaves a folder that reads as
+  "nothing compiled" (FileNotFoundError), never a half-valid one.
+- Every file is written to a temporary name in its folder and renamed into place.
+- The manifest records the sha256 and size of every program (and of any file the caller asks it
+  to record). Loading checks them all and names each file that is missing, truncated or altered.
+- Compile cache: a program's key hashes the caller's graph key, the program name, the backend and
+  the backend version (torch version and saved format). Compiling an unchanged configuration again
+  reuses the folder's programs; with `cache_dir`, programs are also reused across folders.
+
+(Over 400 lines: the folder format, its checks, and the compile that writes it are one concept;
+split, the writer and the reader of the same manifest would drift apart.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import attrs
+from returns.pipeline import is_successful
+from returns.result import Failure, Result, Success
+from torch import Tensor
+
+from nxdi.core.errors import Problem
+from nxdi.effects import files
+from nxdi.effects.backends.base import Backend, CompiledProgram, FlatProgram, Signature
+
+T = TypeVar("T")
+
+MANIFEST = "manifest.json"
+PROGRAMS = "programs"
+FORMAT = 1
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_CHUNK = 1 << 22
+
+
+def _programs(values: Iterable[ProgramRecord]) -> tuple[ProgramRecord, ...]:
+    return tuple(values)  # typed converters: mypy cannot see element types through a bare `tuple`
+
+
+def _files(values: Iterable[FileRecord]) -> tuple[FileRecord, ...]:
+    return tuple(values)
+
+
+def _problems(values: Iterable[Problem]) -> tuple[Problem, ...]:
+    return tuple(values)
+
+
+@attrs.frozen(kw_only=True)
+class FileRecord:
+    """One file of the folder, by content."""
+
+    path: str
+    """Relative to the folder, `/`-separated."""
+    sha256: str
+    size: int
+    """Bytes."""
+
+
+@attrs.frozen(kw_only=True)
+class ProgramRecord:
+    """One compiled program in the folder."""
+
+    name: str
+    file: str
+    """Relative path of the program file (also listed in `Manifest.files`)."""
+    signature: Signature
+    cache_key: str
+    """`program_key(...)` it was compiled under."""
+
+
+@attrs.frozen(kw_only=True)
+class Manifest:
+    """What a compiled-model folder holds and what made it."""
+
+    graph_key: str
+    """The caller's hash of every graph-affecting setting."""
+    backend: str
+    backend_version: str
+    programs: tuple[ProgramRecord, ...] = attrs.field(converter=_programs)
+    files: tuple[FileRecord, ...] = attrs.field(converter=_files)
+    format: int = FORMAT
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "format": self.format,
+            "graph_key": self.graph_key,
+            "backend": self.backend,
+            "backend_version": self.backend_version,
+            "programs": [
+                {"name": p.name, "file": p.file, "cache_key": p.cache_key, "signature": p.signature.to_json()}
+                for p in self.programs
+            ],
+            "files": {f.path: {"sha256": f.sha256, "size": f.size} for f in self.files},
+        }
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> Manifest:
+        """The inverse of `to_json`. Raises KeyError/TypeError/ValueError on a malformed document."""
+        programs = tuple(
+            ProgramRecord(
+                name=str(p["name"]),
+                file=str(p["file"]),
+                cache_key=str(p["cache_key"]),
+                signature=Signature.from_json(p["signature"]),
+            )
+            for p in raw["programs"]
+        )
+        records = tuple(
+            FileRecord(path=str(k), sha256=str(v["sha256"]), size=int(v["size"])) for k, v in raw["files"].items()
+        )
+        return cls(
+            graph_key=str(raw["graph_key"]),
+            backend=str(raw["backend"]),
+            backend_version=str(raw["backend_version"]),
+            programs=programs,
+            files=records,
+            format=int(raw["format"]),
+        )
+
+
+@attrs.frozen(kw_only=True)
+class ArtifactError:
+    """Every problem found in a compiled-model folder."""
+
+    problems: tuple[Problem, ...] = attrs.field(converter=_problems)
+    nothing_compiled: bool = False
+    """True when the folder has no manifest at all (the shell raises FileNotFoundError)."""
+
+    def render(self, title: str = "Invalid compiled model") -> str:
+        """A multi-line message listing every problem."""
+        lines = [f"{title}: {len(self.problems)} problem(s):"]
+        lines.extend(f"  - {p.render()}" for p in self.problems)
+        return "\n".join(lines)
+
+
+class ArtifactIntegrityError(RuntimeError):
+    """A compiled-model folder is corrupt, incomplete, or was made by another backend or version."""
+
+    def __init__(self, message: str, error: ArtifactError) -> None:
+        super().__init__(message)
+        self.error = error
+
+
+@attrs.frozen(eq=False, kw_only=True)
+class ProgramRequest:
+    """One program to compile: its name, the pure flat program, its signature, example tensors."""
+
+    name: str = attrs.field(validator=attrs.validators.matches_re(_NAME))
+    """File-name safe: letters, digits, `_`, `.`, `-` (e.g. `token_generation_256`)."""
+    fn: FlatProgram
+    signature: Signature
+    example: Callable[[], Sequence[Tensor]]
+    """Builds the W + C + I example tensors; called only when the program must be traced."""
+
+
+@attrs.frozen(kw_only=True)
+class CompileResult:
+    """The manifest written, and which programs were traced or reused."""
+
+    manifest: Manifest
+    traced: tuple[str, ...]
+    reused: tuple[str, ...]
+
+
+def program_key(graph_key: str, name: str, backend: str, backend_version: str) -> str:
+    """The compile-cache key of one program (hex sha256). Pure."""
+    doc = json.dumps([FORMAT, graph_key, name, backend, backend_version], separators=(",", ":"))
+    return hashlib.sha256(doc.encode()).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def record_file(directory: Path, rel: str) -> FileRecord:
+    """The content record of `directory/rel`."""
+    path = directory / rel
+    return FileRecord(path=rel, sha256=sha256_file(path), size=path.stat().st_size)
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> Result[Manifest, ArtifactError]:
+    """The folder's manifest, or an ArtifactError (`nothing_compiled` when there is none)."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        problem = Problem.of(str(path), "<missing>", "no compiled model here", "compile() the model into this folder")
+        return Failure(ArtifactError(problems=(problem,), nothing_compiled=True))
+    try:
+        return Success(Manifest.from_json(json.loads(path.read_text(encoding="utf-8"))))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        fix = "delete the folder and compile again"
+        return Failure(ArtifactError(problems=(Problem.of(str(path), type(e).__name__, f"is malformed ({e})", fix),)))
+
+
+def verify(directory: str | os.PathLike[str], manifest: Manifest) -> Result[Manifest, ArtifactError]:
+    """Check every recorded file's size and sha256; the error names each bad file."""
+    root, problems = Path(directory), []
+    fix = "the file was changed after compiling; compile again (or restore the folder)"
+    for rec in manifest.files:
+        path = root / rec.path
+        if not path.is_file():
+            problems.append(Problem.of(str(path), "<missing>", "is listed in manifest.json but missing", fix))
+        elif path.stat().st_size != rec.size:
+            size = path.stat().st_size
+            problems.append(Problem.of(str(path), size, f"has {size} bytes; manifest.json says {rec.size}", fix))
+        elif sha256_file(path) != rec.sha256:
+            problems.append(Problem.of(str(path), "sha256 mismatch", "content differs from manifest.json", fix))
+    return Failure(ArtifactError(problems=problems)) if problems else Success(manifest)
+
+
+def _compatibility(
+    manifest: Manifest, backend: Backend, graph_key: str | None, directory: Path
+) -> Result[Manifest, ArtifactError]:
+    """The manifest was made by this backend and version (and for `graph_key`, when given)."""
+    where, fix = str(directory / MANIFEST), "compile the model again with this installation"
+    problems = []
+    if manifest.format != FORMAT:
+        problems.append(Problem.of(f"{where}:format", manifest.format, f"this nxdi reads format {FORMAT}", fix))
+    if manifest.backend != backend.name:
+        problems.append(Problem.of(f"{where}:backend", manifest.backend, f"loading with backend {backend.name!r}", fix))
+    elif manifest.backend_version != backend.version():
+        reason = f"compiled with {manifest.backend_version}, running {backend.version()}"
+        problems.append(Problem.of(f"{where}:backend_version", manifest.backend_version, reason, fix))
+    if graph_key is not None and manifest.graph_key != graph_key:
+        reason = "compiled for a different configuration (graph key)"
+        problems.append(Problem.of(f"{where}:graph_key", manifest.graph_key, reason, "compile with this configuration"))
+    return Failure(ArtifactError(problems=problems)) if problems else Success(manifest)
+
+
+def load_programs(
+    directory: str | os.PathLike[str], backend: Backend, *, graph_key: str | None = None
+) -> Result[dict[str, CompiledProgram], ArtifactError]:
+    """Every program of a compiled folder, verified and deserialized (no tracing).
+
+    Returns:
+        name -> program, or an ArtifactError: no manifest (`nothing_compiled`), a malformed
+        manifest, missing/altered files (each named), or another backend, version or graph key.
+    """
+    root = Path(directory)
+    checked = (
+        read_manifest(root).bind(lambda m: _compatibility(m, backend, graph_key, root)).bind(lambda m: verify(root, m))
+    )
+    return checked.map(lambda m: {p.name: backend.load(root / p.file, p.signature, name=p.name) for p in m.programs})
+
+
+def unwrap_artifacts(result: Result[T, ArtifactError]) -> T:
+    """The value, or FileNotFoundError (nothing compiled) / ArtifactIntegrityError listing every problem."""
+    match result:
+        case Success(value):
+            return value
+        case Failure(error):
+            _raise(error)
+    raise AssertionError("unreachable")
+
+
+def _raise(error: ArtifactError) -> NoReturn:
+    if error.nothing_compiled:
+        raise FileNotFoundError(error.render("Nothing compiled"))
+    raise ArtifactIntegrityError(error.render(), error)
+
+
+# --- compiling --------------------------------------------------------------------------------
+
+
+def _temp_in(folder: Path, name: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    # The name ends like the target's, since some writers (torch.export.save) check the suffix.
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=f"-{name}", dir=folder)
+    os.close(fd)
+    return Path(tmp)
+
+
+def _publish(write: Callable[[Path], object], target: Path) -> None:
+    """Run `write(tmp)` into a temporary file beside `target`, fsync it, rename it into place."""
+    tmp = _temp_in(target.parent, target.name)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _from_cache(cache_dir: Path | None, key: str, target: Path) -> bool:
+    """Copy a verified cached program to `target`; False when absent or not intact."""
+    if cache_dir is None:
+        return False
+    entry = cache_dir / key
+    try:
+        record = json.loads((entry / "entry.json").read_text(encoding="utf-8"))
+        source = entry / str(record["file"])
+        if sha256_file(source) != record["sha256"]:
+            return False
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    _publish(lambda tmp: shutil.copyfile(source, tmp), target)
+    return True
+
+
+def _to_cache(cache_dir: Path | None, key: str, source: Path) -> None:
+    """Store a program under its key (the entry record is written last)."""
+    if cache_dir is None:
+        return
+    entry = cache_dir / key
+    _publish(lambda tmp: shutil.copyfile(source, tmp), entry / source.name)
+    doc = {"file": source.name, "sha256": sha256_file(entry / source.name)}
+    files.write_text_atomic(entry / "entry.json", json.dumps(doc, indent=1))
+
+
+def _reusable(directory: Path) -> dict[str, ProgramRecord]:
+    """cache key -> record of the folder's current programs whose files are intact."""
+    match read_manifest(directory):
+        case Success(m):
+            ok = {f.path for f in m.files if is_successful(verify(directory, attrs.evolve(m, files=(f,))))}
+            return {p.cache_key: p for p in m.programs if p.file in ok}
+    return {}
+
+
+def _place(req: ProgramRequest, target: Path, key: str, ctx: _Context) -> bool:
+    """Put the program at `target`: from the folder, the cache, or by tracing. True when traced."""
+    old = ctx.reusable.get(key)
+    if old is not None and ctx.directory / old.file == target:
+        return False  # same key, same file, intact: keep it
+    if _from_cache(ctx.cache_dir, key, target):
+        return False
+    program = ctx.backend.compile(req.fn, req.signature, req.example(), name=req.name)
+    _publish(lambda tmp: ctx.backend.save(program, tmp), target)
+    _to_cache(ctx.cache_dir, key, target)
+    return True
+
+
+@attrs.frozen(kw_only=True)
+class _Context:
+    directory: Path
+    backend: Backend
+    cache_dir: Path | None
+    reusable: dict[str, ProgramRecord]
+
+
+def compile_programs(
+    directory: str | os.PathLike[str],
+    requests: Sequence[ProgramRequest],
+    *,
+    graph_key: str,
+    backend: Backend,
+    cache_dir: str | os.PathLike[str] | None = None,
+    record: Iterable[str] = (),
+) -> CompileResult:
+    """Compile `requests` into `directory` (reusing unchanged programs) and write the manifest last.
+
+    Args:
+        directory: the compiled-model folder (created if needed).
+        requests: one per sub-model and bucket; names must be unique.
+        graph_key: hash of the graph-affecting configuration (part of every program's cache key).
+        backend: traces, saves and (later) loads the programs.
+        cache_dir: optional cache shared across folders (e.g. `Env.compile_cache_dir`).
+        record: other files of the folder (relative paths, e.g. `neuron_config.json`) whose
+            hashes the manifest should hold, so loading detects changes to them too.
+
+    Raises:
+        ValueError: duplicate program names. Exceptions from tracing propagate; the folder is
+            then left without a manifest (reads as not compiled).
+    """
+    root = Path(directory)
+    names = [r.name for r in requests]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate program names in {names}")
+    version = backend.version()
+    reusable = _reusable(root)
+    (root / MANIFEST).unlink(missing_ok=True)  # not compiled until the new manifest lands
+    cache = None if cache_dir is None else Path(cache_dir)
+    ctx = _Context(directory=root, backend=backend, cache_dir=cache, reusable=reusable)
+    programs, traced = [], []
+    for req in requests:
+        key = program_key(graph_key, req.name, backend.name, version)
+        rel = f"{PROGRAMS}/{req.name}{backend.suffix}"
+        if _place(req, root / rel, key, ctx):
+            traced.append(req.name)
+        programs.append(ProgramRecord(name=req.name, file=rel, signature=req.signature, cache_key=key))
+    _remove_stale(root, {p.file for p in programs})
+    rels = [p.file for p in programs] + [r for r in record if r not in {p.file for p in programs}]
+    manifest = Manifest(
+        graph_key=graph_key,
+        backend=backend.name,
+        backend_version=version,
+        programs=programs,
+        files=[record_file(root, r) for r in rels],
+    )
+    files.write_text_atomic(root / MANIFEST, json.dumps(manifest.to_json(), indent=1, sort_keys=True))
+    reused = tuple(n for n in names if n not in traced)
+    return CompileResult(manifest=manifest, traced=tuple(traced), reused=reused)
+
+
+def _remove_stale(root: Path, keep: set[str]) -> None:
+    """Delete program files (and leftover temporaries) that the new manifest does not list."""
+    folder = root / PROGRAMS
+    if not folder.is_dir():
+        return
+    for path in folder.iterdir():
+        if path.is_file() and f"{PROGRAMS}/{path.name}" not in keep:
+            path.unlink()

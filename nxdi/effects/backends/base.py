@@ -1,0 +1,128 @@
+"""The backend protocol: trace a pure tensor program, save it, load it, bind weights, run it.
+Effects: none here (the protocol and the values a backend hands to the shell).
+
+Calling convention (every backend, every program). A program is a pure function of flat tensors:
+
+    fn(*weights, *cache, *inputs) -> (*outputs, *new_cache)
+
+- `weights` (W tensors, named by `Signature.weights`): bound once per loaded model with
+  `Backend.bind`, never baked into a saved program, so one weights file serves every program.
+- `cache` (C tensors, named by `Signature.cache`): the KV cache view the step reads and writes.
+  `new_cache[i]` has the shape and dtype of `cache[i]`. The traced program is pure (out-of-place
+  writes); a backend may run it in place instead (writing `cache[i]` and returning that very
+  tensor), which is why `run` treats the cache it is given as consumed: callers use the returned
+  cache, never the tensors they passed in.
+- `inputs` (I tensors, named by `Signature.inputs`): token ids, positions, sampling parameters...
+- `outputs` (O tensors, named by `Signature.outputs`): logits, tokens...
+
+Shapes are static: one program per sub-model and bucket. The names make the manifest readable and
+let `bind` check weights by name and shape, and report every mismatch at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+from returns.result import Result
+from torch import Tensor
+
+from nxdi.core.errors import CheckpointError
+
+FlatProgram = Callable[..., tuple[Tensor, ...]]
+"""`fn(*weights, *cache, *inputs) -> (*outputs, *new_cache)`, a pure function of tensors."""
+
+
+def _names(values: Sequence[str]) -> tuple[str, ...]:
+    return tuple(values)
+
+
+@attrs.frozen(kw_only=True)
+class Signature:
+    """The names of a program's flat arguments and results, in order."""
+
+    weights: tuple[str, ...] = attrs.field(converter=_names)
+    """Weight names (checkpoint keys), W of them; bound by `Backend.bind`."""
+    cache: tuple[str, ...] = attrs.field(converter=_names)
+    """KV cache tensor names, C of them; passed in and returned (updated) by every run."""
+    inputs: tuple[str, ...] = attrs.field(converter=_names)
+    """Per-step input names, I of them."""
+    outputs: tuple[str, ...] = attrs.field(converter=_names)
+    """Result names, O of them; the program returns O outputs followed by C cache tensors."""
+
+    @property
+    def arity(self) -> int:
+        """W + C + I, the number of positional arguments of the program."""
+        return len(self.weights) + len(self.cache) + len(self.inputs)
+
+    def to_json(self) -> dict[str, list[str]]:
+        """A JSON-ready dict (the manifest stores it)."""
+        return {f.name: list(getattr(self, f.name)) for f in attrs.fields(Signature)}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> Signature:
+        """The inverse of `to_json`. Raises KeyError/TypeError on a malformed dict."""
+        return cls(**{f.name: tuple(str(n) for n in raw[f.name]) for f in attrs.fields(Signature)})
+
+
+@attrs.frozen(eq=False, kw_only=True)
+class CompiledProgram:
+    """One traced, static-shape program (a sub-model at one bucket), not yet bound to weights."""
+
+    name: str
+    """Which program: e.g. `token_generation_256`. Also its file name stem in the artifact folder."""
+    signature: Signature
+    backend: str
+    """`Backend.name` of the backend that made it."""
+    payload: Any
+    """The backend's own form (CPU: a `torch.export.ExportedProgram`; Neuron: a ScriptModule)."""
+
+
+@attrs.frozen(eq=False, kw_only=True)
+class LoadedProgram:
+    """A compiled program bound to weights: ready to run."""
+
+    program: CompiledProgram
+    call: Callable[..., tuple[Tensor, ...]]
+    """`call(*cache, *inputs) -> (*outputs, *new_cache)`, weights already bound."""
+    in_place: tuple[bool, ...]
+    """Per cache tensor: True when a run writes the caller's tensor and returns it as the new cache."""
+
+
+class Backend(Protocol):
+    """What every backend (CPU, Neuron) provides. See the module docstring for the calling convention."""
+
+    name: str
+    """Short backend name stored in manifests (`cpu`, `neuron`)."""
+    suffix: str
+    """File suffix of a saved program (`.pt2`, `.pt`)."""
+
+    def version(self) -> str:
+        """Everything about the toolchain that changes a saved program (part of the compile-cache key)."""
+        ...
+
+    def compile(
+        self, fn: FlatProgram, signature: Signature, example: Sequence[Tensor], *, name: str
+    ) -> CompiledProgram:
+        """Trace `fn` at the shapes of `example` (weights, cache and inputs, flat) and compile it."""
+        ...
+
+    def save(self, program: CompiledProgram, path: Path) -> None:
+        """Write `program` to `path` (a temporary name; the caller renames it into place)."""
+        ...
+
+    def load(self, path: Path, signature: Signature, *, name: str) -> CompiledProgram:
+        """Read a program written by `save`, without tracing anything again."""
+        ...
+
+    def bind(self, program: CompiledProgram, weights: Sequence[Tensor]) -> Result[LoadedProgram, CheckpointError]:
+        """Bind weights (W tensors, signature order). Fails, naming every weight, on a name/shape/dtype mismatch."""
+        ...
+
+    def run(
+        self, loaded: LoadedProgram, cache: Sequence[Tensor], inputs: Sequence[Tensor]
+    ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """One call: `(outputs, new_cache)`. The given `cache` is consumed (see the module docstring)."""
+        ...

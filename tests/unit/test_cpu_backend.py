@@ -1,0 +1,117 @@
+"""The CPU backend: the load-time fast paths (prepacked weights, in-place cache) agree with the pure form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nxdi.effects.backends import cpu_passes
+from nxdi.effects.backends.base import FlatProgram, LoadedProgram
+from nxdi.effects.backends.cpu import CpuBackend
+from tests.unit import cpu_programs as cp
+
+FAST, PURE = CpuBackend(), CpuBackend(pack_weights=False, in_place_cache=False)
+DTYPES = [torch.float32] + ([torch.bfloat16] if torch.bfloat16 in cpu_passes.packable_dtypes() else [])
+
+
+def bound(fn: FlatProgram, backend: CpuBackend, s: int, dtype: torch.dtype = torch.float32) -> LoadedProgram:
+    program = backend.compile(fn, cp.SIGNATURE, cp.example(s, dtype), name=f"p{s}")
+    return backend.bind(program, cp.weights(0, dtype)).unwrap()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fn", [cp.step, cp.scatter_step], ids=["index_copy", "scatter"])
+def test_in_place_fast_path_agrees_with_the_pure_form_over_a_decode(fn: FlatProgram, dtype: torch.dtype) -> None:
+    """Prefill 4 tokens then decode 5, three ways: eager program, pure graph, fast graph."""
+    w = cp.weights(0, dtype)
+    prefill = {b: bound(fn, b, 4, dtype) for b in (FAST, PURE)}
+    decode = {b: bound(fn, b, 1, dtype) for b in (FAST, PURE)}
+    assert prefill[FAST].in_place == (True,) and prefill[PURE].in_place == (False,)
+    caches = {b: (torch.zeros(cp.B, cp.T, cp.E, dtype=dtype),) for b in (FAST, PURE)}
+    eager_cache = torch.zeros(cp.B, cp.T, cp.E, dtype=dtype)
+    tol = {"rtol": 1.3e-6, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
+    for i, (s, start) in enumerate([(4, 0)] + [(1, 4 + j) for j in range(5)]):
+        x = cp.inputs(i, s, start, dtype)
+        want_y, eager_cache = fn(*w, eager_cache, *x)
+        for b in (FAST, PURE):
+            given_cache = caches[b]
+            (y, *_), caches[b] = b.run((prefill if s > 1 else decode)[b], given_cache, x)
+            torch.testing.assert_close(y, want_y, **(tol if b is FAST else {"rtol": 0, "atol": 0}))
+            torch.testing.assert_close(caches[b][0], eager_cache, **(tol if b is FAST else {"rtol": 0, "atol": 0}))
+            assert (caches[b][0] is given_cache[0]) == (b is FAST)
+
+
+def test_pure_graph_leaves_the_given_cache_untouched() -> None:
+    cache = torch.zeros(cp.B, cp.T, cp.E)
+    _, (new,) = PURE.run(bound(cp.step, PURE, 1), (cache,), cp.inputs(0, 1, 3))
+    assert torch.count_nonzero(cache) == 0 and torch.count_nonzero(new) > 0
+
+
+def test_a_cache_read_after_its_write_stays_out_of_place() -> None:
+    loaded = bound(cp.reread_step, FAST, 1)
+    assert loaded.in_place == (False,)
+    cache = torch.randn(cp.B, cp.T, cp.E)
+    (y,), (new,) = FAST.run(loaded, (cache.clone(),), cp.inputs(1, 1, 2))
+    want_y, want_new = cp.reread_step(*cp.weights(0), cache, *cp.inputs(1, 1, 2))
+    torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(new, want_new)
+
+
+def test_in_place_refuses_a_write_whose_source_views_the_cache() -> None:
+    def shift(
+        w: torch.Tensor, w_out: torch.Tensor, cache: torch.Tensor, x: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        new = cache.index_copy(1, pos + 1, cache[:, : pos.shape[0]])  # the source is a view of the cache
+        return F.linear(new.sum(1, keepdim=True) + F.linear(x, w)[:, -1:], w_out), new
+
+    loaded = bound(shift, FAST, 2)
+    assert loaded.in_place == (False,)
+    cache = torch.randn(cp.B, cp.T, cp.E)
+    (y,), (new,) = FAST.run(loaded, (cache.clone(),), cp.inputs(2, 2, 3))
+    want_y, want_new = shift(*cp.weights(0), cache, *cp.inputs(2, 2, 3))
+    torch.testing.assert_close(new, want_new)
+    torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+
+
+@settings(deadline=None, max_examples=20)
+@given(
+    rows=st.integers(1, 9),
+    k=st.sampled_from([8, 64, 96]),
+    n=st.sampled_from([8, 96, 256]),
+    lead=st.sampled_from([(), (2,), (2, 3)]),
+    bias=st.booleans(),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_packed_linear_matches_linear(
+    rows: int, k: int, n: int, lead: tuple[int, ...], bias: bool, dtype: torch.dtype
+) -> None:
+    g = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x = torch.randn(*lead, rows, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+    tol = {"rtol": 1.3e-6, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 2e-2}
+    torch.testing.assert_close(cpu_passes.packed_linear(x, packed, b), F.linear(x, w, b), **tol)
+
+
+def test_bind_names_every_weight_that_does_not_fit() -> None:
+    program = FAST.compile(cp.step, cp.SIGNATURE, cp.example(1), name="p")
+    w, w_out = cp.weights(0)
+    error = FAST.bind(program, (w[:, :8], w_out.double())).failure()
+    assert error.fields() == {"proj.weight", "out.weight"}
+    assert "recompile" in error.render()
+    assert FAST.bind(program, (w,)).failure().fields() == {"weights"}
+
+
+def test_compile_rejects_a_signature_that_does_not_fit() -> None:
+    with pytest.raises(ValueError, match="arity"):
+        FAST.compile(cp.step, cp.SIGNATURE, cp.example(1)[:-1], name="p")
+
+    def drops_cache(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return cp.step(*flat)[:1]
+
+    with pytest.raises(ValueError, match="outputs"):
+        FAST.compile(drops_cache, cp.SIGNATURE, cp.example(1), name="p")
