@@ -21,3 +21,19 @@ CONFIG_TYPES: dict[str, type] = {
     "qwen2": Qwen2InferenceConfig,
     "qwen3": Qwen3InferenceConfig,
 }
+
+
+def model_type_of(model_path: str) -> str:
+    """The `model_type` in `model_path/config.json` (KeyError naming the supported types otherwise)."""
+    import json
+    from pathlib import Path
+
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"--model-path: no config.json in {model_path!r}")
+    model_type = json.loads(config.read_text()).get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise KeyError(
+            f"model_type {model_type!r} has no application class (supported: {', '.join(sorted(MODEL_TYPES))})"
+        )
+    return str(model_type)
