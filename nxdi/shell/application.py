@@ -8,21 +8,39 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
+from nxdi.core import graph_key
 from nxdi.core import weights as weight_plans
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.neuron_checks import cpu_inert_flags
 from nxdi.core.neuron_spec import NeuronSpec
 from nxdi.core.programs import families, weight_ops
-from nxdi.effects import engine
+from nxdi.core.programs.inputs import StepInputs
+from nxdi.effects import artifacts, checkpoint, engine, programs
+from nxdi.effects import env as env_mod
 from nxdi.effects import weights as weight_io
-from nxdi.effects.runtime import Runtime
+from nxdi.effects.backends.base import Backend, WeightSet
+from nxdi.effects.backends.cpu import CpuBackend
+from nxdi.effects.runtime import Phase, Runtime
 from nxdi.shell.config import NeuronConfig
 from nxdi.shell.errors import IncompatibleConfigError, unwrap_checkpoint, unwrap_or_raise
-from nxdi.shell.inference_config import InferenceConfig
+from nxdi.shell.inference_config import CONFIG_FILE, InferenceConfig
+
+SHARDED_WEIGHTS = "weights/tp0_sharded_checkpoint.safetensors"
+
+
+def checkpoint_exists(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` holds a checkpoint nxdi can read."""
+    try:
+        checkpoint.find_checkpoint(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 class NeuronApplicationBase:
@@ -145,11 +163,121 @@ class NeuronApplicationBase:
 
     # --- life cycle ----------------------------------------------------------------------------
     def to_cpu(self) -> None:
-        """Load the weights and run eagerly on the CPU, writing no artifacts."""
+        """Load the weights and run the pure programs eagerly on the CPU, writing no artifacts."""
         self._runtime = engine.build_runtime(
             self.model_spec, self.spec, self.family, self._load_weights(self.model_path)
         )
         self.is_loaded_to_neuron = True
+
+    def _graph_key(self) -> str:
+        return graph_key.graph_key(self.spec, self.model_spec, extra=f"{type(self).__name__}/{self.family.model_type}")
+
+    def compile(self, compiled_model_path: str | os.PathLike[str], debug: bool = False) -> None:
+        """Trace one program per sub-model and bucket and write the compiled-model folder.
+
+        Writes `neuron_config.json`, `programs/*.pt2` (graphs only, no weights), with
+        `save_sharded_checkpoint` the converted weights once in
+        `weights/tp0_sharded_checkpoint.safetensors`, and last `manifest.json` with a sha256 per
+        file. Programs whose graph key, name and backend version are unchanged are reused, not
+        traced again. An interrupted compile leaves no manifest, which reads as not compiled.
+        `debug` is accepted for NxDI compatibility (the CPU backend keeps no HLO to annotate).
+        """
+        root = Path(compiled_model_path)
+        root.mkdir(parents=True, exist_ok=True)
+        self.config.save(root)
+        tensors = self.get_state_dict(self.model_path, self.config)
+        record = [CONFIG_FILE]
+        if self.spec.save_sharded_checkpoint:
+            self._write_shards(root, tensors)
+            record.append(SHARDED_WEIGHTS)
+        requests = programs.program_requests(
+            self.family, self.model_spec, self.spec, programs.bound_weights(tensors, self.model_spec)
+        )
+        self._last_compile = artifacts.compile_programs(
+            root,
+            requests,
+            graph_key=self._graph_key(),
+            backend=self._backend(),
+            cache_dir=env_mod.read_env().compile_cache_dir,
+            record=record,
+        )
+        self.is_compiled = True
+
+    def _write_shards(self, root: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+        checkpoint.write_safetensors(root / SHARDED_WEIGHTS, programs.bound_weights(tensors, self.model_spec))
+
+    def shard_weights(self, compiled_model_path: str | os.PathLike[str]) -> None:
+        """Write the converted weights to `compiled_model_path/weights/` (tp rank 0 on the CPU)."""
+        self._write_shards(Path(compiled_model_path), self.get_state_dict(self.model_path, self.config))
+
+    def _backend(self) -> Backend:
+        return CpuBackend()
+
+    def _weight_source(self, root: Path) -> dict[str, torch.Tensor]:
+        """The converted weights: the sharded file when the compile wrote one, else the original checkpoint."""
+        if (root / SHARDED_WEIGHTS).is_file():
+            with checkpoint.open_checkpoint(root / SHARDED_WEIGHTS) as ckpt:
+                return dict(ckpt.iter_tensors())
+        source = getattr(self.config, "_name_or_path", None) or self.model_path
+        if not checkpoint_exists(source):
+            raise FileNotFoundError(
+                f"{root}: compiled without save_sharded_checkpoint, so weights come from the original checkpoint "
+                f"{source!r}, which has no checkpoint files. Fix: compile with save_sharded_checkpoint=True or "
+                "restore the checkpoint"
+            )
+        return programs.bound_weights(self.get_state_dict(source, self.config), self.model_spec)
+
+    def load(self, compiled_model_path: str | os.PathLike[str]) -> None:
+        """Load the compiled programs and the weights, without tracing; warm up unless skip_warmup.
+
+        Raises:
+            FileNotFoundError: nothing is compiled at the path.
+            ArtifactIntegrityError: a file is missing or altered, or the folder was compiled for another
+                configuration or backend version (every problem named).
+        """
+        root = Path(compiled_model_path)
+        backend = self._backend()
+        compiled = artifacts.unwrap_artifacts(artifacts.load_programs(root, backend, graph_key=self._graph_key()))
+        self._programs = compiled
+        self.load_weights(root)
+        self.is_compiled = True
+        if not self.spec.skip_warmup:
+            self._warmup()
+
+    def load_weights(self, compiled_model_path: str | os.PathLike[str]) -> None:
+        """(Re)load the weights and bind every compiled program to them; the KV cache starts empty."""
+        backend = self._backend()
+        tensors = self._weight_source(Path(compiled_model_path))
+        names = next(iter(self._programs.values())).signature.weights
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise FileNotFoundError(f"{compiled_model_path}: the weights lack {missing}. Fix: compile again")
+        weight_set = WeightSet(tensors=tuple(tensors[n] for n in names))
+        bound = {}
+        for name, program in self._programs.items():
+            loaded = unwrap_checkpoint(backend.bind(program, weight_set), f"Weights do not fit program {name}")
+            bound[programs.phase_and_bucket(name)] = programs.runtime_program(backend, loaded)
+        weights = self.family.weights.from_tensors(tensors, spec=self.model_spec)
+        self._runtime = engine.build_runtime(self.model_spec, self.spec, self.family, weights, programs=bound)
+        self.is_loaded_to_neuron = True
+
+    def _warmup(self) -> None:
+        """Run every program once on dummy inputs, then clear the cache (first calls allocate)."""
+        runtime = self._require_runtime()
+        for phase, bucket in runtime.programs:
+            batch = self.spec.ctx_batch_size if phase is Phase.CONTEXT else self.spec.tkg_batch_size
+            s = bucket if phase is Phase.CONTEXT else 1
+            x = StepInputs(
+                input_ids=torch.zeros(batch, s, dtype=torch.int64),
+                position_ids=torch.arange(s)[None, :].expand(batch, s).contiguous(),
+                last_index=torch.full((batch,), s - 1, dtype=torch.int64),
+            )
+            runtime.run(phase, bucket, x, rows=None, params=torch.ones(batch, 3))
+        runtime.reset_cache()
+
+    def set_seed(self, seed: int) -> None:
+        """Restart the on-device sampling random stream: the same seed gives the same draws."""
+        self._require_runtime().set_seed(seed)
 
     def reset(self) -> None:
         """Reset the model state; nothing by default."""
