@@ -70,7 +70,7 @@ def _inputs(
 def _golden(neuron_model: NeuronBaseForCausalLM, golden_model: Any) -> Any:
     if golden_model is not None:
         return golden_model
-    model = neuron_model.load_hf_model(neuron_model.model_path)
+    model = neuron_model.load_hf_model(neuron_model.checkpoint_path)
     return model.float().eval()
 
 

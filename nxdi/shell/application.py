@@ -218,7 +218,7 @@ class NeuronApplicationBase:
         if (root / SHARDED_WEIGHTS).is_file():
             with checkpoint.open_checkpoint(root / SHARDED_WEIGHTS) as ckpt:
                 return dict(ckpt.iter_tensors())
-        source = getattr(self.config, "_name_or_path", None) or self.model_path
+        source = self.checkpoint_path
         if not checkpoint_exists(source):
             raise FileNotFoundError(
                 f"{root}: compiled without save_sharded_checkpoint, so weights come from the original checkpoint "
@@ -288,6 +288,12 @@ class NeuronApplicationBase:
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(model_path)
+
+    @property
+    def checkpoint_path(self) -> str:
+        """The Hugging Face checkpoint the weights come from (recorded in the config by
+        load_pretrained_config), else `model_path`."""
+        return str(getattr(self.config, "_name_or_path", None) or self.model_path)
 
     def _require_runtime(self) -> Runtime:
         if self._runtime is None:

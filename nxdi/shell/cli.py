@@ -11,6 +11,7 @@ from collections.abc import Sequence
 COMMANDS: dict[str, str] = {
     "config": "nxdi.shell.cmd_config",
     "demo": "nxdi.shell.cmd_demo",
+    "run": "nxdi.shell.cmd_run",
     "plan": "nxdi.shell.cmd_plan",
     "bench": "nxdi.shell.cmd_bench",
 }

@@ -16,6 +16,7 @@ import importlib
 # benchmark name -> module with `add_parser(subparsers)`; imported lazily, like nxdi.shell.cli.COMMANDS.
 BENCHES: dict[str, str] = {
     "plan": "nxdi.shell.bench_plan",
+    "generate": "nxdi.shell.bench_generate",
 }
 
 DEFAULT_BENCHES: tuple[str, ...] = ("plan",)

@@ -1,0 +1,266 @@
+"""`nxdi bench generate`: time to first token, time per output token and throughput, vs transformers.
+
+    nxdi bench generate [--shape small|tiny | --model-path DIR] [--dtype bfloat16] [--batch-size 1 4]
+                        [--prompt-len 128] [--new-tokens 128] [--repeat 3] [--threads 2] [--compare-hf]
+
+Method (the same for both sides, measured in one process, alternating runs, so machine noise
+hits both): greedy decoding of exactly `--new-tokens` tokens (EOS never stops it) from a random
+`--prompt-len`-token prompt, with `torch.inference_mode()` and `--threads` intra-op threads.
+- nxdi: the compiled model (compiled into `--work-dir`, reused across runs) with on-device greedy
+  sampling. TTFT = the context-encoding call; TPOT = each token-generation call (p50/p90/p99).
+  `generate()` end to end through HuggingFaceGenerationAdapter gives the throughput.
+- transformers: `model.generate()` with its default (dynamic) cache; a logits processor stamps the
+  time of every step, so prefill = call start -> first logits and TPOT = the gaps between steps.
+Ratios are transformers / nxdi (above 1: nxdi is faster).
+
+`--shape small` is a ~120M Llama (hidden 768, 12 layers, 12 heads, 4 kv heads, vocab 32000),
+`--shape tiny` the TinyLlama-1.1B shape (hidden 2048, 22 layers, 32 heads, 4 kv heads); both
+get random weights, built once into the work dir (no download).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+SHAPES: dict[str, dict[str, int]] = {
+    "small": dict(
+        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4, intermediate_size=2048
+    ),
+    "tiny": dict(
+        hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4, intermediate_size=5632
+    ),
+}
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="TTFT / TPOT / throughput of a compiled model, optionally vs transformers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    p.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    p.add_argument("--model-path", default=None, help="benchmark this checkpoint instead of a random shape")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=3, help="timed runs per side (after one warm-up)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compare-hf", action="store_true", help="measure transformers' generate() in the same run")
+    p.add_argument("--work-dir", default=".nxdi-bench", help="random checkpoints and compiled models")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run)
+
+
+def _checkpoint(args: argparse.Namespace) -> Path:
+    if args.model_path:
+        return Path(args.model_path)
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(args.work_dir) / f"llama-{args.shape}-{args.dtype}"
+    if not (path / "config.json").is_file():
+        print(f"[bench] building a random {args.shape} Llama in {path} ...", flush=True)
+        config = LlamaConfig(vocab_size=32000, max_position_embeddings=2048, dtype=args.dtype, **SHAPES[args.shape])
+        torch.manual_seed(0)
+        with torch.device("cpu"):
+            model = LlamaForCausalLM(config).to(getattr(torch, args.dtype))
+        model.save_pretrained(path)
+    return path
+
+
+def _nxdi_model(path: Path, args: argparse.Namespace, batch: int) -> Any:
+    from nxdi.shell.config import NeuronConfig, OnDeviceSamplingConfig
+    from nxdi.shell.inference_config import load_pretrained_config
+    from nxdi.shell.models.registry import MODEL_TYPES, model_type_of
+
+    cls = MODEL_TYPES[model_type_of(str(path))]["causal-lm"]
+    neuron = NeuronConfig(
+        batch_size=batch,
+        max_context_length=args.prompt_len,
+        seq_len=args.prompt_len + args.new_tokens,
+        torch_dtype=args.dtype,
+        on_device_sampling_config=OnDeviceSamplingConfig(top_k=1),
+        save_sharded_checkpoint=True,
+    )
+    config = cls.get_config_cls()(neuron, load_config=load_pretrained_config(path))
+    compiled = Path(args.work_dir) / f"compiled-{path.name}-b{batch}-{args.prompt_len}-{args.new_tokens}"
+    t = time.perf_counter()
+    cls(path, config).compile(compiled)
+    print(f"[bench] compiled (or reused) {compiled} in {time.perf_counter() - t:.1f}s", flush=True)
+    model = cls(compiled)
+    model.load(compiled)
+    return model
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+
+
+def _nxdi_once(model: Any, ids: Any, new_tokens: int) -> dict[str, Any]:
+    """One greedy generation through forward(): TTFT and every TPOT, in seconds."""
+    import torch
+
+    model.reset()
+    start = time.perf_counter()
+    out = model(ids)
+    ttft = time.perf_counter() - start
+    tokens = out.tokens
+    positions = torch.full((ids.shape[0], 1), ids.shape[1], dtype=torch.int64)
+    steps = []
+    for _ in range(new_tokens - 1):
+        t = time.perf_counter()
+        out = model(tokens[:, None], position_ids=positions)
+        steps.append(time.perf_counter() - t)
+        tokens, positions = out.tokens, positions + 1
+    return {"ttft": ttft, "tpot": steps}
+
+
+def _nxdi_generate(model: Any, ids: Any, new_tokens: int) -> float:
+    import torch
+    from transformers import GenerationConfig
+
+    from nxdi.shell.generation import HuggingFaceGenerationAdapter
+
+    # No EOS, so exactly new_tokens are generated (min_new_tokens would add a host logits processor,
+    # which greedy on-device sampling refuses).
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+    adapter = HuggingFaceGenerationAdapter(model)
+    adapter.generation_config.eos_token_id = None
+    t = time.perf_counter()
+    out = adapter.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    elapsed = time.perf_counter() - t
+    assert out.shape[1] == ids.shape[1] + new_tokens, "generation stopped early"
+    return elapsed
+
+
+def _hf_once(model: Any, ids: Any, new_tokens: int) -> dict[str, Any]:
+    import torch
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    stamps: list[float] = []
+
+    def stamp(input_ids: Any, scores: Any) -> Any:
+        stamps.append(time.perf_counter())
+        return scores
+
+    config = GenerationConfig(
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, num_beams=1, pad_token_id=0
+    )
+    start = time.perf_counter()
+    model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        generation_config=config,
+        logits_processor=LogitsProcessorList([stamp]),
+    )
+    total = time.perf_counter() - start
+    return {
+        "ttft": stamps[0] - start,
+        "tpot": [b - a for a, b in itertools.pairwise(stamps)],
+        "total": total,
+    }
+
+
+def _summary(runs: list[dict[str, Any]], batch: int, new_tokens: int) -> dict[str, Any]:
+    tpots = [s for r in runs for s in r["tpot"]]
+    totals = [r["total"] for r in runs]
+    return {
+        "ttft_ms": 1e3 * statistics.median(r["ttft"] for r in runs),
+        "tpot_ms": {q: 1e3 * _percentile(tpots, float(q[1:])) for q in ("p50", "p90", "p99")},
+        "decode_tok_s_per_seq": 1.0 / statistics.median(tpots),
+        "e2e_s": statistics.median(totals),
+        "throughput_tok_s": batch * new_tokens / statistics.median(totals),
+    }
+
+
+def _bench_batch(path: Path, args: argparse.Namespace, batch: int, hf: Any) -> dict[str, Any]:
+    import torch
+
+    model = _nxdi_model(path, args, batch)
+    ids = torch.randint(
+        3, model.model_spec.vocab_size, (batch, args.prompt_len), generator=torch.Generator().manual_seed(1)
+    )
+    ours: list[dict[str, Any]] = []
+    theirs: list[dict[str, Any]] = []
+    with torch.inference_mode():
+        _nxdi_once(model, ids, 4)
+        if hf is not None:
+            _hf_once(hf, ids, 4)
+        for _ in range(args.repeat):  # alternate sides so drifting machine load hits both
+            run = _nxdi_once(model, ids, args.new_tokens)
+            run["total"] = _nxdi_generate(model, ids, args.new_tokens)
+            ours.append(run)
+            if hf is not None:
+                theirs.append(_hf_once(hf, ids, args.new_tokens))
+    result: dict[str, Any] = {"batch_size": batch, "nxdi": _summary(ours, batch, args.new_tokens)}
+    if hf is not None:
+        result["transformers"] = _summary(theirs, batch, args.new_tokens)
+        n, h = result["nxdi"], result["transformers"]
+        result["ratio_hf_over_nxdi"] = {
+            "tpot_p50": h["tpot_ms"]["p50"] / n["tpot_ms"]["p50"],
+            "ttft": h["ttft_ms"] / n["ttft_ms"],
+            "throughput": n["throughput_tok_s"] / h["throughput_tok_s"],
+        }
+    return result
+
+
+def render(results: list[dict[str, Any]]) -> str:
+    """A table of the results (one block per batch size)."""
+    lines = []
+    for r in results:
+        lines.append(f"batch {r['batch_size']}:")
+        for side in ("nxdi", "transformers"):
+            if side in r:
+                s = r[side]
+                t = s["tpot_ms"]
+                lines.append(
+                    f"  {side:<12} TTFT {s['ttft_ms']:8.1f} ms   TPOT p50/p90/p99 {t['p50']:7.2f}/{t['p90']:7.2f}/{t['p99']:7.2f} ms"
+                    f"   decode {s['decode_tok_s_per_seq']:6.1f} tok/s/seq   generate() {s['throughput_tok_s']:7.1f} tok/s"
+                )
+        if "ratio_hf_over_nxdi" in r:
+            q = r["ratio_hf_over_nxdi"]
+            lines.append(
+                f"  ratio (transformers / nxdi): TPOT {q['tpot_p50']:.2f}x   TTFT {q['ttft']:.2f}x   throughput {q['throughput']:.2f}x"
+            )
+    return "\n".join(lines)
+
+
+def benchmark_model(model: Any, *, prompt_len: int, new_tokens: int, repeat: int = 3) -> list[dict[str, Any]]:
+    """TTFT / TPOT / throughput of an already loaded model (used by `nxdi run --benchmark`)."""
+    import torch
+
+    ids = torch.randint(
+        3, model.model_spec.vocab_size, (model.spec.batch_size, prompt_len), generator=torch.Generator().manual_seed(1)
+    )
+    runs = []
+    with torch.inference_mode():
+        for _ in range(repeat):
+            run = _nxdi_once(model, ids, new_tokens)
+            run["total"] = _nxdi_generate(model, ids, new_tokens)
+            runs.append(run)
+    return [{"batch_size": model.spec.batch_size, "nxdi": _summary(runs, model.spec.batch_size, new_tokens)}]
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    path = _checkpoint(args)
+    hf = None
+    if args.compare_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    results = [_bench_batch(path, args, b, hf) for b in args.batch_size]
+    print(json.dumps(results, indent=2) if args.json else render(results))
+    return 0

@@ -1,0 +1,170 @@
+"""`nxdi run`: compile (or reuse), load and generate with a model, like NxDI's inference demo.
+
+    nxdi run --model-type llama --model-path MODEL --compiled-model-path OUT --prompt "Hello"
+             [--input-ids "1 2 3"] [NeuronConfig flags: --batch-size 2 --seq-len 256 ...]
+             [--on-device-sampling --do-sample --top-k 50 --top-p 0.9 --temperature 0.7]
+             [--max-new-tokens N] [--check-accuracy-mode {skip-accuracy-check,token-matching,logit-matching}]
+             [--benchmark]
+
+Prompts are text (encoded with the tokenizer found in --model-path or --tokenizer-path) or
+token ids (`--input-ids`, one flag per row), for checkpoints that ship no tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from nxdi.shell.cli_flags import add_neuron_config_flags, neuron_config_kwargs
+
+ACCURACY_MODES = ("skip-accuracy-check", "token-matching", "logit-matching")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("run", help="compile, load and generate with a model", allow_abbrev=False)
+    p.add_argument("--model-type", default=None, help="llama, mistral, qwen2, qwen3 (default: config.json's)")
+    p.add_argument("--task-type", default="causal-lm", choices=["causal-lm"])
+    p.add_argument("--model-path", required=True, help="Hugging Face checkpoint folder")
+    p.add_argument("--compiled-model-path", required=True, help="where compiled artifacts are written and read")
+    p.add_argument("--tokenizer-path", default=None)
+    p.add_argument("--prompt", action="append", default=[], help="a text prompt (repeat for a batch)")
+    p.add_argument("--input-ids", action="append", default=[], help='token ids of one prompt, e.g. "1 5 7"')
+    p.add_argument("--skip-compile", action="store_true", help="load an existing compiled model")
+    p.add_argument("--on-device-sampling", action="store_true", help="sample inside the compiled model")
+    p.add_argument("--do-sample", action="store_true")
+    p.add_argument("--dynamic", action="store_true", help="per-row sampling params at run time")
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--top-k", type=int, default=1)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--global-topk", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling random stream")
+    p.add_argument("--check-accuracy-mode", choices=ACCURACY_MODES, default="skip-accuracy-check")
+    p.add_argument("--num-tokens-to-check", type=int, default=None)
+    p.add_argument("--divergence-difference-tol", type=float, default=0.001)
+    p.add_argument("--benchmark", action="store_true", help="also report TTFT / TPOT / throughput")
+    add_neuron_config_flags(p)
+    p.set_defaults(run=run)
+
+
+def _neuron_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kwargs = neuron_config_kwargs(args)
+    if args.on_device_sampling:
+        kwargs["on_device_sampling_config"] = {
+            "do_sample": args.do_sample,
+            "dynamic": args.dynamic,
+            "deterministic": args.deterministic,
+            "top_k": args.top_k,
+            "top_p": args.top_p,
+            "temperature": args.temperature,
+            "global_topk": args.global_topk,
+        }
+    return kwargs
+
+
+def _inputs(args: argparse.Namespace, batch: int) -> tuple[Any, Any, Any]:
+    """(input_ids [B, W], attention_mask [B, W], tokenizer or None), left padded like a tokenizer."""
+    import torch
+
+    tokenizer = None
+    if args.prompt:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path, padding_side="left")
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        prompts = (args.prompt * batch)[: max(batch, len(args.prompt))]
+        enc = tokenizer(prompts, return_tensors="pt", padding=True)
+        return enc["input_ids"], enc["attention_mask"], tokenizer
+    if not args.input_ids:
+        raise ValueError("give --prompt TEXT (with a tokenizer) or --input-ids 'ID ID ...'")
+    rows = [[int(t) for t in row.replace(",", " ").split()] for row in args.input_ids]
+    rows = (rows * batch)[: max(batch, len(rows))]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask, None
+
+
+def _build(args: argparse.Namespace) -> Any:
+    from nxdi.shell.config import NeuronConfig
+    from nxdi.shell.inference_config import load_pretrained_config
+    from nxdi.shell.models.registry import MODEL_TYPES, model_type_of
+
+    model_type = args.model_type or model_type_of(args.model_path)
+    cls = MODEL_TYPES[model_type][args.task_type]
+    compiled = Path(args.compiled_model_path)
+    if not args.skip_compile:
+        config = cls.get_config_cls()(
+            NeuronConfig(**_neuron_kwargs(args)), load_config=load_pretrained_config(args.model_path)
+        )
+        t = time.perf_counter()
+        print(f"[nxdi run] compiling into {compiled} ...", flush=True)
+        cls(args.model_path, config).compile(compiled)
+        print(f"[nxdi run] compiled in {time.perf_counter() - t:.1f}s", flush=True)
+    model = cls(compiled)
+    t = time.perf_counter()
+    model.load(compiled)
+    print(f"[nxdi run] loaded in {time.perf_counter() - t:.1f}s", flush=True)
+    return model
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import GenerationConfig
+
+    from nxdi.shell.errors import IncompatibleConfigError
+    from nxdi.shell.generation import HuggingFaceGenerationAdapter
+
+    try:
+        model = _build(args)
+        ids, mask, tokenizer = _inputs(args, model.spec.batch_size)
+    except (IncompatibleConfigError, FileNotFoundError, ValueError, KeyError) as exc:
+        print(f"nxdi run: {exc}", file=sys.stderr)
+        return 2
+    model.set_seed(args.seed)
+    # --max-new-tokens is the NeuronConfig attribute (runtime-only, so it never forces a recompile).
+    new = args.nc_max_new_tokens or model.spec.max_new_tokens or model.spec.max_length - int(mask.sum(-1).max())
+    sampling = {"top_k": args.top_k, "top_p": args.top_p, "temperature": args.temperature} if args.do_sample else {}
+    pad = model.model_spec.pad_token_id or 0
+    gen = GenerationConfig(max_new_tokens=new, do_sample=args.do_sample, pad_token_id=pad, **sampling)
+    t = time.perf_counter()
+    out = HuggingFaceGenerationAdapter(model).generate(ids, attention_mask=mask, generation_config=gen)
+    print(f"[nxdi run] generated {new} tokens per row in {time.perf_counter() - t:.2f}s")
+    for row in out:
+        text = tokenizer.decode(row, skip_special_tokens=True) if tokenizer else row.tolist()
+        print(f"  {text}")
+    status = _check(args, model, ids, mask, tokenizer)
+    if args.benchmark:
+        from nxdi.shell.bench_generate import benchmark_model, render
+
+        print(render(benchmark_model(model, prompt_len=ids.shape[1], new_tokens=new, repeat=3)))
+    return status
+
+
+def _check(args: argparse.Namespace, model: Any, ids: Any, mask: Any, tokenizer: Any) -> int:
+    from nxdi.shell.accuracy import check_accuracy, check_accuracy_logits
+
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    try:
+        if args.check_accuracy_mode == "token-matching":
+            check_accuracy(model, tokenizer, inputs=inputs, num_tokens_to_check=args.num_tokens_to_check)
+            print("[nxdi run] token matching against transformers: passed")
+        elif args.check_accuracy_mode == "logit-matching":
+            report = check_accuracy_logits(
+                model,
+                tokenizer,
+                inputs=inputs,
+                num_tokens_to_check=args.num_tokens_to_check,
+                divergence_difference_tol=args.divergence_difference_tol,
+            )
+            worst = ", ".join(f"top-{k}: {v:.4f}" for k, v in report.worst().items())
+            print(
+                f"[nxdi run] logit matching against transformers: passed ({len(report.positions)} positions; {worst})"
+            )
+    except AssertionError as exc:
+        print(f"[nxdi run] accuracy check failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
