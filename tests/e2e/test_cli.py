@@ -1,0 +1,146 @@
+"""`nxdi config` and `nxdi demo` through the real entry point."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nxdi.shell.cli import main
+
+
+def test_config_prints_resolved_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "--tp-degree", "4", "--enable-bucketing", "--seq-len", "256"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["neuron_config"]["tp_degree"] == 4 and data["neuron_config"]["max_context_length"] == 256
+    assert len(data["graph_key"]) == 64
+
+
+def test_config_lists_every_problem_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "--max-context-length", "512", "--cp-degree", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "max_context_length=512" in err and "cp_degree=3" in err
+
+
+def test_misspelled_flag_is_rejected() -> None:
+    with pytest.raises(SystemExit):
+        main(["config", "--tp-degre", "4"])
+
+
+def test_demo_runs_end_to_end(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "nxdi.shell.cli", "demo", "--output-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "tokens equal" in done.stdout and "all steps passed" in done.stdout
+    assert (tmp_path / "compiled" / "manifest.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from nxdi.testing import checkpoints
+
+    path, _ = checkpoints.build_checkpoint(tmp_path_factory.mktemp("m"), "llama", checkpoints.SaveFormat.SAFETENSORS)
+    return path
+
+
+def test_run_compiles_generates_and_checks_logits(
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "run",
+        "--model-path",
+        str(tiny_llama),
+        "--compiled-model-path",
+        str(tmp_path / "c"),
+        "--input-ids",
+        "1 5 7 9",
+        "--input-ids",
+        "3 4",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "64",
+        "--max-context-length",
+        "16",
+        "--torch-dtype",
+        "float32",
+        "--on-device-sampling",
+        "--output-logits",
+        "--max-new-tokens",
+        "12",
+        "--check-accuracy-mode",
+        "logit-matching",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "generated 12 tokens per row" in out and "logit matching against transformers: passed" in out
+    assert main([*argv[:-2], "--check-accuracy-mode", "token-matching", "--skip-compile", "--benchmark"]) == 0
+    out = capsys.readouterr().out
+    assert "compiling" not in out and "token matching against transformers: passed" in out and "TPOT" in out
+
+
+def test_run_reports_invalid_configuration(
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "run",
+        "--model-path",
+        str(tiny_llama),
+        "--compiled-model-path",
+        str(tmp_path),
+        "--input-ids",
+        "1 2",
+        "--seq-len",
+        "16",
+        "--max-context-length",
+        "32",
+        "--tp-degree",
+        "2",
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "max_context_length=32" in err
+
+
+def test_bench_generate_compares_with_transformers(
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "bench",
+        "generate",
+        "--model-path",
+        str(tiny_llama),
+        "--dtype",
+        "float32",
+        "--batch-size",
+        "1",
+        "2",
+        "--prompt-len",
+        "8",
+        "--new-tokens",
+        "6",
+        "--repeat",
+        "1",
+        "--compare-hf",
+        "--work-dir",
+        str(tmp_path),
+        "--json",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    results = json.loads(out[out.index("[\n") :])  # progress lines come first
+    assert [r["batch_size"] for r in results] == [1, 2]
+    for r in results:
+        assert (
+            r["nxdi"]["tpot_ms"]["p50"] > 0
+            and r["transformers"]["ttft_ms"] > 0
+            and r["ratio_hf_over_nxdi"]["tpot_p50"] > 0
+        )
