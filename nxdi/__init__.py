@@ -30,6 +30,18 @@ _EXPORTS: dict[str, str] = {
     "MixtralNeuronConfig": "nxdi.shell.models.mixtral",
     "DbrxInferenceConfig": "nxdi.shell.models.dbrx",
     "DbrxNeuronConfig": "nxdi.shell.models.dbrx",
+    "NeuronApplicationBase": "nxdi.shell.application",
+    "NeuronBaseForCausalLM": "nxdi.shell.causal_lm",
+    "prepare_sampling_params": "nxdi.shell.causal_lm",
+    "NeuronLlamaForCausalLM": "nxdi.shell.models.llama",
+    "NeuronMistralForCausalLM": "nxdi.shell.models.mistral",
+    "NeuronQwen2ForCausalLM": "nxdi.shell.models.qwen2",
+    "NeuronQwen3ForCausalLM": "nxdi.shell.models.qwen3",
+    "MODEL_TYPES": "nxdi.shell.models.registry",
+    "HuggingFaceGenerationAdapter": "nxdi.shell.generation",
+    "check_accuracy": "nxdi.shell.accuracy",
+    "check_accuracy_logits": "nxdi.shell.accuracy",
+    "LogitMatchingValidationError": "nxdi.shell.errors",
 }
 
 __all__ = sorted(_EXPORTS)
