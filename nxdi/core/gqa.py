@@ -34,12 +34,18 @@ class GQAStrategy(enum.Enum):
     CONVERT_TO_MHA = "convert_to_mha"
 
 
-def determine_strategy(tp: int, kv: int, desired: GQAStrategy | None = None) -> tuple[GQAStrategy, tuple[str, ...]]:
-    """The strategy used, and notes (warnings for the shell) when the desired one cannot be used."""
+def determine_strategy(
+    tp: int, kv: int, desired: GQAStrategy | None = None, *, q: int | None = None
+) -> tuple[GQAStrategy, tuple[str, ...]]:
+    """The strategy used, and notes (warnings for the shell) when the desired one cannot be used.
+
+    `q`, when given, is the query head count: a model that is already multi-head (q == kv) gets no
+    note, since converting it to MHA changes nothing.
+    """
     strategy = desired or GQAStrategy.REPLICATE_TO_TP_DEGREE
     if strategy is GQAStrategy.REPLICATE_TO_TP_DEGREE and tp % kv != 0:
         note = f"tp_degree={tp} is not a multiple of num_key_value_heads={kv}: using CONVERT_TO_MHA"
-        return GQAStrategy.CONVERT_TO_MHA, (note,)
+        return GQAStrategy.CONVERT_TO_MHA, (() if q == kv else (note,))
     return strategy, ()
 
 

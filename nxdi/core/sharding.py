@@ -280,7 +280,7 @@ def shard_plan(
     """
     if tp < 1:
         return Failure(ConfigError.of("tp_degree", tp, "must be a positive integer"))
-    chosen, notes = gqa.determine_strategy(tp, model.num_kv_heads, strategy)
+    chosen, notes = gqa.determine_strategy(tp, model.num_kv_heads, strategy, q=model.num_attention_heads)
     return gqa.shardable_head_counts(tp, model.num_attention_heads, model.num_kv_heads, chosen).map(
         lambda counts: _assemble(model, counts, notes, fused_qkv=fused_qkv, vocab_parallel=vocab_parallel)
     )

@@ -183,3 +183,10 @@ def test_sequence_parallel_feasibility() -> None:
     assert sharding.check_sequence_parallel(32, [128, 256]) == Success(32)
     err = sharding.check_sequence_parallel(24, [128, 240, 256]).failure()
     assert "[128, 256]" in err.problems[0].reason
+
+
+def test_multi_head_models_get_no_strategy_warning() -> None:
+    """OPT-style MHA (40 Q = 40 KV) at tp 8: CONVERT_TO_MHA changes nothing, so nothing to warn about."""
+    strategy, notes = gqa.determine_strategy(8, 40, q=40)
+    assert strategy is M and notes == ()
+    assert gqa.determine_strategy(8, 10, q=40)[1] != ()
