@@ -75,7 +75,9 @@ class Runtime:
 
         Args:
             x: inputs [B, S]; S is the bucket in context encoding and 1 in token generation.
-            rows: [B] cache rows (seq_ids) the batch rows read and write.
+            rows: [B] cache rows (seq_ids) the batch rows read and write. -1 marks a padding row:
+                it reads some row and writes nothing, so padding never clobbers another
+                sequence's cache (there may be no unused row to give it).
             params: [B, 3] sampling parameters.
 
         Returns:
@@ -93,9 +95,10 @@ class Runtime:
                 k=tuple(t[:batch, :, :bucket] for t in self.cache.k),
                 v=tuple(t[:batch, :, :bucket] for t in self.cache.v),
             )
+        read = rows.clamp(min=0)  # padding rows (-1) read row 0; their results are discarded
         return KVCache(
-            k=tuple(t.index_select(0, rows)[:, :, :bucket] for t in self.cache.k),
-            v=tuple(t.index_select(0, rows)[:, :, :bucket] for t in self.cache.v),
+            k=tuple(t.index_select(0, read)[:, :, :bucket] for t in self.cache.k),
+            v=tuple(t.index_select(0, read)[:, :, :bucket] for t in self.cache.v),
         )
 
     def _write_back(self, updated: KVCache, bucket: int, rows: Tensor | None) -> None:
@@ -105,4 +108,5 @@ class Runtime:
             if rows is None:
                 full[: part.shape[0], :, :bucket].copy_(part)
             else:
-                full[:, :, :bucket].index_copy_(0, rows, part.to(full.dtype))
+                real = (rows >= 0).nonzero().flatten()  # padding rows (-1) write nothing
+                full[:, :, :bucket].index_copy_(0, rows[real], part[real].to(full.dtype))

@@ -13,15 +13,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from returns.result import Failure, Result, Success
 from torch import Tensor
 
 from nxdi.core import buckets, padding
 from nxdi.core import sampling as sampling_params_core
+from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.programs import batching
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.effects.runtime import Phase, Runtime
 from nxdi.shell.application import NeuronApplicationBase
-from nxdi.shell.errors import unwrap_or_raise
+from nxdi.shell.errors import IncompatibleConfigError, unwrap_or_raise
 
 
 def prepare_sampling_params(
@@ -66,6 +68,12 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             Phase.CONTEXT: unwrap_or_raise(buckets.context_table_for(self.spec)),
             Phase.TOKEN: unwrap_or_raise(buckets.token_table_for(self.spec)),
         }
+
+    @property
+    def context_capacity(self) -> int:
+        """The most prompt tokens a context-encoding call keeps: the largest context bucket. Longer
+        prompts are refused, or cut to their first `context_capacity` tokens with allow_input_truncation."""
+        return self._tables[Phase.CONTEXT].largest
 
     def reset(self) -> None:
         """Start a new batch: the next call runs context encoding."""
@@ -120,8 +128,14 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         if int(positions.min()) == 0:
             logits, tokens = self._context(runtime, ids, mask, rows, params)
             self.kv_cache_populated = True
+        elif ids.shape[1] > 1:  # only speculation decodes several tokens per row; it is refused at load
+            raise IncompatibleConfigError(
+                f"input_ids: {ids.shape[1]} tokens per row in a token-generation call (position_ids start at "
+                f"{int(positions.min())}, not 0); token generation takes one new token per row. Fix: pass only "
+                "the newest token, or the whole sequence from position 0 to encode it again"
+            )
         else:
-            logits, tokens = self._token(runtime, ids[:, -1:], positions[:, -1:], rows, params)
+            logits, tokens = self._token(runtime, ids, positions, rows, params)
         ods = self.spec.on_device_sampling_config is not None
         shown = tokens if ods else logits
         return CausalLMOutput(logits=logits, hidden_states=shown, tokens=shown, attentions=None, past_key_values=None)
@@ -129,7 +143,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
     # --- host-side preparation ----------------------------------------------------------------
     def _sampling_rows(self, given: Tensor | None, batch: int) -> Tensor:
         ods = self.spec.on_device_sampling_config
-        if given is None:
+        if given is None or ods is None:
+            # Without on-device sampling the programs ignore sampling_params (the host samples from
+            # the logits, with any top_k), so they are not checked either, as in NxDI.
             row = (ods.top_k, ods.top_p, ods.temperature) if ods is not None else (1, 1.0, 1.0)
             return torch.tensor([row] * batch, dtype=torch.float32)
         rows = torch.as_tensor(given, dtype=torch.float32)
@@ -138,8 +154,6 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             sampling_params_core.validate_sampling_params(rows.tolist(), topk), "Invalid sampling_params"
         )
         if len(checked) != batch:
-            from nxdi.shell.errors import IncompatibleConfigError
-
             raise IncompatibleConfigError(f"sampling_params: has {len(checked)} rows for a batch of {batch}")
         return torch.tensor(sampling_params_core.infer_sampling_params(checked), dtype=torch.float32)
 
@@ -164,8 +178,6 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
     ) -> tuple[Tensor | None, Tensor | None]:
         needed = int(positions.max()) + 1
         if needed > self.spec.max_length:
-            from nxdi.shell.errors import IncompatibleConfigError
-
             raise IncompatibleConfigError(
                 f"position_ids: position {needed - 1} is past max_length={self.spec.max_length} (seq_len); "
                 "generation cannot continue. Fix: raise seq_len / max_length, or generate fewer tokens"
@@ -178,19 +190,14 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         self, runtime: Runtime, phase: Phase, bucket: int, x: StepInputs, rows: Tensor, params: Tensor, compiled: int
     ) -> tuple[Tensor | None, Tensor | None]:
         """Pad or split the batch to the compiled batch size, run, and restore the caller's order."""
-        limit = self.spec.kv_cache_batch_size
-        bad = [r for r in rows.tolist() if not 0 <= r < limit]
-        if bad:
-            from nxdi.shell.errors import IncompatibleConfigError
-
-            raise IncompatibleConfigError(f"seq_ids: {bad} are outside the KV cache rows 0..{limit - 1}")
-        plan = unwrap_or_raise(padding.batch_plan(rows.tolist(), compiled_batch=compiled), "Invalid seq_ids")
+        plan = unwrap_or_raise(self._batch_plan(rows.tolist(), compiled), "Invalid seq_ids")
         logits_out: list[tuple[tuple[int, ...], Tensor]] = []
         tokens_out: list[tuple[tuple[int, ...], Tensor]] = []
         for chunk in plan.chunks:
             source = torch.tensor(chunk.source_rows)
-            run_rows = torch.tensor(chunk.seq_ids)
-            identity = chunk.seq_ids == tuple(range(compiled))
+            # Padding rows write nowhere: the planner's pad ids may name rows that other sequences own.
+            run_rows = torch.tensor([-1 if pad else s for s, pad in zip(chunk.seq_ids, chunk.is_pad, strict=True)])
+            identity = chunk.seq_ids == tuple(range(compiled)) and not any(chunk.is_pad)
             logits, tokens = runtime.run(
                 phase,
                 bucket,
@@ -204,6 +211,22 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             if tokens is not None:
                 tokens_out.append((chunk.user_rows, tokens.index_select(0, take)))
         return _gather(logits_out, len(rows)), _gather(tokens_out, len(rows))
+
+    def _batch_plan(self, seq_ids: list[int], compiled: int) -> Result[padding.BatchPlan, ConfigError]:
+        """The planner's batch plan, failing also (all problems listed) for ids past the cache rows."""
+        limit = self.spec.kv_cache_batch_size
+        high = [r for r in seq_ids if r >= limit]
+        problems = []
+        if high:
+            reason = f"holds ids {high} outside the KV cache rows 0..{limit - 1}"
+            fix = f"use seq_ids below {limit}, or compile with kv_cache_batch_size >= {max(high) + 1}"
+            problems.append(Problem.of("seq_ids", seq_ids, reason, fix))
+        match padding.batch_plan(seq_ids, compiled_batch=compiled):
+            case Success(plan) if not problems:
+                return Success(plan)
+            case Failure(error):
+                problems[:0] = error.problems
+        return Failure(ConfigError(problems=tuple(problems)))
 
 
 _IGNORED = frozenset({"use_cache", "output_attentions", "output_hidden_states", "return_dict", "past_key_values"})

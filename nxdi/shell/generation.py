@@ -65,9 +65,25 @@ class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
         self.generation_config = GenerationConfig.from_model_config(self.config)
         self._dummy = torch.nn.Parameter(torch.zeros(0), requires_grad=False)  # gives the adapter a device
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped model's forward."""
-        return self.neuron_model.forward(*args, **kwargs)
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        seq_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        sampling_params: Tensor | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """The wrapped model's forward. The parameters are named because transformers' generate()
+        accepts only the model kwargs it finds in this signature (`sampling_params=` in particular)."""
+        return self.neuron_model.forward(
+            input_ids,
+            seq_ids=seq_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            sampling_params=sampling_params,
+            **kwargs,
+        )
 
     def can_generate(self) -> bool:  # type: ignore[override]
         return True
@@ -118,7 +134,10 @@ class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
         batch, prompt_width = input_ids.shape
         mask = model_kwargs.get("attention_mask")
         mask = torch.ones_like(input_ids) if mask is None else mask
-        longest = int(mask.sum(-1).max())
+        # Tokens each prompt leaves in the KV cache: a prompt past the largest context bucket is cut
+        # to its first tokens under allow_input_truncation (and refused by forward() otherwise).
+        positions = mask.to(torch.int64).sum(-1, keepdim=True).clamp(max=model.context_capacity)  # [B, 1]
+        longest = int(positions.max())
         new_tokens = generation_config.max_length - prompt_width
         if longest + new_tokens - 1 > model.spec.max_length:
             raise IncompatibleConfigError(
@@ -137,7 +156,6 @@ class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
         unfinished = torch.ones(batch, dtype=torch.long)
         model.reset()
         out = model.forward(input_ids, attention_mask=mask, sampling_params=rows)
-        positions = mask.to(torch.int64).sum(-1, keepdim=True)  # [B, 1] position of the next token
         while True:
             logits = out.logits[:, -1].float() if out.logits is not None else None
             processed = logits_processor(input_ids, logits) if logits is not None else None
