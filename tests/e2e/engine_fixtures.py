@@ -1,0 +1,189 @@
+"""Loaded nxdi models and transformers references for the end-to-end engine tests.
+
+Imported by `tests/e2e/conftest.py`. Every engine test gets its model from ONE place,
+`load_model` (through the session fixture `loaded_model(variant, **neuron_config_kwargs)`), which
+builds the documented way: NeuronConfig -> <Family>InferenceConfig(load_pretrained_config(path))
+-> MODEL_TYPES[model_type]["causal-lm"](path, config), then brings it up with `_bring_up`: the
+eager `to_cpu()` by default, or compile() + load() with NXDI_E2E_ENGINE=compiled.
+
+Models are shared per session and are stateful (KV cache, random stream): tests must start each
+sequence with a prefill (generate() resets) and seed explicitly when they sample; `fresh=True`
+gives a private model.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from nxdi.testing.checkpoints import VARIANTS, SaveFormat
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+"""The families the issue names; `VARIANTS` adds llama3-tied (RoPE scaling, tied embeddings)."""
+
+PROMPTS: tuple[tuple[int, ...], ...] = (
+    (1, 5, 7, 9, 11, 3, 4, 5, 6, 7),
+    (3,),
+    (4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17),
+    (9, 8),
+)
+"""Four prompts of different lengths (one is a single token); ids avoid 0 (pad) and 2 (eos)."""
+
+NEW_TOKENS = 32
+SEQ_LEN = 64
+PAD = 0
+
+
+def model_type_of(variant: str) -> str:
+    return VARIANTS[variant][0]
+
+
+ENGINE = os.environ.get("NXDI_E2E_ENGINE", "eager")
+"""How `_bring_up` loads models: "eager" (`to_cpu()`, the default) or "compiled" (`compile()` into a
+temporary folder, then `load()`), so the whole suite can run through the compiled programs:
+`NXDI_E2E_ENGINE=compiled pytest tests/e2e/test_engine_*.py` (slower: every configuration compiles)."""
+
+
+def _bring_up(model: Any, workdir: Path | None) -> Any:
+    """Make a constructed model runnable: the one place the suite chooses eager or compiled."""
+    if ENGINE == "compiled":
+        folder = Path(tempfile.mkdtemp(prefix="compiled-", dir=workdir))
+        model.compile(folder)
+        model.load(folder)
+    else:
+        assert ENGINE == "eager", f"NXDI_E2E_ENGINE={ENGINE!r}: expected 'eager' or 'compiled'"
+        model.to_cpu()
+    return model
+
+
+def load_model(path: Path, variant: str, *, workdir: Path | None = None, **neuron_config_kwargs: Any) -> Any:
+    """The documented construction of a loaded model of `variant` from the checkpoint at `path`.
+
+    `torch_dtype` defaults to float32 (the checkpoint's own dtype would win otherwise); `workdir`
+    holds compiled folders when ENGINE is "compiled".
+    """
+    from nxdi.shell.config import NeuronConfig
+    from nxdi.shell.inference_config import load_pretrained_config
+    from nxdi.shell.models.registry import CONFIG_TYPES, MODEL_TYPES
+
+    kwargs = {"torch_dtype": "float32", "seq_len": SEQ_LEN, **neuron_config_kwargs}
+    model_type = model_type_of(variant)
+    config = CONFIG_TYPES[model_type](NeuronConfig(**kwargs), load_config=load_pretrained_config(path))
+    return _bring_up(MODEL_TYPES[model_type]["causal-lm"](path, config), workdir)
+
+
+def make_loaded_model(checkpoint: Callable[..., Path], workdir: Path | None = None) -> Callable[..., Any]:
+    """`loaded_model(variant, *, fmt=SAFETENSORS, fresh=False, **neuron_config_kwargs)`, cached per arguments."""
+    built: dict[str, Any] = {}
+
+    def get(variant: str, *, fmt: SaveFormat = SaveFormat.SAFETENSORS, fresh: bool = False, **kwargs: Any) -> Any:
+        key = repr((variant, fmt, sorted(kwargs.items())))
+        if fresh or key not in built:
+            model = load_model(checkpoint(variant, fmt), variant, workdir=workdir, **kwargs)
+            if fresh:
+                return model
+            built[key] = model
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Run a module's tiny models on one intra-op thread (restored afterwards). On this 2-core,
+    shared machine two threads make a tiny decode step up to 100x slower whenever another process is
+    busy (OpenMP threads wait on each other); one thread loses nothing at these sizes."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def loaded_model(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
+    return make_loaded_model(tiny_checkpoint, tmp_path_factory.mktemp("compiled") if ENGINE == "compiled" else None)
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(tiny_model: Callable[[str], Any]) -> Callable[..., Tensor]:
+    """`hf_greedy(variant, prompts, new_tokens=NEW_TOKENS)`: transformers' greedy new tokens [B, N]
+    on a left-padded batch, EOS off; cached, so each reference generation runs once a session."""
+    done: dict[tuple[Any, ...], Tensor] = {}
+
+    def get(variant: str, prompts: Sequence[Sequence[int]], new_tokens: int = NEW_TOKENS) -> Tensor:
+        key = (variant, tuple(map(tuple, prompts)), new_tokens)
+        if key not in done:
+            done[key] = hf_generate(tiny_model(variant), prompts, max_new_tokens=new_tokens)
+        return done[key]
+
+    return get
+
+
+# --- inputs and runs ---------------------------------------------------------------------------
+
+
+def padded(prompts: Sequence[Sequence[int]], side: str = "right", width: int | None = None) -> tuple[Tensor, Tensor]:
+    """input_ids and attention_mask [B, W] with each prompt padded on `side` with PAD."""
+    w = width or max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), w), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        cols = slice(0, len(p)) if side == "right" else slice(w - len(p), w)
+        ids[i, cols], mask[i, cols] = torch.tensor(list(p)), 1
+    return ids, mask
+
+
+def hf_generate(model: Any, prompts: Sequence[Sequence[int]], **kwargs: Any) -> Tensor:
+    """transformers generate() on the left-padded batch (its convention); the new tokens [B, N]."""
+    ids, mask = padded(prompts, "left")
+    settings = {"do_sample": False, "pad_token_id": PAD, "eos_token_id": None, **kwargs}
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, **settings)[:, ids.shape[1] :]
+
+
+def nxdi_generate(model: Any, prompts: Sequence[Sequence[int]], *, side: str = "right", **kwargs: Any) -> Tensor:
+    """HuggingFaceGenerationAdapter(model).generate() on the padded batch; the new tokens [B, N]."""
+    from nxdi.shell.generation import HuggingFaceGenerationAdapter
+
+    ids, mask = padded(prompts, side)
+    settings = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": PAD, "eos_token_id": None, **kwargs}
+    out = HuggingFaceGenerationAdapter(model).generate(ids, attention_mask=mask, **settings)
+    return out[:, ids.shape[1] :]
+
+
+def hf_logits(model: Any, sequence: Sequence[int]) -> Tensor:
+    """transformers' logits [n, V] of one unpadded sequence."""
+    with torch.no_grad():
+        return model(torch.tensor([list(sequence)])).logits[0].float()
+
+
+def runtime_of(model: Any) -> Any:
+    """The model's Runtime (KV cache, programs, random stream). The model has no public accessor
+    for it, nor a public way to seed on-device sampling, so tests reach it here."""
+    return model._require_runtime()
+
+
+@contextmanager
+def bucket_calls(model: Any) -> Iterator[list[tuple[Any, int, int]]]:
+    """Record every program call as (phase, bucket, batch rows), in order, by wrapping Runtime.run."""
+    runtime = runtime_of(model)
+    calls: list[tuple[Any, int, int]] = []
+    original = runtime.run
+
+    def spy(phase: Any, bucket: int, x: Any, **kwargs: Any) -> Any:
+        calls.append((phase, bucket, int(x.input_ids.shape[0])))
+        return original(phase, bucket, x, **kwargs)
+
+    runtime.run = spy
+    try:
+        yield calls
+    finally:
+        del runtime.run  # back to the class method
