@@ -14,7 +14,7 @@ import torch
 from returns.pipeline import is_successful
 
 from nxdi.effects import artifacts
-from nxdi.effects.backends.base import FlatProgram
+from nxdi.effects.backends.base import FlatProgram, WeightSet
 from nxdi.effects.backends.cpu import CpuBackend
 from tests.unit import cpu_programs as cp
 
@@ -53,11 +53,12 @@ def test_load_in_a_fresh_process_gives_identical_outputs_without_tracing(compile
             raise AssertionError("load traced or compiled again")
         torch.export.export = torch.compile = torch.jit.trace = refuse
         from nxdi.effects import artifacts
+        from nxdi.effects.backends.base import WeightSet
         from nxdi.effects.backends.cpu import CpuBackend
         from tests.unit import cpu_programs as cp
         backend = CpuBackend()
         programs = artifacts.unwrap_artifacts(artifacts.load_programs({str(compiled)!r}, backend, graph_key="key-a"))
-        loaded = backend.bind(programs["token_generation_4"], cp.weights(0)).unwrap()
+        loaded = backend.bind(programs["token_generation_4"], WeightSet(tensors=cp.weights(0))).unwrap()
         (y,), (cache,) = backend.run(loaded, [torch.zeros(cp.B, cp.T, cp.E)], cp.inputs(1, 4, 0))
         assert cp.CALLS["n"] == 0, "the program body ran"
         torch.save({{"y": y, "cache": cache}}, {str(out)!r})
@@ -138,7 +139,9 @@ def test_rebinding_new_weights_uses_them(compiled: Path) -> None:
     program = artifacts.unwrap_artifacts(artifacts.load_programs(compiled, BACKEND))["token_generation_1"]
     for seed in (3, 4):
         w = cp.weights(seed)
-        (y,), _ = BACKEND.run(BACKEND.bind(program, w).unwrap(), [torch.zeros(cp.B, cp.T, cp.E)], cp.inputs(5, 1, 2))
+        (y,), _ = BACKEND.run(
+            BACKEND.bind(program, WeightSet(tensors=w)).unwrap(), [torch.zeros(cp.B, cp.T, cp.E)], cp.inputs(5, 1, 2)
+        )
         torch.testing.assert_close(y, cp.step(*w, torch.zeros(cp.B, cp.T, cp.E), *cp.inputs(5, 1, 2))[0])
 
 

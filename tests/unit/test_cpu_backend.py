@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nxdi.effects.backends import cpu_passes
-from nxdi.effects.backends.base import FlatProgram, LoadedProgram
+from nxdi.effects.backends.base import FlatProgram, LoadedProgram, WeightSet
 from nxdi.effects.backends.cpu import CpuBackend
 from tests.unit import cpu_programs as cp
 
@@ -19,11 +19,11 @@ DTYPES = [torch.float32] + ([torch.bfloat16] if torch.bfloat16 in cpu_passes.pac
 
 def bound(fn: FlatProgram, backend: CpuBackend, s: int, dtype: torch.dtype = torch.float32) -> LoadedProgram:
     program = backend.compile(fn, cp.SIGNATURE, cp.example(s, dtype), name=f"p{s}")
-    return backend.bind(program, cp.weights(0, dtype)).unwrap()
+    return backend.bind(program, WeightSet(tensors=cp.weights(0, dtype))).unwrap()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fn", [cp.step, cp.scatter_step], ids=["index_copy", "scatter"])
+@pytest.mark.parametrize("fn", [cp.step, cp.scatter_step, cp.flat_step], ids=["index_copy", "scatter", "2d"])
 def test_in_place_fast_path_agrees_with_the_pure_form_over_a_decode(fn: FlatProgram, dtype: torch.dtype) -> None:
     """Prefill 4 tokens then decode 5, three ways: eager program, pure graph, fast graph."""
     w = cp.weights(0, dtype)
@@ -100,10 +100,10 @@ def test_packed_linear_matches_linear(
 def test_bind_names_every_weight_that_does_not_fit() -> None:
     program = FAST.compile(cp.step, cp.SIGNATURE, cp.example(1), name="p")
     w, w_out = cp.weights(0)
-    error = FAST.bind(program, (w[:, :8], w_out.double())).failure()
+    error = FAST.bind(program, WeightSet(tensors=(w[:, :8], w_out.double()))).failure()
     assert error.fields() == {"proj.weight", "out.weight"}
     assert "recompile" in error.render()
-    assert FAST.bind(program, (w,)).failure().fields() == {"weights"}
+    assert FAST.bind(program, WeightSet(tensors=(w,))).failure().fields() == {"weights"}
 
 
 def test_compile_rejects_a_signature_that_does_not_fit() -> None:
@@ -115,3 +115,45 @@ def test_compile_rejects_a_signature_that_does_not_fit() -> None:
 
     with pytest.raises(ValueError, match="outputs"):
         FAST.compile(drops_cache, cp.SIGNATURE, cp.example(1), name="p")
+
+
+def test_programs_bound_to_one_weight_set_share_one_packed_copy() -> None:
+    weights = WeightSet(tensors=cp.weights(0))
+    loaded = [
+        FAST.bind(FAST.compile(cp.step, cp.SIGNATURE, cp.example(s), name=f"p{s}"), weights).unwrap() for s in (1, 4)
+    ]
+    if torch.float32 not in cpu_passes.packable_dtypes():
+        assert weights.derived == {}
+        return
+    assert sorted(weights.derived) == ["onednn:out.weight", "onednn:proj.weight"]
+    modules = [lp.call.func.__self__ for lp in loaded]  # type: ignore[attr-defined]
+    assert modules[0]._nxdi_packed_0 is modules[1]._nxdi_packed_0 is weights.derived["onednn:proj.weight"]
+
+
+def test_bind_drops_identity_conversions_and_folds_input_free_constants() -> None:
+    program = FAST.compile(cp.flat_step, cp.SIGNATURE, cp.example(2), name="p")
+    loaded = FAST.bind(program, WeightSet(tensors=cp.weights(0))).unwrap()
+    code = loaded.call.func.__self__.code  # type: ignore[attr-defined]
+    assert "_nxdi_folded_0" in code and "aten.pow" not in code  # the [E] scale is computed once
+    assert "_linear_pointwise" in code or not cpu_passes.packable_dtypes()  # 2-D inputs call oneDNN directly
+    pure = program.payload.module().code
+    assert code.count("aten.to.dtype") < pure.count("aten.to.dtype")
+    for step in range(3):  # folded constants are shared across calls, so check several
+        x = cp.inputs(step, 2, 2 * step)
+        (y,), _ = FAST.run(loaded, (torch.zeros(cp.B, cp.T, cp.E),), x)
+        want, _ = cp.flat_step(*cp.weights(0), torch.zeros(cp.B, cp.T, cp.E), *x)
+        torch.testing.assert_close(y, want, rtol=1.3e-6, atol=1e-5)
+
+
+def test_a_constant_returned_as_an_output_is_fresh_on_every_call() -> None:
+    def const_out(
+        w: torch.Tensor, w_out: torch.Tensor, cache: torch.Tensor, x: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.arange(cp.V, dtype=torch.float32).expand(x.shape[0], 1, cp.V) * 2.0  # needs no input
+        return y, cache.index_copy(1, pos, F.linear(x, w))
+
+    loaded = bound(const_out, FAST, 1)
+    (first,), _ = FAST.run(loaded, (torch.zeros(cp.B, cp.T, cp.E),), cp.inputs(0, 1, 0))
+    first.add_(1.0)  # the caller owns its outputs
+    (second,), _ = FAST.run(loaded, (torch.zeros(cp.B, cp.T, cp.E),), cp.inputs(0, 1, 0))
+    torch.testing.assert_close(second[0, 0], torch.arange(cp.V, dtype=torch.float32) * 2.0)

@@ -5,8 +5,10 @@ Calling convention (every backend, every program). A program is a pure function 
 
     fn(*weights, *cache, *inputs) -> (*outputs, *new_cache)
 
-- `weights` (W tensors, named by `Signature.weights`): bound once per loaded model with
-  `Backend.bind`, never baked into a saved program, so one weights file serves every program.
+- `weights` (W tensors, named by `Signature.weights`): bound at load with `Backend.bind`, never
+  baked into a saved program, so one weights file serves every program. A loaded model wraps its
+  tensors in one `WeightSet` and binds every program with it, so whatever a backend derives from
+  the weights (CPU: oneDNN-packed copies) is made once and shared by all buckets.
 - `cache` (C tensors, named by `Signature.cache`): the KV cache view the step reads and writes.
   `new_cache[i]` has the shape and dtype of `cache[i]`. The traced program is pure (out-of-place
   writes); a backend may run it in place instead (writing `cache[i]` and returning that very
@@ -67,6 +69,20 @@ class Signature:
         return cls(**{f.name: tuple(str(n) for n in raw[f.name]) for f in attrs.fields(Signature)})
 
 
+def _tensors(values: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    return tuple(values)
+
+
+@attrs.frozen(eq=False, kw_only=True)
+class WeightSet:
+    """A model's weights (W tensors, signature order), shared by every program bound to them."""
+
+    tensors: tuple[Tensor, ...] = attrs.field(converter=_tensors)
+    derived: dict[str, Tensor] = attrs.field(factory=dict)
+    """Copies a backend derives from the weights (CPU: oneDNN-packed linears), by weight name.
+    Filled by the first `bind` that needs them and reused by later ones; a cache, not state."""
+
+
 @attrs.frozen(eq=False, kw_only=True)
 class CompiledProgram:
     """One traced, static-shape program (a sub-model at one bucket), not yet bound to weights."""
@@ -117,8 +133,8 @@ class Backend(Protocol):
         """Read a program written by `save`, without tracing anything again."""
         ...
 
-    def bind(self, program: CompiledProgram, weights: Sequence[Tensor]) -> Result[LoadedProgram, CheckpointError]:
-        """Bind weights (W tensors, signature order). Fails, naming every weight, on a name/shape/dtype mismatch."""
+    def bind(self, program: CompiledProgram, weights: WeightSet) -> Result[LoadedProgram, CheckpointError]:
+        """Bind weights. Fails, naming every weight, on a count/shape/dtype mismatch."""
         ...
 
     def run(

@@ -32,7 +32,7 @@ from torch import Tensor, fx
 
 from nxdi.core.errors import CheckpointError, Problem
 from nxdi.effects.backends import cpu_passes
-from nxdi.effects.backends.base import CompiledProgram, FlatProgram, LoadedProgram, Signature
+from nxdi.effects.backends.base import CompiledProgram, FlatProgram, LoadedProgram, Signature, WeightSet
 
 FORMAT = 1
 """Bumped whenever what `compile` saves changes meaning (part of `version()`)."""
@@ -150,7 +150,7 @@ class CpuBackend:
             raise ValueError(f"{path}: the program takes {n_in} inputs but its manifest entry names {signature.arity}")
         return CompiledProgram(name=name, signature=signature, backend=self.name, payload=ep)
 
-    def bind(self, program: CompiledProgram, weights: Sequence[Tensor]) -> Result[LoadedProgram, CheckpointError]:
+    def bind(self, program: CompiledProgram, weights: WeightSet) -> Result[LoadedProgram, CheckpointError]:
         """A runnable program with `weights` bound (prepacked, and the cache written in place, when enabled).
 
         Returns:
@@ -160,23 +160,30 @@ class CpuBackend:
         sig = program.signature
         gm = _plain_module(program.payload)
         inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        problems = _weight_problems(inputs, sig, weights)
+        problems = _weight_problems(inputs, sig, weights.tensors)
         if problems:
             return Failure(CheckpointError(problems=problems))
         w_nodes = inputs[: len(sig.weights)]
         c_nodes = inputs[len(sig.weights) : len(sig.weights) + len(sig.cache)]
+        cpu_passes.drop_identity_conversions(gm)
+        cpu_passes.fold_constants(gm)
         if self.pack_weights:
-            cpu_passes.prepack_linears(gm, w_nodes, weights, cpu_passes.packable_dtypes())
+            packable = cpu_passes.packable_dtypes()
+            cpu_passes.prepack_linears(gm, w_nodes, sig.weights, weights, packable)
         in_place = cpu_passes.reinplace_cache_writes(gm, c_nodes) if self.in_place_cache else (False,) * len(c_nodes)
         gm.recompile()
-        call = functools.partial(gm.forward, *weights)
+        call = functools.partial(gm.forward, *weights.tensors)
         return Success(LoadedProgram(program=program, call=call, in_place=in_place))
 
     def run(
         self, loaded: LoadedProgram, cache: Sequence[Tensor], inputs: Sequence[Tensor]
     ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-        """`(outputs, new_cache)`; cache tensors written in place come back as the same objects."""
-        with torch.inference_mode():
+        """`(outputs, new_cache)`; cache tensors written in place come back as the same objects.
+
+        Runs under `no_grad`, not `inference_mode`: results stay ordinary tensors the caller may
+        modify in place later (inference tensors refuse that outside inference mode).
+        """
+        with torch.no_grad():
             flat = loaded.call(*cache, *inputs)
         n = len(loaded.program.signature.outputs)
         return tuple(flat[:n]), tuple(flat[n:])

@@ -1,5 +1,5 @@
-"""Load-time rewrites of a traced CPU program: oneDNN-prepacked linear weights, in-place cache writes.
-Effects: allocates the packed weight copies.
+"""Load-time rewrites of a traced CPU program: prepacked linears, in-place cache writes, less per-op overhead.
+Effects: allocates the packed weight copies and folded constants.
 
 Theory of operation. A saved program is the pure graph (weights are inputs, cache writes are
 out of place). When weights are bound, two rewrites make it fast without changing its results:
@@ -14,7 +14,12 @@ out of place). When weights are bound, two rewrites make it fast without changin
    the write, so a decode step does not copy the whole cache view per layer. The result is the
    caller's tensor itself, which is why runs treat the given cache as consumed.
 
-Both rewrites are checked against the pure form by tests (same outputs, same new cache).
+3. **Less per-op overhead.** The graph runs op by op from Python, so every node costs a few
+   microseconds whatever its size. Conversions to the dtype a tensor already has (48 of them in a
+   12-layer Llama step) are dropped, and nodes that depend on no input (RoPE inverse frequencies,
+   `arange`s) are computed once at bind time.
+
+All rewrites are checked against the pure form by tests (same outputs, same new cache).
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, fx
 
+from nxdi.effects.backends.base import WeightSet
+
 _LINEAR = torch.ops.aten.linear.default
+_POINTWISE = torch.ops.mkldnn._linear_pointwise.default
 _IN_PLACE = {
     torch.ops.aten.index_copy.default: torch.ops.aten.index_copy_.default,
     torch.ops.aten.scatter.src: torch.ops.aten.scatter_.src,
@@ -49,7 +57,7 @@ def packable_dtypes() -> frozenset[torch.dtype]:
 
 def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear` with a prepacked weight: x [..., K], packed [N, K] (mkldnn layout) -> [..., N]."""
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+    y = _POINTWISE(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -65,26 +73,38 @@ def _rows(node: fx.Node) -> int:
 
 
 def prepack_linears(
-    gm: fx.GraphModule, weight_nodes: Sequence[fx.Node], weights: Sequence[Tensor], dtypes: frozenset[torch.dtype]
+    gm: fx.GraphModule,
+    weight_nodes: Sequence[fx.Node],
+    names: Sequence[str],
+    weights: WeightSet,
+    dtypes: frozenset[torch.dtype],
 ) -> int:
     """Rewrite every `linear(x, w)` whose `w` is a 2-D weight input of a packable dtype. Returns the count.
 
-    Each such weight is packed once (shared by all its linears) and held as a module attribute.
+    Each such weight is packed once per `WeightSet` (kept in `weights.derived` under its name, so
+    every program bound to the same set shares the copy) and read by the graph as an attribute.
     """
     graph, count = gm.graph, 0
-    for i, (node, w) in enumerate(zip(weight_nodes, weights, strict=True)):
+    for i, (node, name, w) in enumerate(zip(weight_nodes, names, weights.tensors, strict=True)):
         users = [u for u in node.users if u.target is _LINEAR and u.args[1] is node]
         if not users or w.dim() != 2 or w.dtype not in dtypes:
             continue
+        key = f"onednn:{name}"
+        if key not in weights.derived:
+            # The row-count hint only tunes the blocked layout; one copy serves every bucket.
+            weights.derived[key] = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _rows(users[0]))
         attr = f"_nxdi_packed_{i}"
-        packed_w = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _rows(users[0]))
-        gm.register_buffer(attr, packed_w, persistent=False)
+        gm.register_buffer(attr, weights.derived[key], persistent=False)
         with graph.inserting_after(node):
             packed = graph.get_attr(attr)
         for u in users:
-            bias = u.args[2] if len(u.args) > 2 else None
+            x, bias = u.args[0], (u.args[2] if len(u.args) > 2 else None)
+            x_val = _val(x)
             with graph.inserting_before(u):
-                new = graph.call_function(packed_linear, (u.args[0], packed, bias))
+                if x_val is not None and x_val.dim() == 2:  # the common case: call oneDNN directly
+                    new = graph.call_function(_POINTWISE, (x, packed, bias, "none", [], ""))
+                else:
+                    new = graph.call_function(packed_linear, (x, packed, bias))
             new.meta = dict(u.meta)
             u.replace_all_uses_with(new)
             graph.erase_node(u)
@@ -152,3 +172,78 @@ def reinplace_cache_writes(gm: fx.GraphModule, cache_nodes: Sequence[fx.Node]) -
             writes[0].target = _IN_PLACE[writes[0].target]  # type: ignore[index]  # filtered to _IN_PLACE keys above
         done.append(ok)
     return tuple(done)
+
+
+_CONVERSIONS = (torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default)
+_FOLD_LIMIT = 1 << 20
+"""Bytes: a folded constant larger than this stays computed per call (it would cost memory)."""
+
+
+def _val(node: object) -> Tensor | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, Tensor) else None
+
+
+def drop_identity_conversions(gm: fx.GraphModule) -> int:
+    """Remove `to(dtype)` nodes whose input already has that dtype (they return their input). Returns the count."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.target not in _CONVERSIONS:
+            continue
+        src, out = _val(node.args[0]), _val(node)
+        same = (
+            src is not None
+            and out is not None
+            and (src.dtype, src.device, src.layout) == (out.dtype, out.device, out.layout)
+        )
+        # _to_copy always copies; only `to` without copy/memory_format options may alias its input.
+        if same and node.target is torch.ops.aten.to.dtype and not node.kwargs and len(node.args) == 2:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            count += 1
+    return count
+
+
+def _foldable(node: fx.Node, constant: dict[fx.Node, Tensor]) -> bool:
+    """A pure, deterministic op whose inputs are all constants (and not an uninitialized `empty`)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    schema = node.target._schema
+    if schema.is_mutable or "empty" in schema.name or torch.Tag.nondeterministic_seeded in node.target.tags:
+        return False
+    return all(n in constant for n in node.all_input_nodes)
+
+
+def _shareable(node: fx.Node) -> bool:
+    """No user returns the value or writes it: one tensor can then serve every call."""
+    mutating = (u for u in node.users if isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable)
+    return all(u.op != "output" for u in node.users) and next(mutating, None) is None
+
+
+def fold_constants(gm: fx.GraphModule) -> int:
+    """Compute once the nodes that depend on no graph input, and read them as attributes. Returns the count."""
+    constant: dict[fx.Node, Tensor] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and isinstance(getattr(gm, str(node.target), None), Tensor):
+            constant[node] = getattr(gm, str(node.target))
+        elif _foldable(node, constant):
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: constant[n])
+            value = node.target(*args, **kwargs)
+            if isinstance(value, Tensor) and value.nbytes <= _FOLD_LIMIT:
+                constant[node] = value
+    count = 0
+    for node, value in constant.items():
+        frontier = any(u not in constant for u in node.users)
+        if node.op != "call_function" or not frontier or not _shareable(node):
+            continue
+        attr = f"_nxdi_folded_{count}"
+        gm.register_buffer(attr, value, persistent=False)
+        with gm.graph.inserting_before(node):
+            new = gm.graph.get_attr(attr)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        count += 1
+    for node in reversed(list(constant)):  # the folded region is now unused
+        if node.op == "call_function" and not node.users:
+            gm.graph.erase_node(node)
+    return count

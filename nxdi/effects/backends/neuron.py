@@ -25,7 +25,7 @@ from returns.result import Failure, Result, Success
 from torch import Tensor
 
 from nxdi.core.errors import CheckpointError, Problem
-from nxdi.effects.backends.base import CompiledProgram, FlatProgram, LoadedProgram, Signature
+from nxdi.effects.backends.base import CompiledProgram, FlatProgram, LoadedProgram, Signature, WeightSet
 
 FORMAT = 1
 
@@ -115,14 +115,14 @@ class NeuronBackend:
         _import("torch_neuronx")
         return CompiledProgram(name=name, signature=signature, backend=self.name, payload=torch.jit.load(str(path)))
 
-    def bind(self, program: CompiledProgram, weights: Sequence[Tensor]) -> Result[LoadedProgram, CheckpointError]:
+    def bind(self, program: CompiledProgram, weights: WeightSet) -> Result[LoadedProgram, CheckpointError]:
         """Replace the program's weights with `weights` (in place: load a program once per weight set)."""
         neuronx = _import("torch_neuronx")
         sig = program.signature
-        if len(weights) != len(sig.weights):
-            problem = Problem.of("weights", len(weights), f"the program takes {len(sig.weights)} weights")
+        if len(weights.tensors) != len(sig.weights):
+            problem = Problem.of("weights", len(weights.tensors), f"the program takes {len(sig.weights)} weights")
             return Failure(CheckpointError(problems=(problem,)))
-        state = {f"params.{_slot(n)}": w for n, w in zip(sig.weights, weights, strict=True)}
+        state = {f"params.{_slot(n)}": w for n, w in zip(sig.weights, weights.tensors, strict=True)}
         neuronx.replace_weights(program.payload, state)
         return Success(LoadedProgram(program=program, call=program.payload, in_place=(False,) * len(sig.cache)))
 
