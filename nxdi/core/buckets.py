@@ -26,7 +26,7 @@ from typing import TypeGuard
 import attrs
 from returns.result import Failure, Result, Success
 
-from nxdi.core.errors import ConfigError, Problem, problems_result
+from nxdi.core.errors import ConfigError, Problem, problems_of, problems_result
 from nxdi.core.neuron_spec import NeuronSpec
 
 MIN_AUTO_BUCKET = 128
@@ -219,7 +219,7 @@ def token_generation_table(
     match lengths, sizes:
         case Success(ls), Success(bs):
             return Success(BucketTable(kind=kind, lengths=ls, batch_sizes=bs, max_length=max_length))
-    return Failure(ConfigError(problems=_problems_in(lengths, sizes)))
+    return Failure(ConfigError(problems=problems_of(lengths, sizes)))
 
 
 def speculation_table(
@@ -243,16 +243,6 @@ def speculation_table(
             extra_tokens=speculation_length,
         )
     )
-
-
-def _problems_in(*results: Result[object, ConfigError]) -> tuple[Problem, ...]:
-    """Every problem of every `Failure` among `results`."""
-    found: list[Problem] = []
-    for r in results:
-        match r:
-            case Failure(err):
-                found.extend(err.problems)
-    return tuple(found)
 
 
 def _overflow(table: BucketTable, n: int) -> ConfigError:

@@ -116,6 +116,16 @@ def problems_result(value: T, problems: Iterable[Problem]) -> Result[T, ConfigEr
     return Failure(ConfigError(problems=found)) if found else Success(value)
 
 
+def problems_of(*results: Result[object, ConfigError]) -> tuple[Problem, ...]:
+    """Every problem of every `Failure` among `results`, in order."""
+    found: list[Problem] = []
+    for r in results:
+        match r:
+            case Failure(err):
+                found.extend(err.problems)
+    return tuple(found)
+
+
 def collect(*results: Result[object, ConfigError]) -> Result[tuple[object, ...], ConfigError]:
     """Combine results: `Success` of all values, or one `Failure` with every problem of every failure."""
     values: list[object] = []

@@ -18,7 +18,7 @@ import attrs
 from returns.result import Failure, Result, Success
 
 from nxdi.core import gqa
-from nxdi.core.errors import ConfigError, Problem
+from nxdi.core.errors import ConfigError, Problem, problems_of
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.neuron_spec import DTYPE_BYTES, NeuronSpec
 
@@ -179,11 +179,5 @@ def kv_layout_for(model: ModelSpec, spec: NeuronSpec) -> Result[KVLayout, Config
                 sliding_window=model.sliding_window,
                 flash_decoding_group=g,
             )
-    return Failure(ConfigError(problems=tuple(p for r in (counts, group) for p in _problems(r))))
+    return Failure(ConfigError(problems=problems_of(counts, group)))
 
-
-def _problems(result: Result[object, ConfigError]) -> tuple[Problem, ...]:
-    match result:
-        case Failure(err):
-            return err.problems
-    return ()

@@ -16,7 +16,7 @@ import attrs
 from returns.result import Failure, Result, Success
 
 from nxdi.core import buckets, kv_layout, lora, memory, sharding
-from nxdi.core.errors import ConfigError, Problem
+from nxdi.core.errors import ConfigError, Problem, problems_of
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.neuron_spec import NeuronSpec
 from nxdi.core.platform import INSTANCES, PLATFORMS, Platform
@@ -156,15 +156,6 @@ def _lnc_note(spec: NeuronSpec, where: Platform) -> tuple[str, ...]:
     )
 
 
-def _problems(*results: Result[Any, ConfigError]) -> tuple[Problem, ...]:
-    found: list[Problem] = []
-    for r in results:
-        match r:
-            case Failure(err):
-                found.extend(err.problems)
-    return tuple(found)
-
-
 def _lora_capacity(
     model: ModelSpec, spec: NeuronSpec, mem: memory.MemoryPlan, request: LoraRequest | None
 ) -> Result[lora.LoraCapacity | None, ConfigError]:
@@ -196,7 +187,7 @@ def _lora_capacity(
 def _verdict(spec: NeuronSpec, p: Plan) -> tuple[Problem, ...]:
     """Why the planned configuration will not run as asked."""
     found = list(
-        _problems(
+        problems_of(
             sharding.check_tp_degree(spec.tp_degree, platform=p.platform, lnc=p.logical_nc_config, instance=p.instance),
             sharding.check_sequence_parallel(spec.tp_degree, p.context_encoding.lengths)
             if spec.sequence_parallel_enabled
@@ -259,5 +250,5 @@ def plan_for(
                 warnings=(*sh.notes, *_lnc_note(spec, where)),
             )
             return Success(attrs.evolve(plan, problems=_verdict(spec, plan)))
-    problems = dict.fromkeys(_problems(ctx, tkg, spec_table, shard, kv, mem, capacity))
+    problems = dict.fromkeys(problems_of(ctx, tkg, spec_table, shard, kv, mem, capacity))
     return Failure(ConfigError(problems=tuple(problems)))

@@ -30,7 +30,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -287,25 +286,8 @@ def _raise(error: ArtifactError) -> NoReturn:
 # --- compiling --------------------------------------------------------------------------------
 
 
-def _temp_in(folder: Path, name: str) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    # The name ends like the target's, since some writers (torch.export.save) check the suffix.
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=f"-{name}", dir=folder)
-    os.close(fd)
-    return Path(tmp)
-
-
 def _publish(write: Callable[[Path], object], target: Path) -> None:
-    """Run `write(tmp)` into a temporary file beside `target`, fsync it, rename it into place."""
-    tmp = _temp_in(target.parent, target.name)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    files.publish(target, write)
 
 
 def _from_cache(cache_dir: Path | None, key: str, target: Path) -> bool:

@@ -19,7 +19,6 @@ import enum
 import json
 import os
 import pickle
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
+
+from nxdi.effects import files
 
 
 class CheckpointReadError(Exception):
@@ -329,16 +330,6 @@ def write_safetensors(
 
     Tensors sharing memory (tied weights) are written as separate copies. `tensors` is not modified.
     """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        save_file(_savable(tensors), tmp, metadata=dict(metadata) if metadata else None)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return files.publish(
+        path, lambda tmp: save_file(_savable(tensors), str(tmp), metadata=dict(metadata) if metadata else None)
+    )

@@ -8,24 +8,35 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
-def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write `data` to `path` atomically (temp file in the same folder, fsync, rename)."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+def publish(target: str | os.PathLike[str], write: Callable[[Path], object]) -> Path:
+    """Run `write(tmp)` on a temporary file beside `target`, fsync it, and rename it into place.
+
+    The temporary name ends with the target's name (some writers check the suffix). On any
+    exception the temporary file is removed and `target` is left as it was.
+    """
+    dest = Path(target)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=".tmp-", suffix=f"-{dest.name}", dir=dest.parent)
+    os.close(fd)
+    tmp = Path(name)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
+        write(tmp)
+        with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, target)
+        os.replace(tmp, dest)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-    return target
+    return dest
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write `data` to `path` atomically."""
+    return publish(path, lambda tmp: tmp.write_bytes(data))
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
