@@ -303,6 +303,9 @@ def load_pretrained_config(
 
             config = AutoConfig.from_pretrained(model_path_or_name)
         data = config.to_dict()
+        if model_path_or_name is not None and Path(model_path_or_name).exists():
+            # Absolute, so a compiled model that reads its weights from here loads from any directory.
+            data["_name_or_path"] = str(Path(model_path_or_name).resolve())
         dtype = data.pop("dtype", None)
         dtype = data.pop("torch_dtype", None) or dtype
         if dtype is not None and not self.neuron_config.spec.overrides_torch_dtype:

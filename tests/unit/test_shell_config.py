@@ -196,6 +196,12 @@ def test_load_pretrained_config_dtype_rules(llama_dir: Path) -> None:
         load_pretrained_config()
 
 
+def test_checkpoint_path_is_recorded_absolute(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(llama_dir.parent)
+    cfg = LlamaInferenceConfig(NeuronConfig(), load_config=load_pretrained_config(llama_dir.name))
+    assert cfg._name_or_path == str(llama_dir.resolve())
+
+
 def test_kwargs_override_loaded_values(llama_dir: Path) -> None:
     cfg = LlamaInferenceConfig(NeuronConfig(), load_config=load_pretrained_config(llama_dir), vocab_size=300)
     assert cfg.vocab_size == 300
