@@ -157,3 +157,23 @@ def test_a_constant_returned_as_an_output_is_fresh_on_every_call() -> None:
     first.add_(1.0)  # the caller owns its outputs
     (second,), _ = FAST.run(loaded, (torch.zeros(cp.B, cp.T, cp.E),), cp.inputs(0, 1, 0))
     torch.testing.assert_close(second[0, 0], torch.arange(cp.V, dtype=torch.float32) * 2.0)
+
+
+def test_common_subexpressions_merge_only_equal_calls() -> None:
+    def repeats(
+        w: torch.Tensor, w_out: torch.Tensor, cache: torch.Tensor, x: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = pos[None, :, None].expand(x.shape[0], x.shape[1], x.shape[2])  # built twice, as per layer
+        h = F.linear(x, w)
+        cache = cache.scatter(1, idx, h).scatter(1, pos[None, :, None].expand(x.shape[0], x.shape[1], x.shape[2]), h)
+        as_float, as_int = pos * 1.0, pos * 1  # equal in Python, different dtypes: must stay apart
+        y = F.linear(cache.sum(1, keepdim=True), w_out) + as_float.sum() + as_int.sum()
+        return y, cache
+
+    loaded = bound(repeats, FAST, 2)
+    code = loaded.call.func.__self__.code  # type: ignore[attr-defined]
+    assert code.count("aten.expand") == 1 and code.count("aten.mul.Tensor") == 2
+    (y,), (new,) = FAST.run(loaded, (torch.zeros(cp.B, cp.T, cp.E),), cp.inputs(3, 2, 5))
+    want_y, want_new = repeats(*cp.weights(0), torch.zeros(cp.B, cp.T, cp.E), *cp.inputs(3, 2, 5))
+    torch.testing.assert_close(new, want_new, rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(y, want_y, rtol=1.3e-6, atol=1e-4)

@@ -166,6 +166,7 @@ class CpuBackend:
         w_nodes = inputs[: len(sig.weights)]
         c_nodes = inputs[len(sig.weights) : len(sig.weights) + len(sig.cache)]
         cpu_passes.drop_identity_conversions(gm)
+        cpu_passes.eliminate_common_subexpressions(gm)
         cpu_passes.fold_constants(gm)
         if self.pack_weights:
             packable = cpu_passes.packable_dtypes()

@@ -16,7 +16,8 @@ out of place). When weights are bound, two rewrites make it fast without changin
 
 3. **Less per-op overhead.** The graph runs op by op from Python, so every node costs a few
    microseconds whatever its size. Conversions to the dtype a tensor already has (48 of them in a
-   12-layer Llama step) are dropped, and nodes that depend on no input (RoPE inverse frequencies,
+   12-layer Llama step) are dropped, repeated pure calls (the cache-write index each layer
+   rebuilds: 73 nodes) are merged, and nodes that depend on no input (RoPE inverse frequencies,
    `arange`s) are computed once at bind time.
 
 All rewrites are checked against the pure form by tests (same outputs, same new cache).
@@ -206,12 +207,7 @@ def drop_identity_conversions(gm: fx.GraphModule) -> int:
 
 def _foldable(node: fx.Node, constant: dict[fx.Node, Tensor]) -> bool:
     """A pure, deterministic op whose inputs are all constants (and not an uninitialized `empty`)."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return False
-    schema = node.target._schema
-    if schema.is_mutable or "empty" in schema.name or torch.Tag.nondeterministic_seeded in node.target.tags:
-        return False
-    return all(n in constant for n in node.all_input_nodes)
+    return _pure(node) and all(n in constant for n in node.all_input_nodes)
 
 
 def _shareable(node: fx.Node) -> bool:
@@ -246,4 +242,54 @@ def fold_constants(gm: fx.GraphModule) -> int:
     for node in reversed(list(constant)):  # the folded region is now unused
         if node.op == "call_function" and not node.users:
             gm.graph.erase_node(node)
+    return count
+
+
+def _key(node: fx.Node) -> tuple[object, ...] | None:
+    """A hashable identity of a pure call (target and arguments), or None when the node must stay."""
+    if not _pure(node):
+        return None
+    try:
+        key = (node.target, _freeze(node.args), _freeze(tuple(sorted(node.kwargs.items()))))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _pure(node: fx.Node) -> bool:
+    """A deterministic op that writes nothing and allocates no uninitialized memory."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    schema = node.target._schema
+    return not (schema.is_mutable or "empty" in schema.name or torch.Tag.nondeterministic_seeded in node.target.tags)
+
+
+def _freeze(value: object) -> object:
+    """Arguments as a hashable key that tells apart values Python calls equal (1, 1.0, True)."""
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_freeze(v) for v in value))
+    if isinstance(value, fx.Node):
+        return value
+    return (type(value).__name__, str(value) if isinstance(value, (torch.dtype, torch.device)) else value)
+
+
+def eliminate_common_subexpressions(gm: fx.GraphModule) -> int:
+    """Compute each pure call once (e.g. the cache-write index every layer rebuilds). Returns the count.
+
+    Run on the pure graph, before `reinplace_cache_writes`: in a pure graph equal calls on equal
+    arguments give equal values, which stops being true once a cache is written in place.
+    """
+    seen: dict[tuple[object, ...], fx.Node] = {}
+    count = 0
+    for node in list(gm.graph.nodes):
+        key = _key(node)
+        if key is None:
+            continue
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            gm.graph.erase_node(node)
+            count += 1
+        else:
+            seen[key] = node
     return count
