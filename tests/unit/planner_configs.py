@@ -133,3 +133,21 @@ GPT2_XL: dict[str, Any] = {
 def spec(config: dict[str, Any]) -> ModelSpec:
     """The parsed ModelSpec of a config dict (tests only; a parse failure fails the test)."""
     return parse_model_spec(config).unwrap()
+
+
+PLAN_JSON_KEYS: dict[str, set[str]] = {
+    "buckets": {"context_encoding", "token_generation"},
+    "sharding": {"strategy", "q_heads", "kv_heads", "q_heads_per_rank", "kv_heads_per_rank"},
+    "kv_cache": {"shape_per_rank", "dtype", "bytes_per_rank"},
+    "memory": {
+        "weights_bytes",
+        "kv_cache_bytes",
+        "total_bytes",
+        "per_core_bytes",
+        "hbm_per_core_bytes",
+        "fits",
+        "min_tp_degree",
+    },
+    "lora": {"max_adapters"},
+}
+"""The keys the issue requires in `nxdi plan --json` / `Plan.to_dict()`, per section."""

@@ -13,23 +13,9 @@ import pytest
 from nxdi.shell import bench_plan
 from nxdi.shell.bench_timing import Timings
 from nxdi.shell.cli import main
-from tests.unit.planner_configs import LLAMA_31_8B, LLAMA_31_70B, OPT_13B
+from tests.unit.planner_configs import LLAMA_31_8B, LLAMA_31_70B, OPT_13B, PLAN_JSON_KEYS
 
-JSON_KEYS = {
-    "buckets": {"context_encoding", "token_generation"},
-    "sharding": {"strategy", "q_heads", "kv_heads", "q_heads_per_rank", "kv_heads_per_rank"},
-    "kv_cache": {"shape_per_rank", "dtype", "bytes_per_rank"},
-    "memory": {
-        "weights_bytes",
-        "kv_cache_bytes",
-        "total_bytes",
-        "per_core_bytes",
-        "hbm_per_core_bytes",
-        "fits",
-        "min_tp_degree",
-    },
-    "lora": {"max_adapters"},
-}
+JSON_KEYS = PLAN_JSON_KEYS
 L8_TRN1 = ["--instance", "trn1.32xlarge", "--tp-degree", "32"]
 
 

@@ -12,23 +12,9 @@ from nxdi.core import plan
 from nxdi.core.neuron_parse import parse_neuron_spec
 from nxdi.core.neuron_spec import NeuronSpec
 from nxdi.core.platform import Platform
-from tests.unit.planner_configs import LLAMA_3_8B, LLAMA_31_70B, LLAMA_31_405B, spec
+from tests.unit.planner_configs import LLAMA_3_8B, LLAMA_31_70B, LLAMA_31_405B, PLAN_JSON_KEYS, spec
 
-KEYS = {
-    "buckets": {"context_encoding", "token_generation"},
-    "sharding": {"strategy", "q_heads", "kv_heads", "q_heads_per_rank", "kv_heads_per_rank"},
-    "kv_cache": {"shape_per_rank", "dtype", "bytes_per_rank"},
-    "memory": {
-        "weights_bytes",
-        "kv_cache_bytes",
-        "total_bytes",
-        "per_core_bytes",
-        "hbm_per_core_bytes",
-        "fits",
-        "min_tp_degree",
-    },
-    "lora": {"max_adapters"},
-}
+KEYS = PLAN_JSON_KEYS
 
 
 def _spec(platform: Platform = Platform.TRN1, **kwargs: Any) -> NeuronSpec:
