@@ -16,6 +16,7 @@ import torch
 
 from nxdi.core import graph_key
 from nxdi.core import weights as weight_plans
+from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.neuron_checks import cpu_inert_flags
 from nxdi.core.neuron_spec import NeuronSpec
@@ -99,8 +100,6 @@ class NeuronApplicationBase:
         """Require a neuron_config, and reject what the CPU engine cannot run yet (all listed)."""
         if getattr(config, "neuron_config", None) is None:
             raise IncompatibleConfigError("neuron_config: is required but missing from the InferenceConfig")
-        from nxdi.core.errors import ConfigError, Problem
-
         spec = config.neuron_config.spec
         unsupported = [
             Problem.of(name, getattr(spec, name), "is not supported by the CPU engine yet", fix)

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from nxdi.core import neuron_parse
+from nxdi.core import codec, neuron_parse
 from nxdi.core.fields import JsonMap, did_you_mean
 from nxdi.core.neuron_spec import DERIVED, NeuronSpec
 from nxdi.core.platform import Platform
@@ -258,8 +258,6 @@ class NeuronConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Every attribute, as neuron_config.json holds it."""
-        from nxdi.core import codec
-
         return codec.neuron_spec_to_dict(self._spec)
 
     def __eq__(self, other: object) -> bool:

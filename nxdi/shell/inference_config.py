@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from returns.result import Failure, Success
 
 from nxdi.core import codec
-from nxdi.core.errors import Problem
+from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.model_spec import ModelSpec, parse_model_spec
 from nxdi.core.platform import Platform
 from nxdi.effects import env as env_mod
@@ -169,8 +169,6 @@ class InferenceConfig:
             )
         problems = list(self._chunked_attention_problems())
         if problems:
-            from nxdi.core.errors import ConfigError
-
             error = ConfigError(problems=tuple(problems))
             raise IncompatibleConfigError(error.render("Invalid InferenceConfig"), error)
         if self._model_type is not None:
