@@ -1,8 +1,8 @@
 # nxdi developer commands. Each target creates .venv when it is missing and installs into it.
 #
 #   make demo     set up, then run the main job (`nxdi demo`)
-#   make test     set up, then ruff check, mypy nxdi/core, the layer contract (import-linter), pytest
-#   make lint     ruff check + ruff format --check + mypy + import-linter, without the tests
+#   make test     set up, then `make lint` (ruff check, ruff format --check, mypy nxdi/core, import-linter), pytest
+#   make lint     the same checks without the tests
 #   make format   ruff format + ruff check --fix
 #   make bench    set up, then `nxdi bench $(BENCH_ARGS)`
 #
@@ -36,10 +36,7 @@ demo: setup
 	$(BIN)/nxdi demo
 
 # pytest exits 5 when it collected no tests; the suite always has tests, so that is a failure too.
-test: setup
-	$(BIN)/ruff check nxdi tests
-	$(BIN)/mypy nxdi/core
-	$(BIN)/lint-imports
+test: lint
 	$(BIN)/pytest $(PYTEST_ARGS); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests (exit 5): treating as failure" >&2; fi; \
 	exit $$status

@@ -180,4 +180,3 @@ def kv_layout_for(model: ModelSpec, spec: NeuronSpec) -> Result[KVLayout, Config
                 flash_decoding_group=g,
             )
     return Failure(ConfigError(problems=problems_of(counts, group)))
-

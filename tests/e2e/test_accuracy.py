@@ -41,7 +41,8 @@ def trained_bf16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _model(path: Path, family: str, **neuron: object) -> object:
     config = CONFIG_TYPES[family](
-        NeuronConfig(batch_size=2, max_context_length=32, seq_len=64, **neuron), load_config=load_pretrained_config(path)
+        NeuronConfig(batch_size=2, max_context_length=32, seq_len=64, **neuron),
+        load_config=load_pretrained_config(path),
     )
     model = MODEL_TYPES[family]["causal-lm"](path, config)
     model.to_cpu()
