@@ -104,8 +104,12 @@ def _modules(*layers: str) -> list[Module]:
     return [m for m in found if any(m.name == layer or m.name.startswith(f"{layer}.") for layer in layers)]
 
 
+TENSOR_PACKAGES = ("nxdi.core.programs", "nxdi.core.host")
+"""The core packages that compute with tensors (traced programs, host-side helpers); the rest of core plans."""
+
+
 def _is_planner(m: Module) -> bool:
-    return not (m.name == "nxdi.core.programs" or m.name.startswith("nxdi.core.programs."))
+    return not _under(m.name, *TENSOR_PACKAGES)
 
 
 def _top(name: str) -> str:
@@ -169,7 +173,7 @@ def test_core_planners_import_no_torch() -> None:
         for m in _modules("nxdi.core")
         if _is_planner(m)
         for node, name in m.imports()
-        if _top(name) in TENSOR_LIBS or _under(name, "nxdi.core.programs")
+        if _top(name) in TENSOR_LIBS or _under(name, *TENSOR_PACKAGES)
     ]
     assert not bad, _report(bad)
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import attrs
 
-from nxdi.core.codec import json_safe
+from nxdi.core.config.codec import json_safe
+from nxdi.core.config.neuron_spec import NeuronSpec, is_graph_field
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.neuron_spec import NeuronSpec, is_graph_field
 
 _LORA_RUNTIME = frozenset(
     {"lora_ckpt_paths", "lora_ckpt_paths_cpu", "lora_ckpt_json", "max_cpu_loras", "eviction_policy", "lfu_decay_period"}

@@ -13,10 +13,11 @@ from typing import Any
 
 from returns.result import Success
 
-from nxdi.core import buckets
+from nxdi.core.config.neuron_spec import NeuronSpec
+from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.neuron_spec import NeuronSpec
-from nxdi.core.programs import families, kv_cache, weight_ops
+from nxdi.core.planning import buckets
+from nxdi.core.programs import families, kv_cache
 from nxdi.core.programs.step import StepSpec, step
 from nxdi.effects.runtime import Phase, Program, Runtime
 

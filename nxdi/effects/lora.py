@@ -1,6 +1,6 @@
 """LoRA adapter discovery: path lists, the JSON path file, adapter_config.json. Effects: reads files.
 
-Resolves what `LoraServingConfig` is given into plain data for `nxdi.core.sub_specs.LoraSpec`:
+Resolves what `LoraServingConfig` is given into plain data for `nxdi.core.config.sub_specs.LoraSpec`:
 adapter id -> path maps (checked to exist), and the union of the adapters' target modules and
 their largest rank, read from each adapter's `adapter_config.json` (PEFT format) when present.
 """

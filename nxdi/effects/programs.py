@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nxdi.core.config.neuron_spec import NeuronSpec
+from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.neuron_spec import NeuronSpec
-from nxdi.core.programs import families, kv_cache, weight_ops
+from nxdi.core.programs import families, kv_cache
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 from nxdi.core.programs.step import StepSpec, step

@@ -1,8 +1,8 @@
 """Running a weight plan against checkpoint files, one tensor at a time. Effects: reads checkpoint files.
 
-The plan (`nxdi.core.weights`) is checked against the checkpoint's keys and shapes before any
+The plan (`nxdi.core.weight_plan`) is checked against the checkpoint's keys and shapes before any
 tensor data is read, so a bad checkpoint fails fast with every problem listed. Then each step reads
-its sources, combines and casts them (`nxdi.core.programs.weight_ops`) and yields the result; only aliased
+its sources, combines and casts them (`nxdi.core.host.weight_ops`) and yields the result; only aliased
 outputs (the embedding of tied models) are held back, so the stream itself keeps about one weight
 in flight. The functions NxDI users know map as follows: `get_state_dict(path, config)` is
 `get_state_dict` here; `convert_hf_to_neuron_state_dict(sd, config)` is `weight_ops.convert(plan, sd)`;
@@ -17,9 +17,9 @@ from collections.abc import Iterator, Mapping
 from returns.result import Failure, Result, Success
 from torch import Tensor
 
-from nxdi.core import weights
+from nxdi.core import weight_plan as weights
 from nxdi.core.errors import CheckpointError
-from nxdi.core.programs import weight_ops
+from nxdi.core.host import weight_ops
 from nxdi.effects import checkpoint
 
 

@@ -2,7 +2,7 @@
 
 - `check_accuracy`: token matching. Both sides decode greedily; the golden side is transformers
   with left-padded prompts, the nxdi side gets the same prompts (it compacts any padding itself).
-- `check_accuracy_logits`: logit matching with the REFERENCE §10 scheme (`nxdi.core.programs.accuracy`):
+- `check_accuracy_logits`: logit matching with the REFERENCE §10 scheme (`nxdi.core.host.logit_validation`):
   per position, shift removed, max-scaled closeness on the expected top-k groups. Every step is fed
   the golden token (teacher forcing), which is what the reference's restart-after-divergence
   amounts to, without re-encoding a longer prompt; a flipped argmax beyond the near-tie tolerance
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig
 
-from nxdi.core.programs import accuracy
+from nxdi.core.host import logit_validation as accuracy
 from nxdi.shell.causal_lm import NeuronBaseForCausalLM
 from nxdi.shell.errors import IncompatibleConfigError, LogitMatchingValidationError
 from nxdi.shell.generation import HuggingFaceGenerationAdapter

@@ -15,12 +15,13 @@ from typing import Any, ClassVar
 import torch
 
 from nxdi.core import graph_key
-from nxdi.core import weights as weight_plans
+from nxdi.core import weight_plan as weight_plans
+from nxdi.core.config.neuron_checks import cpu_inert_flags
+from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.errors import ConfigError, Problem
+from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.neuron_checks import cpu_inert_flags
-from nxdi.core.neuron_spec import NeuronSpec
-from nxdi.core.programs import families, weight_ops
+from nxdi.core.programs import families
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.effects import artifacts, checkpoint, engine, programs
 from nxdi.effects import env as env_mod

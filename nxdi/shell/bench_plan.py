@@ -15,9 +15,9 @@ from typing import Any
 
 import attrs
 
-from nxdi.core import plan
+from nxdi.core.config.neuron_parse import parse_neuron_spec
 from nxdi.core.model_spec import parse_model_spec
-from nxdi.core.neuron_parse import parse_neuron_spec
+from nxdi.core.planning import plan
 from nxdi.core.platform import Platform
 from nxdi.shell.bench_timing import Timings, render_table, time_calls
 

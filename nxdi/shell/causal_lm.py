@@ -16,10 +16,10 @@ import torch
 from returns.result import Failure, Result, Success
 from torch import Tensor
 
-from nxdi.core import buckets, padding
-from nxdi.core import sampling as sampling_params_core
+from nxdi.core import sampling_params as sampling_params_core
 from nxdi.core.errors import ConfigError, Problem
-from nxdi.core.programs import batching
+from nxdi.core.host import batching
+from nxdi.core.planning import buckets, padding
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.effects.runtime import Phase, Runtime
 from nxdi.shell.application import NeuronApplicationBase

@@ -15,8 +15,8 @@ from typing import Any
 
 import attrs
 
-from nxdi.core.fields import field_types
-from nxdi.core.neuron_spec import NeuronSpec
+from nxdi.core.config.fields import field_types
+from nxdi.core.config.neuron_spec import NeuronSpec
 
 _SKIP = frozenset({"moe", "is_prefill_stage", "overrides_torch_dtype"})
 

@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from nxdi.core import codec, graph_key
+from nxdi.core import graph_key
+from nxdi.core.config import codec
 from nxdi.core.model_spec import parse_model_spec
 from nxdi.shell.cli_flags import add_neuron_config_flags, neuron_config_kwargs
 from nxdi.shell.errors import IncompatibleConfigError, unwrap_or_raise

@@ -23,12 +23,13 @@ from typing import Any
 import attrs
 from returns.result import Failure, Result, Success
 
-from nxdi.core import codec, plan
+from nxdi.core.config import codec
+from nxdi.core.config.fields import did_you_mean
+from nxdi.core.config.neuron_parse import parse_neuron_spec
+from nxdi.core.config.neuron_spec import DTYPE_BYTES
 from nxdi.core.errors import ConfigError, Problem
-from nxdi.core.fields import did_you_mean
 from nxdi.core.model_spec import parse_model_spec
-from nxdi.core.neuron_parse import parse_neuron_spec
-from nxdi.core.neuron_spec import DTYPE_BYTES
+from nxdi.core.planning import plan
 from nxdi.core.platform import INSTANCES, Platform
 from nxdi.shell import plan_report
 from nxdi.shell.cli_flags import add_neuron_config_flags, neuron_config_kwargs

@@ -15,11 +15,18 @@ from typing import Any, ClassVar
 
 import attrs
 
-from nxdi.core import codec, neuron_parse
-from nxdi.core.fields import JsonMap, did_you_mean
-from nxdi.core.neuron_spec import DERIVED, NeuronSpec
+from nxdi.core.config import codec, neuron_parse
+from nxdi.core.config.fields import JsonMap, did_you_mean
+from nxdi.core.config.neuron_spec import DERIVED, NeuronSpec
+from nxdi.core.config.sub_specs import (
+    ChunkedPrefillSpec,
+    LoraSpec,
+    MoESpec,
+    OnDeviceSamplingSpec,
+    parse_sub,
+    sub_to_dict,
+)
 from nxdi.core.platform import Platform
-from nxdi.core.sub_specs import ChunkedPrefillSpec, LoraSpec, MoESpec, OnDeviceSamplingSpec, parse_sub, sub_to_dict
 from nxdi.effects import env as env_mod
 from nxdi.effects import lora as lora_io
 from nxdi.shell.errors import unwrap_or_raise

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from returns.result import Failure, Success
 
-from nxdi.core import codec
+from nxdi.core.config import codec
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.model_spec import ModelSpec, parse_model_spec
 from nxdi.core.platform import Platform

@@ -12,10 +12,10 @@ from typing import Any
 
 import attrs
 
-from nxdi.core import buckets
+from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.neuron_spec import NeuronSpec
-from nxdi.core.plan import Plan
+from nxdi.core.planning import buckets
+from nxdi.core.planning.plan import Plan
 
 GIB = 1 << 30
 MIB = 1 << 20

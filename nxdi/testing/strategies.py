@@ -16,8 +16,8 @@ from typing import Any
 from hypothesis import strategies as st
 from returns.result import Success
 
-from nxdi.core.neuron_parse import parse_neuron_spec
-from nxdi.core.neuron_spec import NeuronSpec
+from nxdi.core.config.neuron_parse import parse_neuron_spec
+from nxdi.core.config.neuron_spec import NeuronSpec
 
 DTYPES = ("float32", "float16", "bfloat16")
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from nxdi.core.programs.accuracy import DEFAULT_TOL_MAP, compare_position, max_relative_logit_error
+from nxdi.core.host.logit_validation import DEFAULT_TOL_MAP, compare_position, max_relative_logit_error
 from tests.e2e.engine_fixtures import FAMILIES, NEW_TOKENS, PROMPTS, hf_logits, nxdi_generate, padded, runtime_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

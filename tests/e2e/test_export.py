@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from nxdi.core import model_spec, weights
+from nxdi.core import model_spec
+from nxdi.core import weight_plan as weights
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.programs import inputs, kv_cache, llama
+from nxdi.core.programs import decoder as llama
+from nxdi.core.programs import inputs, kv_cache
 from nxdi.effects import weights as weight_io
 
 

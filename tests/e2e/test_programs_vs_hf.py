@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from nxdi.core import model_spec, weights
+from nxdi.core import model_spec
+from nxdi.core import weight_plan as weights
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.programs import families, inputs, kv_cache, sampling
 from nxdi.effects import weights as weight_io

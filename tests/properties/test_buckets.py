@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from returns.result import Failure, Success
 
-from nxdi.core import buckets, padding
+from nxdi.core.planning import buckets, padding
 from tests.properties.strategies.planners import bucket_tables
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nxdi.core import gqa, kv_layout
-from nxdi.core.neuron_spec import DTYPE_BYTES
+from nxdi.core.config.neuron_spec import DTYPE_BYTES
+from nxdi.core.planning import gqa, kv_layout
 from tests.properties.strategies.planners import head_configs
 
 DTYPES = ["float32", "float16", "bfloat16"]

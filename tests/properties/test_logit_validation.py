@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nxdi.core.programs import accuracy
+from nxdi.core.host import logit_validation as accuracy
 
 
 def _logits(seed: int, n: int = 3, v: int = 64) -> torch.Tensor:

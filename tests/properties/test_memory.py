@@ -6,8 +6,8 @@ import attrs
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from nxdi.core import memory, sharding
 from nxdi.core.model_spec import ModelSpec
+from nxdi.core.planning import memory, sharding
 from nxdi.core.platform import Platform
 from tests.properties.strategies.planners import model_specs
 

@@ -9,8 +9,9 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 from returns.result import Failure, Success
 
-from nxdi.core import codec, graph_key, neuron_parse
-from nxdi.core.neuron_spec import NeuronSpec, is_graph_field
+from nxdi.core import graph_key
+from nxdi.core.config import codec, neuron_parse
+from nxdi.core.config.neuron_spec import NeuronSpec, is_graph_field
 from nxdi.testing.strategies import invalid_neuron_kwargs, neuron_kwargs, neuron_specs
 
 

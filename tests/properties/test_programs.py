@@ -15,9 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from returns.result import Failure, Success
 
-from nxdi.core import weights
+from nxdi.core import weight_plan as weights
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.programs import families, inputs, kv_cache, llama
+from nxdi.core.programs import decoder as llama
+from nxdi.core.programs import families, inputs, kv_cache
 from tests.properties.strategies.programs import dense_specs, random_weights
 
 SEEDS = st.integers(0, 2**31 - 1)

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from returns.result import Failure, Success
 
-from nxdi.core import sampling
+from nxdi.core import sampling_params as sampling
 
 GLOBAL_TOPK = 64
 good_k = st.one_of(st.just(-1), st.integers(0, GLOBAL_TOPK)).map(float)

@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from returns.result import Failure, Success
 
-from nxdi.core import gqa, sharding
 from nxdi.core.model_spec import ModelSpec
+from nxdi.core.planning import gqa, sharding
 from tests.properties.strategies.planners import head_configs, model_specs
 
 

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from returns.result import Failure, Success
 
-from nxdi.core import weights
+from nxdi.core import weight_plan as weights
+from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.programs import weight_ops
 from tests.properties.strategies.model_spec import model_specs
 from tests.properties.strategies.programs import dense_specs, random_state_dict
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from returns.result import Failure, Success
 
-from nxdi.core import buckets, padding
+from nxdi.core.planning import buckets, padding
 
 
 @pytest.mark.parametrize(

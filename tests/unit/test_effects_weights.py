@@ -11,9 +11,10 @@ import pytest
 import torch
 from returns.result import Failure
 
-from nxdi.core import model_spec, weights
+from nxdi.core import model_spec
+from nxdi.core import weight_plan as weights
+from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.programs import weight_ops
 from nxdi.effects import checkpoint
 from nxdi.effects import weights as weight_io
 from nxdi.testing.checkpoints import SaveFormat, write_checkpoint_file

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from returns.result import Success
 
-from nxdi.core import sampling
+from nxdi.core import sampling_params as sampling
 
 
 def test_prepare_defaults_and_broadcast() -> None:

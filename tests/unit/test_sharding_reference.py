@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from returns.result import Failure, Success
 
-from nxdi.core import gqa, sharding
+from nxdi.core.planning import gqa, sharding
 from nxdi.core.platform import Platform
 from tests.unit.planner_configs import LLAMA_3_8B, LLAMA_31_70B, OPT_13B, spec
 

@@ -159,7 +159,7 @@ def test_moe_config_round_trips_normalize_flag() -> None:
     )
     assert m.capacity_factor == 2.0 and m.normalize_top_k_affinities is False and m.router_config["act_fn"] == "sigmoid"
     data = m.to_dict()
-    from nxdi.core import codec
+    from nxdi.core.config import codec
 
     again = MoENeuronConfig.from_spec(codec.parse_neuron_dict(data, moe=True).unwrap().spec)
     assert again == m and again.normalize_top_k_affinities is False
@@ -368,7 +368,7 @@ def test_documented_classes_importable_from_nxdi_and_shell() -> None:
 
 
 def test_cpu_inert_flags_are_reported() -> None:
-    from nxdi.core.neuron_checks import cpu_inert_flags
+    from nxdi.core.config.neuron_checks import cpu_inert_flags
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -10,7 +10,8 @@ from torch import Tensor
 
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.model_spec import ModelSpec, NormKind, PositionKind
-from nxdi.core.programs import llama, mistral, qwen2, qwen3
+from nxdi.core.programs import decoder as llama
+from nxdi.core.programs import mistral, qwen2, qwen3
 from nxdi.core.programs.kv_cache import KVCache
 
 

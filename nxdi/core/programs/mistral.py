@@ -8,7 +8,7 @@ change of this program.
 
 from __future__ import annotations
 
-from nxdi.core.programs import llama
+from nxdi.core.programs import decoder as llama
 
 MistralWeights = llama.LlamaWeights
 forward = llama.forward

@@ -7,7 +7,7 @@ layers from `max_window_layers` on) is refused by `nxdi.core.programs.families.f
 
 from __future__ import annotations
 
-from nxdi.core.programs import llama
+from nxdi.core.programs import decoder as llama
 
 Qwen2Weights = llama.LlamaWeights
 forward = llama.forward

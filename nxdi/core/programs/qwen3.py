@@ -7,7 +7,7 @@ the attention output width H*D need not equal E.
 
 from __future__ import annotations
 
-from nxdi.core.programs import llama
+from nxdi.core.programs import decoder as llama
 
 Qwen3Weights = llama.LlamaWeights
 forward = llama.forward

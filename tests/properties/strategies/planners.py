@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from nxdi.core import buckets
 from nxdi.core.model_spec import ModelSpec, NormKind, PositionKind, RopeSpec
+from nxdi.core.planning import buckets
 
 
 @st.composite

@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-from nxdi.core import weights
+from nxdi.core import weight_plan as weights
+from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec, RopeKind, RopeSpec
-from nxdi.core.programs import llama, weight_ops
+from nxdi.core.programs import decoder as llama
 
 
 @st.composite

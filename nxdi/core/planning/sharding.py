@@ -21,10 +21,10 @@ from collections.abc import Sequence
 import attrs
 from returns.result import Failure, Result, Success
 
-from nxdi.core import gqa
+from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.model_spec import ModelSpec, NormKind, PositionKind
-from nxdi.core.neuron_spec import NeuronSpec
+from nxdi.core.planning import gqa
 from nxdi.core.platform import INSTANCES, PLATFORMS, Platform
 
 Span = tuple[int, int]

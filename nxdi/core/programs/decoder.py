@@ -48,7 +48,7 @@ _LAYER_NAMES: tuple[tuple[str, str], ...] = (
     ("up_bias", "mlp.up_proj.bias"),
     ("down_bias", "mlp.down_proj.bias"),
 )
-"""Field -> nxdi name suffix under `layers.{i}.`, in `nxdi.core.weights.weight_names` order."""
+"""Field -> nxdi name suffix under `layers.{i}.`, in `nxdi.core.weight_plan.weight_names` order."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
@@ -103,7 +103,7 @@ class LlamaWeights:
     """[V, E]"""
 
     def to_tensors(self) -> dict[str, Tensor]:
-        """Flat nxdi name -> tensor, in `nxdi.core.weights.weight_names` order (tied: the same tensor twice)."""
+        """Flat nxdi name -> tensor, in `nxdi.core.weight_plan.weight_names` order (tied: the same tensor twice)."""
         out = {"embed_tokens.weight": self.embed}
         for i, lw in enumerate(self.layers):
             out.update(lw.to_tensors(f"layers.{i}."))

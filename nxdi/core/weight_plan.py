@@ -11,7 +11,7 @@ Theory of operation:
 3. Check. `check_checkpoint` compares a checkpoint's keys and shapes with the plan and reports
    every missing, unexpected, colliding and wrongly shaped key at once.
 
-The plan is data: `nxdi.core.programs.weight_ops` applies a step to tensors, `nxdi.effects.weights` streams a
+The plan is data: `nxdi.core.host.weight_ops` applies a step to tensors, `nxdi.effects.weights` streams a
 checkpoint through a plan. The programs in `nxdi.core.programs` take exactly `weight_names(...)`.
 """
 
@@ -23,9 +23,9 @@ from collections.abc import Mapping
 import attrs
 from returns.result import Failure, Result, Success
 
+from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.errors import CheckpointError, ConfigError, Problem
 from nxdi.core.model_spec import ModelSpec, NormKind, PositionKind
-from nxdi.core.neuron_spec import NeuronSpec
 
 Shape = tuple[int, ...]
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import attrs
 from returns.result import Failure, Result, Success
 
-from nxdi.core import gqa
+from nxdi.core.config.neuron_spec import DTYPE_BYTES, NeuronSpec
 from nxdi.core.errors import ConfigError, Problem, problems_of
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.neuron_spec import DTYPE_BYTES, NeuronSpec
+from nxdi.core.planning import gqa
 
 FLASH_DECODING_RESERVED = 128
 """Extra positions per core with flash decoding (the reference's EXTRA_RESERVED_SPACE)."""

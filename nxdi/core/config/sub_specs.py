@@ -13,8 +13,8 @@ from typing import Any, Literal, TypeVar
 import attrs
 from returns.result import Failure, Result, Success
 
+from nxdi.core.config.fields import JsonMap, coerce, did_you_mean, field_types, json_value
 from nxdi.core.errors import ConfigError, Problem
-from nxdi.core.fields import JsonMap, coerce, did_you_mean, field_types, json_value
 
 S = TypeVar("S")
 

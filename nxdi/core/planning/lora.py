@@ -19,10 +19,10 @@ from collections.abc import Sequence
 import attrs
 from returns.result import Failure, Result, Success
 
+from nxdi.core.config.neuron_spec import DTYPE_BYTES
+from nxdi.core.config.sub_specs import LoraSpec
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.neuron_spec import DTYPE_BYTES
-from nxdi.core.sub_specs import LoraSpec
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 ROW_PARALLEL_MODULES = frozenset({"o_proj", "down_proj"})

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 
 from returns.result import Result
 
+from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.errors import ConfigError, Problem, problems_result
-from nxdi.core.neuron_spec import NeuronSpec
 
 Rule = Callable[[NeuronSpec], Iterator[Problem]]
 

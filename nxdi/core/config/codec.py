@@ -20,12 +20,12 @@ from typing import Any
 import attrs
 from returns.result import Failure, Result, Success
 
-from nxdi.core import neuron_parse
+from nxdi.core.config import neuron_parse
+from nxdi.core.config.fields import JsonMap, json_value
+from nxdi.core.config.neuron_spec import DERIVED, NeuronSpec
+from nxdi.core.config.sub_specs import MoESpec, sub_to_dict
 from nxdi.core.errors import ConfigError
-from nxdi.core.fields import JsonMap, json_value
-from nxdi.core.neuron_spec import DERIVED, NeuronSpec
 from nxdi.core.platform import Platform
-from nxdi.core.sub_specs import MoESpec, sub_to_dict
 
 # Written like the reference does, but nxdi keeps them out of NeuronSpec (the reference's own
 # `is_prefill_stage` is a field; these are the derived properties plus the deprecated alias).

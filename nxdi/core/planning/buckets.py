@@ -26,8 +26,8 @@ from typing import TypeGuard
 import attrs
 from returns.result import Failure, Result, Success
 
+from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.errors import ConfigError, Problem, problems_of, problems_result
-from nxdi.core.neuron_spec import NeuronSpec
 
 MIN_AUTO_BUCKET = 128
 """Smallest automatic bucket (unless the maximum itself is smaller)."""

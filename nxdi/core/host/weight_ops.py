@@ -1,6 +1,6 @@
 """Tensor side of weight plans: apply a `WeightStep` to tensors, fuse and split QKV, cast. Pure.
 
-`nxdi.core.weights` says what to do (no torch); this module does it to tensors it is given, without
+`nxdi.core.weight_plan` says what to do (no torch); this module does it to tensors it is given, without
 mutating them. Reading tensors from files is `nxdi.effects.weights`.
 """
 
@@ -12,7 +12,7 @@ import torch
 from returns.result import Failure, Result, Success
 from torch import Tensor
 
-from nxdi.core import weights
+from nxdi.core import weight_plan as weights
 from nxdi.core.errors import CheckpointError
 
 _FLOAT8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz") if hasattr(torch, n))

@@ -21,10 +21,10 @@ from __future__ import annotations
 import attrs
 from returns.result import Result, Success
 
-from nxdi.core import gqa, kv_layout, lora, sharding
+from nxdi.core.config.neuron_spec import DTYPE_BYTES, NeuronSpec
 from nxdi.core.errors import ConfigError
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.neuron_spec import DTYPE_BYTES, NeuronSpec
+from nxdi.core.planning import gqa, kv_layout, lora, sharding
 from nxdi.core.platform import PLATFORMS, Platform
 
 SCORE_TILE_ROWS = 1024

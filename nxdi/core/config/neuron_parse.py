@@ -19,12 +19,10 @@ from typing import Any
 import attrs
 from returns.result import Failure, Result, Success
 
-from nxdi.core import neuron_checks
-from nxdi.core.errors import ConfigError, Problem
-from nxdi.core.fields import coerce, did_you_mean, field_types
-from nxdi.core.neuron_spec import DERIVED, NeuronSpec
-from nxdi.core.platform import Platform, resolve_lnc
-from nxdi.core.sub_specs import (
+from nxdi.core.config import neuron_checks
+from nxdi.core.config.fields import coerce, did_you_mean, field_types
+from nxdi.core.config.neuron_spec import DERIVED, NeuronSpec
+from nxdi.core.config.sub_specs import (
     ChunkedPrefillSpec,
     KVQuantSpec,
     LoraSpec,
@@ -33,6 +31,8 @@ from nxdi.core.sub_specs import (
     check_field,
     parse_sub,
 )
+from nxdi.core.errors import ConfigError, Problem
+from nxdi.core.platform import Platform, resolve_lnc
 
 _SUB_SPECS: Mapping[str, type] = {
     "on_device_sampling_config": OnDeviceSamplingSpec,

@@ -2,7 +2,7 @@
 
 Field names are NxDI's attribute names, so the shell can expose them unchanged. Values here are
 already resolved: derived defaults (max_context_length = seq_len, ...) are filled in by
-`nxdi.core.neuron_parse.parse_neuron_spec`, cross-field rules live in `nxdi.core.neuron_checks`.
+`nxdi.core.config.neuron_parse.parse_neuron_spec`, cross-field rules live in `nxdi.core.config.neuron_checks`.
 Attributes the reference computes and never takes as input (`buckets`, `world_size`,
 `kv_cache_tiling`, ...) are properties, not fields.
 
@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 import attrs
 
-from nxdi.core.fields import JsonMap
-from nxdi.core.sub_specs import ChunkedPrefillSpec, KVQuantSpec, LoraSpec, MoESpec, OnDeviceSamplingSpec
+from nxdi.core.config.fields import JsonMap
+from nxdi.core.config.sub_specs import ChunkedPrefillSpec, KVQuantSpec, LoraSpec, MoESpec, OnDeviceSamplingSpec
 
 DType = Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}

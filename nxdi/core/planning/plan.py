@@ -15,10 +15,10 @@ from typing import Any
 import attrs
 from returns.result import Failure, Result, Success
 
-from nxdi.core import buckets, kv_layout, lora, memory, sharding
+from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.errors import ConfigError, Problem, problems_of
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.neuron_spec import NeuronSpec
+from nxdi.core.planning import buckets, kv_layout, lora, memory, sharding
 from nxdi.core.platform import INSTANCES, PLATFORMS, Platform
 
 
