@@ -18,9 +18,9 @@ _EXPORTS: dict[str, str] = {
     "InferenceConfig": "nxdi.shell.inference_config",
     "FusedSpecNeuronConfig": "nxdi.shell.inference_config",
     "load_pretrained_config": "nxdi.shell.inference_config",
-    "IncompatibleConfigError": "nxdi.shell.errors",
-    "MissingAttributesError": "nxdi.shell.errors",
-    "CheckpointValidationError": "nxdi.shell.errors",
+    "IncompatibleConfigError": "nxdi.shell.exceptions",
+    "MissingAttributesError": "nxdi.shell.exceptions",
+    "CheckpointValidationError": "nxdi.shell.exceptions",
     "LlamaInferenceConfig": "nxdi.shell.models.llama",
     "LlamaNeuronConfig": "nxdi.shell.models.llama",
     "MistralInferenceConfig": "nxdi.shell.models.mistral",
@@ -41,7 +41,7 @@ _EXPORTS: dict[str, str] = {
     "HuggingFaceGenerationAdapter": "nxdi.shell.generation",
     "check_accuracy": "nxdi.shell.accuracy",
     "check_accuracy_logits": "nxdi.shell.accuracy",
-    "LogitMatchingValidationError": "nxdi.shell.errors",
+    "LogitMatchingValidationError": "nxdi.shell.exceptions",
 }
 
 __all__ = sorted(_EXPORTS)

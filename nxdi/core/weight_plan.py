@@ -11,7 +11,7 @@ Theory of operation:
 3. Check. `check_checkpoint` compares a checkpoint's keys and shapes with the plan and reports
    every missing, unexpected, colliding and wrongly shaped key at once.
 
-The plan is data: `nxdi.core.host.weight_ops` applies a step to tensors, `nxdi.effects.weights` streams a
+The plan is data: `nxdi.core.host.weight_ops` applies a step to tensors, `nxdi.effects.weight_loader` streams a
 checkpoint through a plan. The programs in `nxdi.core.programs` take exactly `weight_names(...)`.
 """
 

@@ -21,7 +21,7 @@ from transformers import GenerationConfig
 
 from nxdi.core.host import logit_validation as accuracy
 from nxdi.shell.causal_lm import NeuronBaseForCausalLM
-from nxdi.shell.errors import IncompatibleConfigError, LogitMatchingValidationError
+from nxdi.shell.exceptions import IncompatibleConfigError, LogitMatchingValidationError
 from nxdi.shell.generation import HuggingFaceGenerationAdapter
 
 TEST_PROMPT = "Hello, I am a language model, and I am here to help,"

@@ -25,12 +25,12 @@ from nxdi.core.programs import families
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.effects import artifacts, checkpoint, engine, programs
 from nxdi.effects import env as env_mod
-from nxdi.effects import weights as weight_io
+from nxdi.effects import weight_loader as weight_io
 from nxdi.effects.backends.base import Backend, WeightSet
 from nxdi.effects.backends.cpu import CpuBackend
 from nxdi.effects.runtime import Phase, Runtime
 from nxdi.shell.config import NeuronConfig
-from nxdi.shell.errors import IncompatibleConfigError, unwrap_checkpoint, unwrap_or_raise
+from nxdi.shell.exceptions import IncompatibleConfigError, unwrap_checkpoint, unwrap_or_raise
 from nxdi.shell.inference_config import CONFIG_FILE, InferenceConfig
 
 SHARDED_WEIGHTS = "weights/tp0_sharded_checkpoint.safetensors"

@@ -23,7 +23,7 @@ from nxdi.core.planning import buckets, padding
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.effects.runtime import Phase, Runtime
 from nxdi.shell.application import NeuronApplicationBase
-from nxdi.shell.errors import IncompatibleConfigError, unwrap_or_raise
+from nxdi.shell.exceptions import IncompatibleConfigError, unwrap_or_raise
 
 
 def prepare_sampling_params(

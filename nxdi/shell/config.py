@@ -28,8 +28,8 @@ from nxdi.core.config.sub_specs import (
 )
 from nxdi.core.platform import Platform
 from nxdi.effects import env as env_mod
-from nxdi.effects import lora as lora_io
-from nxdi.shell.errors import unwrap_or_raise
+from nxdi.effects import lora_adapters as lora_io
+from nxdi.shell.exceptions import unwrap_or_raise
 
 _DTYPE_FIELDS = frozenset({"torch_dtype", "rpl_reduce_dtype", "attention_dtype"})
 _NEURON_FIELDS = frozenset(f.name for f in attrs.fields(NeuronSpec)) - {"moe"}

@@ -33,7 +33,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from nxdi.shell.causal_lm import NeuronBaseForCausalLM
-from nxdi.shell.errors import IncompatibleConfigError
+from nxdi.shell.exceptions import IncompatibleConfigError
 
 _DEVICE_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 """Processors that on-device sampling applies itself, through sampling_params."""

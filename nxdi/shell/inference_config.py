@@ -24,7 +24,7 @@ from nxdi.core.platform import Platform
 from nxdi.effects import env as env_mod
 from nxdi.effects.files import write_text_atomic
 from nxdi.shell.config import MoENeuronConfig, NeuronConfig, _is_torch_dtype
-from nxdi.shell.errors import IncompatibleConfigError, MissingAttributesError, unwrap_or_raise
+from nxdi.shell.exceptions import IncompatibleConfigError, MissingAttributesError, unwrap_or_raise
 
 CONFIG_FILE = "neuron_config.json"
 

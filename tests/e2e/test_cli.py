@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nxdi.shell.cli import main
+from nxdi.shell.cli.main import main
 
 
 def test_config_prints_resolved_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -32,7 +32,7 @@ def test_misspelled_flag_is_rejected() -> None:
 
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "nxdi.shell.cli", "demo", "--output-dir", str(tmp_path)],
+        [sys.executable, "-m", "nxdi.shell.cli.main", "demo", "--output-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=300,

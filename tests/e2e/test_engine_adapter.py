@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
-from nxdi.shell.errors import IncompatibleConfigError
+from nxdi.shell.exceptions import IncompatibleConfigError
 from nxdi.shell.generation import HuggingFaceGenerationAdapter
 from tests.e2e.engine_fixtures import PAD, PROMPTS, hf_generate, nxdi_generate, padded
 

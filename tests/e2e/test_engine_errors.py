@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nxdi.effects.checkpoint import CorruptCheckpointError, UnsafeShardPathError
-from nxdi.shell.errors import CheckpointValidationError, IncompatibleConfigError
+from nxdi.shell.exceptions import CheckpointValidationError, IncompatibleConfigError
 from nxdi.testing.checkpoints import write_checkpoint_file
 from tests.e2e.engine_fixtures import (
     PAD,

@@ -14,7 +14,7 @@ from nxdi.core import weight_plan as weights
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.programs import decoder as llama
 from nxdi.core.programs import inputs, kv_cache
-from nxdi.effects import weights as weight_io
+from nxdi.effects import weight_loader as weight_io
 
 
 class BoundStep(torch.nn.Module):

@@ -20,7 +20,7 @@ from nxdi.core import model_spec
 from nxdi.core import weight_plan as weights
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.programs import families, inputs, kv_cache, sampling
-from nxdi.effects import weights as weight_io
+from nxdi.effects import weight_loader as weight_io
 from nxdi.testing.checkpoints import VARIANTS, SaveFormat
 
 PROMPTS = [[1, 5, 7, 9, 11, 3, 4, 5, 6, 7], [3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [9, 8]]

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from nxdi.shell import bench_plan
-from nxdi.shell.bench_timing import Timings
-from nxdi.shell.cli import main
+from nxdi.shell.cli import bench_plan
+from nxdi.shell.cli.bench_timing import Timings
+from nxdi.shell.cli.main import main
 from tests.unit.planner_configs import LLAMA_31_8B, LLAMA_31_70B, OPT_13B, PLAN_JSON_KEYS
 
 JSON_KEYS = PLAN_JSON_KEYS
@@ -161,7 +161,7 @@ def test_help_documents_the_exit_status(capsys: pytest.CaptureFixture[str]) -> N
 def test_planning_imports_no_torch(models: dict[str, Path]) -> None:
     code = (
         "import sys\n"
-        "from nxdi.shell.cli import main\n"
+        "from nxdi.shell.cli.main import main\n"
         f"assert main(['plan', '--model-path', {str(models['llama-70b'])!r}, '--tp-degree', '16', '--json']) == 0\n"
         "assert main(['bench', 'plan', '--repeat', '2', '--warmup', '0']) == 0\n"
         "heavy = sorted(m for m in ('torch', 'transformers', 'safetensors', 'numpy') if m in sys.modules)\n"

@@ -16,7 +16,7 @@ from nxdi.core import weight_plan as weights
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
 from nxdi.effects import checkpoint
-from nxdi.effects import weights as weight_io
+from nxdi.effects import weight_loader as weight_io
 from nxdi.testing.checkpoints import SaveFormat, write_checkpoint_file
 
 

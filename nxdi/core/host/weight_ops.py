@@ -1,7 +1,7 @@
 """Tensor side of weight plans: apply a `WeightStep` to tensors, fuse and split QKV, cast. Pure.
 
 `nxdi.core.weight_plan` says what to do (no torch); this module does it to tensors it is given, without
-mutating them. Reading tensors from files is `nxdi.effects.weights`.
+mutating them. Reading tensors from files is `nxdi.effects.weight_loader`.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.model_spec import parse_model_spec
 from nxdi.core.planning import plan
 from nxdi.core.platform import INSTANCES, Platform
-from nxdi.shell import plan_report
-from nxdi.shell.cli_flags import add_neuron_config_flags, neuron_config_kwargs
+from nxdi.shell.cli import plan_report
+from nxdi.shell.cli.flags import add_neuron_config_flags, neuron_config_kwargs
 
 # LoRA sizes are decimal: the units adapter checkpoint sizes and the NxDI LoRA tables use.
 MB = 10**6

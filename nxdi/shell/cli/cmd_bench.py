@@ -1,7 +1,7 @@
 """`nxdi bench`: benchmarks as commands, one sub-command per benchmark, each in its own shell module.
 
 Adding a benchmark: write a module with `add_parser(subparsers)` that adds its sub-parser and sets
-`run` (as the `nxdi` commands do; timing helpers are in `nxdi.shell.bench_timing`), then add one
+`run` (as the `nxdi` commands do; timing helpers are in `nxdi.shell.cli.bench_timing`), then add one
 line to `BENCHES`. The module is imported whenever the `nxdi` parser is built (for `nxdi plan`
 too), so it must import heavy libraries (torch, transformers) inside its `run`, not at the top.
 `nxdi bench` with no name runs the benchmarks in `DEFAULT_BENCHES` with their default options
@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import importlib
 
-# benchmark name -> module with `add_parser(subparsers)`; imported lazily, like nxdi.shell.cli.COMMANDS.
+# benchmark name -> module with `add_parser(subparsers)`; imported lazily, like nxdi.shell.cli.main.COMMANDS.
 BENCHES: dict[str, str] = {
-    "plan": "nxdi.shell.bench_plan",
-    "generate": "nxdi.shell.bench_generate",
+    "plan": "nxdi.shell.cli.bench_plan",
+    "generate": "nxdi.shell.cli.bench_generate",
 }
 
 DEFAULT_BENCHES: tuple[str, ...] = ("plan",)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nxdi.shell.cli_flags import add_neuron_config_flags, neuron_config_kwargs
+from nxdi.shell.cli.flags import add_neuron_config_flags, neuron_config_kwargs
 
 ACCURACY_MODES = ("skip-accuracy-check", "token-matching", "logit-matching")
 
@@ -115,7 +115,7 @@ def _build(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     from transformers import GenerationConfig
 
-    from nxdi.shell.errors import IncompatibleConfigError
+    from nxdi.shell.exceptions import IncompatibleConfigError
     from nxdi.shell.generation import HuggingFaceGenerationAdapter
 
     try:
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {text}")
     status = _check(args, model, ids, mask, tokenizer)
     if args.benchmark:
-        from nxdi.shell.bench_generate import benchmark_model, render
+        from nxdi.shell.cli.bench_generate import benchmark_model, render
 
         print(render(benchmark_model(model, prompt_len=ids.shape[1], new_tokens=new, repeat=3)))
     return status

@@ -19,7 +19,7 @@ from nxdi.core.config.neuron_parse import parse_neuron_spec
 from nxdi.core.model_spec import parse_model_spec
 from nxdi.core.planning import plan
 from nxdi.core.platform import Platform
-from nxdi.shell.bench_timing import Timings, render_table, time_calls
+from nxdi.shell.cli.bench_timing import Timings, render_table, time_calls
 
 TARGET_MS = 50.0
 

@@ -9,11 +9,11 @@ from collections.abc import Sequence
 
 # sub-command -> module with `add_parser(subparsers)`; imported lazily so `nxdi plan` stays light.
 COMMANDS: dict[str, str] = {
-    "config": "nxdi.shell.cmd_config",
-    "demo": "nxdi.shell.cmd_demo",
-    "run": "nxdi.shell.cmd_run",
-    "plan": "nxdi.shell.cmd_plan",
-    "bench": "nxdi.shell.cmd_bench",
+    "config": "nxdi.shell.cli.cmd_config",
+    "demo": "nxdi.shell.cli.cmd_demo",
+    "run": "nxdi.shell.cli.cmd_run",
+    "plan": "nxdi.shell.cli.cmd_plan",
+    "bench": "nxdi.shell.cli.cmd_bench",
 }
 
 
