@@ -1,31 +1,35 @@
-"""Weight plans: how a Hugging Face checkpoint becomes nxdi's named weights. Pure.
+"""Weight tables and weight plans: how a Hugging Face checkpoint becomes a program's weights. Pure.
 
 Theory of operation:
-1. Rename. Every checkpoint key is renamed once: a leading model prefix (`_STATE_DICT_MODEL_PREFIX`,
-   `"model."`) becomes the new prefix (`""`), and a trailing `.weight_scale` becomes `.scale`.
-2. Steps. Each nxdi weight comes from one `WeightStep`: its renamed source keys are copied (one
-   source), concatenated along dim 0 (fused QKV: `Wqkv = [Q; K; V]`), or aliased to the output of an
-   earlier step (tied embeddings: `lm_head` *is* `embed_tokens`, stored once), and then passed
-   through the step's transforms in order (a float cast today; GQA head replication/padding and
-   tensor-parallel slices from the sharding plan later, as further `Transform` variants).
-3. Check. `check_checkpoint` compares a checkpoint's keys and shapes with the plan and reports
-   every missing, unexpected, colliding and wrongly shaped key at once.
+1. Table. A family declares its checkpoint layout once, as a `WeightTable` in its record: for every
+   weight its program takes, the *slot* it fills in the program's weights value (`attn.qkv`), its
+   nxdi name (`self_attn.Wqkv.weight`, the program layout), the checkpoint tensors it is made from
+   with their shapes in dimension letters, and the ModelSpec flag it exists under. The table is the
+   single source of the checkpoint mapping (this module) and of the program's fields
+   (`WeightTable.slots`).
+2. Rename. Every checkpoint key is renamed once: a leading model prefix (`"model."`) becomes the new
+   prefix (`""`), and a trailing `.weight_scale` becomes `.scale`.
+3. Steps. Each weight comes from one `WeightStep`: its sources are copied (one source), concatenated
+   along dim 0 (fused QKV: `Wqkv = [Q; K; V]`), or aliased to an earlier step (tied embeddings: the
+   lm_head *is* the embedding, stored once), then passed through the step's transforms (a float cast
+   today; GQA head padding and tensor-parallel slices join `Transform`).
+4. Check. `check_checkpoint` compares a checkpoint's keys and shapes with the plan and reports every
+   missing, unexpected, colliding and wrongly shaped key at once.
 
-The plan is data: `nxdi.core.host.weight_ops` applies a step to tensors, `nxdi.effects.weight_loader` streams a
-checkpoint through a plan. The programs in `nxdi.core.programs` take exactly `weight_names(...)`.
+Dimension letters in tables: E hidden, F ffn, V vocab, D head dim, Q = H*D (query heads times
+head dim), KV = K*D (kv heads times head dim), X experts, 1 a dimension of size one (a scale).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import attrs
 from returns.result import Failure, Result, Success
 
-from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.errors import CheckpointError, ConfigError, Problem
-from nxdi.core.model_spec import ModelSpec, NormKind, PositionKind
+from nxdi.core.model_spec import ModelSpec
 
 Shape = tuple[int, ...]
 
@@ -33,14 +37,111 @@ STATE_DICT_MODEL_PREFIX = "model."
 """NxDI's `_STATE_DICT_MODEL_PREFIX`: stripped from the start of checkpoint keys."""
 NEW_STATE_DICT_MODEL_PREFIX = ""
 """NxDI's `_NEW_STATE_DICT_MODEL_PREFIX`: what replaces the stripped prefix."""
-UNPREFIXED: tuple[str, ...] = ("lm_head.",)
-"""nxdi names Hugging Face stores outside the base model, so without the model prefix."""
 IGNORED_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
 """Checkpoint keys ending so are derived buffers some old checkpoints carry; they are skipped."""
-DENSE_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-"""model_types whose checkpoints the dense decoder program reads."""
 CAST_TYPES = ("config", "as-declared")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def dims(spec: ModelSpec) -> Mapping[str, int]:
+    """The sizes the dimension letters of a table stand for."""
+    return {
+        "E": spec.hidden_size,
+        "F": spec.intermediate_size,
+        "V": spec.vocab_size,
+        "D": spec.head_dim,
+        "Q": spec.q_size,
+        "KV": spec.kv_size,
+        "X": spec.num_experts,
+        "1": 1,
+    }
+
+
+@attrs.frozen(kw_only=True)
+class Source:
+    """One checkpoint tensor a weight is made from."""
+
+    name: str
+    """Its renamed checkpoint key (relative to the layer prefix for layer weights)."""
+    shape: tuple[str, ...]
+    """Its shape in dimension letters, e.g. `("Q", "E")`."""
+
+
+@attrs.frozen(kw_only=True)
+class Weight:
+    """One weight a program takes: where it goes and what it is made of."""
+
+    slot: str
+    """The field path in the program's weights value, e.g. `attn.qkv` or `embed`."""
+    name: str
+    """The nxdi name (program layout), relative to the layer prefix for layer weights."""
+    sources: tuple[Source, ...]
+    """One source (copied) or several (concatenated along dim 0)."""
+    when: str | None = None
+    """The ModelSpec flag it exists under (`qkv_bias`, ...); None: always."""
+
+    def exists(self, spec: ModelSpec) -> bool:
+        return self.when is None or bool(getattr(spec, self.when))
+
+    def shape(self, spec: ModelSpec) -> Shape:
+        """The produced shape: the source's, or the sources' concatenated along dim 0."""
+        sizes = dims(spec)
+        shapes = [tuple(sizes[d] for d in s.shape) for s in self.sources]
+        return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+
+def copy(slot: str, name: str, shape: tuple[str, ...], *, when: str | None = None) -> Weight:
+    """A weight copied from the checkpoint tensor of the same name."""
+    return Weight(slot=slot, name=name, sources=(Source(name=name, shape=shape),), when=when)
+
+
+def fused(slot: str, name: str, *sources: tuple[str, tuple[str, ...]], when: str | None = None) -> Weight:
+    """A weight concatenated along dim 0 from several checkpoint tensors, given as (name, shape)."""
+    return Weight(slot=slot, name=name, sources=tuple(Source(name=n, shape=s) for n, s in sources), when=when)
+
+
+@attrs.frozen(kw_only=True)
+class WeightTable:
+    """A family's checkpoint layout, in binding order: weights before the layers, each layer's, and after."""
+
+    before: tuple[Weight, ...]
+    """Weights the layers read from (the embedding)."""
+    layer: tuple[Weight, ...]
+    """Weights of each layer, named under `layer_prefix`."""
+    after: tuple[Weight, ...]
+    """Weights applied after the layers (final norm, lm_head)."""
+    tied: tuple[str, str] = ("lm_head", "embed")
+    """(slot, slot it aliases) when the ModelSpec ties its word embeddings."""
+    layer_prefix: str = "layers.{i}."
+    unprefixed: tuple[str, ...] = ("lm_head.",)
+    """nxdi names Hugging Face stores outside the base model, so without the model prefix."""
+
+    def entries(self, spec: ModelSpec) -> Iterator[tuple[str, str, Weight]]:
+        """(nxdi name, slot path, weight) of every weight `spec` has, in binding order.
+
+        Layer weights get the layer prefix in their name and `layers.{i}.` in their slot path.
+        """
+        yield from ((w.name, w.slot, w) for w in self.before if w.exists(spec))
+        for i in range(spec.num_layers):
+            prefix = self.layer_prefix.format(i=i)
+            yield from ((prefix + w.name, f"layers.{i}.{w.slot}", w) for w in self.layer if w.exists(spec))
+        yield from ((w.name, w.slot, w) for w in self.after if w.exists(spec))
+
+    def shapes(self, spec: ModelSpec) -> tuple[tuple[str, Shape], ...]:
+        """Names and shapes of the weights the program takes, in binding order."""
+        return tuple((name, w.shape(spec)) for name, _, w in self.entries(spec))
+
+    def names(self, spec: ModelSpec) -> tuple[str, ...]:
+        """The names of `shapes`, in binding order."""
+        return tuple(name for name, _, _ in self.entries(spec))
+
+    def slots(self, tensors: Mapping[str, object], spec: ModelSpec) -> dict[str, object]:
+        """Slot path -> value for the named values given (a tied slot missing from `tensors` is aliased)."""
+        out = {slot: tensors[name] for name, slot, _ in self.entries(spec) if name in tensors}
+        slot, target = self.tied
+        if spec.tie_word_embeddings and slot not in out and target in out:
+            out[slot] = out[target]
+        return out
 
 
 class Combine(enum.Enum):
@@ -73,13 +174,17 @@ class WeightStep:
     """How one nxdi weight is made from renamed checkpoint keys."""
 
     name: str
-    """The nxdi weight name, e.g. `layers.0.self_attn.Wqkv.weight`."""
+    """The nxdi name, e.g. `layers.0.self_attn.Wqkv.weight`."""
     sources: tuple[str, ...]
     """Renamed checkpoint keys read (for ALIAS: the name of the earlier step)."""
     source_shapes: tuple[Shape, ...]
     """Expected shape of each source, in order."""
     combine: Combine = Combine.COPY
     transforms: tuple[Transform, ...] = ()
+
+    def source_items(self) -> Iterator[tuple[str, Shape]]:
+        """(renamed checkpoint key, shape) of every source."""
+        return zip(self.sources, self.source_shapes, strict=True)
 
     @property
     def shape(self) -> Shape:
@@ -98,6 +203,8 @@ class WeightPlan:
     steps: tuple[WeightStep, ...]
     model_prefix: str = STATE_DICT_MODEL_PREFIX
     new_prefix: str = NEW_STATE_DICT_MODEL_PREFIX
+    unprefixed: tuple[str, ...] = ("lm_head.",)
+    """nxdi names stored outside the base model (no model prefix in the checkpoint)."""
     optional: frozenset[str] = frozenset()
     """Renamed keys that may be present and are not used (an explicit `lm_head.weight` when tied)."""
 
@@ -111,7 +218,15 @@ class WeightPlan:
 
     def read_keys(self) -> frozenset[str]:
         """Renamed checkpoint keys the plan reads."""
-        return frozenset(k for s in self.steps if s.combine is not Combine.ALIAS for k in s.sources)
+        return frozenset(self.source_shapes())
+
+    def source_shapes(self) -> dict[str, Shape]:
+        """Renamed checkpoint key -> expected shape, for every tensor the plan reads."""
+        return {k: s for step in self.steps if step.combine is not Combine.ALIAS for k, s in step.source_items()}
+
+    def stored_key(self, name: str) -> str:
+        """The key a renamed checkpoint key has in a prefixed (`model.`...) Hugging Face checkpoint."""
+        return _stored_key(self, name, prefixed=True)
 
 
 def rename_key(key: str, *, model_prefix: str = STATE_DICT_MODEL_PREFIX, new_prefix: str = "") -> str:
@@ -123,114 +238,44 @@ def rename_key(key: str, *, model_prefix: str = STATE_DICT_MODEL_PREFIX, new_pre
     return key
 
 
-def qkv_sizes(spec: ModelSpec) -> tuple[int, int, int]:
-    """Rows of Q, K and V inside a fused `Wqkv` (H*D, K*D, K*D)."""
-    return spec.q_size, spec.kv_size, spec.kv_size
-
-
-def _attention_weights(spec: ModelSpec, p: str, *, fused_qkv: bool) -> list[tuple[str, Shape]]:
-    e, (q, k, v) = spec.hidden_size, qkv_sizes(spec)
-    out: list[tuple[str, Shape]] = []
-    if fused_qkv:
-        out.append((f"{p}self_attn.Wqkv.weight", (q + k + v, e)))
-        if spec.qkv_bias:
-            out.append((f"{p}self_attn.Wqkv.bias", (q + k + v,)))
-    else:
-        out += [(f"{p}self_attn.{n}_proj.weight", (r, e)) for n, r in (("q", q), ("k", k), ("v", v))]
-        if spec.qkv_bias:
-            out += [(f"{p}self_attn.{n}_proj.bias", (r,)) for n, r in (("q", q), ("k", k), ("v", v))]
-    out.append((f"{p}self_attn.o_proj.weight", (e, q)))
-    if spec.o_bias:
-        out.append((f"{p}self_attn.o_proj.bias", (e,)))
-    if spec.qk_norm:
-        out += [(f"{p}self_attn.q_norm.weight", (spec.head_dim,)), (f"{p}self_attn.k_norm.weight", (spec.head_dim,))]
-    return out
-
-
-def _layer_weights(spec: ModelSpec, i: int, *, fused_qkv: bool) -> list[tuple[str, Shape]]:
-    e, f, p = spec.hidden_size, spec.intermediate_size, f"layers.{i}."
-    out = [(f"{p}input_layernorm.weight", (e,)), *_attention_weights(spec, p, fused_qkv=fused_qkv)]
-    out.append((f"{p}post_attention_layernorm.weight", (e,)))
-    out += [
-        (f"{p}mlp.gate_proj.weight", (f, e)),
-        (f"{p}mlp.up_proj.weight", (f, e)),
-        (f"{p}mlp.down_proj.weight", (e, f)),
-    ]
-    if spec.mlp_bias:
-        out += [(f"{p}mlp.gate_proj.bias", (f,)), (f"{p}mlp.up_proj.bias", (f,)), (f"{p}mlp.down_proj.bias", (e,))]
-    return out
-
-
-def weight_shapes(spec: ModelSpec, *, fused_qkv: bool = False) -> tuple[tuple[str, Shape], ...]:
-    """Names and shapes of the weights the dense decoder program takes, in binding order.
-
-    `embed_tokens.weight [V, E]`, then per layer norms, attention (`Wqkv` when `fused_qkv`, else
-    `q_proj/k_proj/v_proj`; biases and q/k norms when the spec has them) and MLP, then
-    `norm.weight [E]` and `lm_head.weight [V, E]` (the embedding itself when tied).
-    """
-    v, e = spec.vocab_size, spec.hidden_size
-    out: list[tuple[str, Shape]] = [("embed_tokens.weight", (v, e))]
-    for i in range(spec.num_layers):
-        out += _layer_weights(spec, i, fused_qkv=fused_qkv)
-    out += [("norm.weight", (e,)), ("lm_head.weight", (v, e))]
-    return tuple(out)
-
-
-def weight_names(spec: ModelSpec, *, fused_qkv: bool = False) -> tuple[str, ...]:
-    """The names of `weight_shapes`, in binding order."""
-    return tuple(n for n, _ in weight_shapes(spec, fused_qkv=fused_qkv))
-
-
-def _check_family(spec: ModelSpec) -> list[Problem]:
-    if spec.model_type not in DENSE_FAMILIES:
-        known = ", ".join(sorted(DENSE_FAMILIES))
-        return [Problem.of("model_type", spec.model_type, f"has no weight plan yet (supported: {known})")]
-    if spec.is_moe or spec.norm is not NormKind.RMS or spec.position is not PositionKind.ROPE or not spec.gated_mlp:
-        return [Problem.of("model_type", spec.model_type, "is not a dense RMSNorm/RoPE/gated-MLP decoder")]
-    return []
-
-
-def weight_step(
-    name: str, shape: Shape, *, spec: ModelSpec, fused_qkv: bool, casts: tuple[Transform, ...]
-) -> WeightStep:
-    """The step for one nxdi weight: a copy, a Q/K/V concatenation, or the tied alias of the embedding.
-
-    `casts` apply to every weight except names ending in `scale` (quantization scales keep their dtype).
-    """
-    ts = () if name.endswith("scale") else casts
-    if name == "lm_head.weight" and spec.tie_word_embeddings:
-        return WeightStep(name=name, sources=("embed_tokens.weight",), source_shapes=(shape,), combine=Combine.ALIAS)
-    if fused_qkv and ".self_attn.Wqkv." in name:
-        parts = tuple(name.replace("Wqkv", f"{n}_proj") for n in "qkv")
-        shapes = tuple((r, *shape[1:]) for r in qkv_sizes(spec))
-        return WeightStep(name=name, sources=parts, source_shapes=shapes, combine=Combine.CONCAT, transforms=ts)
-    return WeightStep(name=name, sources=(name,), source_shapes=(shape,), transforms=ts)
+def _step(name: str, weight: Weight, *, prefix: str, spec: ModelSpec, casts: tuple[Transform, ...]) -> WeightStep:
+    """The step for one weight (`prefix` is its layer prefix); names ending in `scale` keep their dtype."""
+    sizes = dims(spec)
+    shapes = tuple(tuple(sizes[d] for d in s.shape) for s in weight.sources)
+    combine = Combine.CONCAT if len(weight.sources) > 1 else Combine.COPY
+    return WeightStep(
+        name=name,
+        sources=tuple(prefix + s.name for s in weight.sources),
+        source_shapes=shapes,
+        combine=combine,
+        transforms=() if name.endswith("scale") else casts,
+    )
 
 
 def weight_plan_for(
+    table: WeightTable,
     spec: ModelSpec,
     *,
-    fused_qkv: bool = False,
     cast_type: str = "config",
     torch_dtype: str = "float32",
     model_prefix: str = STATE_DICT_MODEL_PREFIX,
     new_prefix: str = NEW_STATE_DICT_MODEL_PREFIX,
 ) -> Result[WeightPlan, ConfigError]:
-    """The plan that reads a Hugging Face checkpoint of `spec` into nxdi weights.
+    """The plan that reads a Hugging Face checkpoint of `spec` into the weights of `table`'s program.
 
     Args:
-        spec: the architecture (llama, mistral, qwen2 or qwen3).
-        fused_qkv: produce `Wqkv = cat([q, k, v], 0)` (and its bias) instead of separate projections.
+        table: the family's weight table (`FamilyRecord.weights`).
+        spec: the architecture.
         cast_type: `"config"` casts floating weights (except names ending `scale`) to `torch_dtype`;
             `"as-declared"` keeps the checkpoint's dtypes.
         torch_dtype: the compute dtype name (`"bfloat16"`, ...).
         model_prefix, new_prefix: NxDI's `_STATE_DICT_MODEL_PREFIX` / `_NEW_STATE_DICT_MODEL_PREFIX`.
 
     Returns:
-        `Success(WeightPlan)`, or `Failure(ConfigError)` naming every problem: an unsupported family,
-        an unknown `cast_type`, or a `torch_dtype` the cast cannot produce.
+        `Success(WeightPlan)`, or `Failure(ConfigError)` naming every problem: an unknown `cast_type`,
+        or a `torch_dtype` the cast cannot produce.
     """
-    problems = _check_family(spec)
+    problems = []
     if cast_type not in CAST_TYPES:
         problems.append(Problem.of("cast_type", cast_type, "must be one of config, as-declared"))
     if cast_type == "config" and torch_dtype not in FLOAT_DTYPES:
@@ -238,18 +283,27 @@ def weight_plan_for(
     if problems:
         return Failure(ConfigError(problems=tuple(problems)))
     casts: tuple[Transform, ...] = (CastFloat(dtype=torch_dtype),) if cast_type == "config" else ()
-    steps = tuple(
-        weight_step(n, s, spec=spec, fused_qkv=fused_qkv, casts=casts)
-        for n, s in weight_shapes(spec, fused_qkv=fused_qkv)
-    )
-    optional = frozenset({"lm_head.weight"}) if spec.tie_word_embeddings else frozenset()
-    return Success(WeightPlan(steps=steps, model_prefix=model_prefix, new_prefix=new_prefix, optional=optional))
-
-
-def weight_plan_for_spec(neuron: NeuronSpec, model: ModelSpec) -> Result[WeightPlan, ConfigError]:
-    """`weight_plan_for` with `fused_qkv`, `cast_type` and `torch_dtype` read from a `NeuronSpec`."""
-    return weight_plan_for(
-        model, fused_qkv=neuron.fused_qkv, cast_type=neuron.cast_type, torch_dtype=neuron.torch_dtype
+    by_slot = {slot: name for name, slot, _ in table.entries(spec)}
+    tied_slot, target = table.tied
+    steps = []
+    for name, slot, weight in table.entries(spec):
+        if spec.tie_word_embeddings and slot == tied_slot:
+            shape = weight.shape(spec)
+            steps.append(
+                WeightStep(name=name, sources=(by_slot[target],), source_shapes=(shape,), combine=Combine.ALIAS)
+            )
+            continue
+        prefix = name[: len(name) - len(weight.name)]
+        steps.append(_step(name, weight, prefix=prefix, spec=spec, casts=casts))
+    optional = frozenset({by_slot[tied_slot]}) if spec.tie_word_embeddings else frozenset()
+    return Success(
+        WeightPlan(
+            steps=tuple(steps),
+            model_prefix=model_prefix,
+            new_prefix=new_prefix,
+            unprefixed=table.unprefixed,
+            optional=optional,
+        )
     )
 
 
@@ -268,16 +322,8 @@ def _renamed(plan: WeightPlan, keys: Mapping[str, Shape]) -> tuple[dict[str, str
 
 def _stored_key(plan: WeightPlan, name: str, *, prefixed: bool) -> str:
     """The checkpoint key a missing weight would have had (lm_head sits outside the base model)."""
-    bare = not prefixed or name.startswith(UNPREFIXED) or not name.startswith(plan.new_prefix)
+    bare = not prefixed or name.startswith(plan.unprefixed) or not name.startswith(plan.new_prefix)
     return name if bare else plan.model_prefix + name[len(plan.new_prefix) :]
-
-
-def _expected_sources(plan: WeightPlan) -> dict[str, Shape]:
-    expected: dict[str, Shape] = {}
-    for step in plan.steps:
-        if step.combine is not Combine.ALIAS:
-            expected.update(zip(step.sources, step.source_shapes, strict=True))
-    return expected
 
 
 def check_checkpoint(plan: WeightPlan, shapes: Mapping[str, Shape]) -> Result[Mapping[str, str], CheckpointError]:
@@ -294,7 +340,7 @@ def check_checkpoint(plan: WeightPlan, shapes: Mapping[str, Shape]) -> Result[Ma
     """
     names, problems = _renamed(plan, shapes)
     prefixed = bool(plan.model_prefix) and any(k.startswith(plan.model_prefix) for k in shapes)
-    expected = _expected_sources(plan)
+    expected = plan.source_shapes()
     for name, shape in expected.items():
         if name not in names:
             key = _stored_key(plan, name, prefixed=prefixed)

@@ -17,7 +17,7 @@ from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import buckets
-from nxdi.core.programs import families, kv_cache
+from nxdi.core.programs import catalog, kv_cache
 from nxdi.core.programs.step import StepSpec, step
 from nxdi.effects.runtime import Phase, Program, Runtime
 
@@ -47,16 +47,16 @@ def bucket_lengths(spec: NeuronSpec) -> dict[Phase, tuple[int, ...]]:
     return out
 
 
-def eager_programs(family: families.Family, model: ModelSpec, spec: NeuronSpec) -> dict[tuple[Phase, int], Program]:
+def eager_programs(program: catalog.Program, model: ModelSpec, spec: NeuronSpec) -> dict[tuple[Phase, int], Program]:
     """The pure step bound to its static spec, for every compiled bucket (no compilation)."""
-    program = functools.partial(step, family.forward, spec=step_spec_for(model, spec))
+    program = functools.partial(step, program.forward, spec=step_spec_for(model, spec))
     return {(phase, b): program for phase, lengths in bucket_lengths(spec).items() for b in lengths}
 
 
 def build_runtime(
     model: ModelSpec,
     spec: NeuronSpec,
-    family: families.Family,
+    program: catalog.Program,
     weights: Any,
     *,
     programs: Mapping[tuple[Phase, int], Program] | None = None,
@@ -73,7 +73,7 @@ def build_runtime(
     return Runtime(
         weights=weights,
         cache=cache,
-        programs=programs if programs is not None else eager_programs(family, model, spec),
+        programs=programs if programs is not None else eager_programs(program, model, spec),
         seed=seed,
         deterministic=ods is not None and ods.deterministic,
     )

@@ -18,7 +18,7 @@ from torch import Tensor
 from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.programs import families, kv_cache
+from nxdi.core.programs import catalog, kv_cache
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 from nxdi.core.programs.step import StepSpec, step
@@ -55,17 +55,17 @@ def signature_for(weight_names: Sequence[str], model: ModelSpec, spec: StepSpec)
 class _FlatStep:
     """The step as a flat function of tensors (picklable parts only: what torch.export traces)."""
 
-    def __init__(self, family: families.Family, weight_names: Sequence[str], spec: StepSpec) -> None:
-        self.family, self.names, self.spec = family, tuple(weight_names), spec
+    def __init__(self, program: catalog.Program, weight_names: Sequence[str], spec: StepSpec) -> None:
+        self.program, self.names, self.spec = program, tuple(weight_names), spec
 
     def __call__(self, *flat: Tensor) -> tuple[Tensor, ...]:
         w = len(self.names)
         c = 2 * self.spec.model.num_layers
-        weights = self.family.weights.from_tensors(dict(zip(self.names, flat[:w], strict=True)), spec=self.spec.model)
+        weights = self.program.weights(dict(zip(self.names, flat[:w], strict=True)), spec=self.spec.model)
         cache = KVCache.from_tensors(flat[w : w + c])
         ids, positions, last, params, uniforms = flat[w + c :]
         x = StepInputs(input_ids=ids, position_ids=positions, last_index=last)
-        logits, tokens, new = step(self.family.forward, weights, cache, x, params, uniforms, spec=self.spec)
+        logits, tokens, new = step(self.program.forward, weights, cache, x, params, uniforms, spec=self.spec)
         outputs = tuple(t for t in (logits, tokens) if t is not None)
         return (*outputs, *new.to_tensors())
 
@@ -88,13 +88,13 @@ def _example(
 
 
 def program_requests(
-    family: families.Family, model: ModelSpec, spec: NeuronSpec, weights: Mapping[str, Tensor]
+    program: catalog.Program, model: ModelSpec, spec: NeuronSpec, weights: Mapping[str, Tensor]
 ) -> list[ProgramRequest]:
     """One request per sub-model and bucket; examples are built only if a program must be traced."""
     step_spec = step_spec_for(model, spec)
     names = tuple(weights)
     signature = signature_for(names, model, step_spec)
-    flat = _FlatStep(family, names, step_spec)
+    flat = _FlatStep(program, names, step_spec)
     return [
         ProgramRequest(
             name=program_name(phase, bucket),

@@ -14,14 +14,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from nxdi.core import graph_key
+from nxdi.core import families, graph_key
 from nxdi.core import weight_plan as weight_plans
 from nxdi.core.config.neuron_checks import cpu_inert_flags
 from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.programs import families
+from nxdi.core.programs import catalog
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.effects import artifacts, checkpoint, engine, programs
 from nxdi.effects import env as env_mod
@@ -75,7 +75,7 @@ class NeuronApplicationBase:
         self.config = config
         self.model_path = str(model_path)
         self.model_spec: ModelSpec = config.model_spec()
-        self.family = unwrap_or_raise(families.family_for(self.model_spec), "This model cannot run on the CPU backend")
+        self.program = self._program_of(config)
         self.is_compiled = False
         self.is_loaded_to_neuron = False
         self._runtime: Runtime | None = None
@@ -125,14 +125,24 @@ class NeuronApplicationBase:
         return None
 
     # --- weights -----------------------------------------------------------------------------
-    def _weight_plan(self) -> weight_plans.WeightPlan:
+    @staticmethod
+    def _program_of(config: InferenceConfig) -> catalog.Program:
+        """The program of the config's model (IncompatibleConfigError when none runs it)."""
+        model = config.model_spec()
+        program = families.record_for(model.model_type).bind(lambda record: catalog.program_for(record, model))
+        return unwrap_or_raise(program, "This model cannot run on the CPU backend")
+
+    @classmethod
+    def _weight_plan(cls, config: InferenceConfig) -> weight_plans.WeightPlan:
+        """The plan that converts a checkpoint of `config`'s model into its program's weights."""
+        spec = config.neuron_config.spec
         plan = weight_plans.weight_plan_for(
-            self.model_spec,
-            fused_qkv=self.spec.fused_qkv,
-            cast_type=self.spec.cast_type,
-            torch_dtype=self.spec.torch_dtype,
-            model_prefix=self._STATE_DICT_MODEL_PREFIX,
-            new_prefix=self._NEW_STATE_DICT_MODEL_PREFIX,
+            cls._program_of(config).table,
+            config.model_spec(),
+            cast_type=spec.cast_type,
+            torch_dtype=spec.torch_dtype,
+            model_prefix=cls._STATE_DICT_MODEL_PREFIX,
+            new_prefix=cls._NEW_STATE_DICT_MODEL_PREFIX,
         )
         return unwrap_or_raise(plan)
 
@@ -144,33 +154,31 @@ class NeuronApplicationBase:
             CheckpointValidationError: missing, unexpected or misshapen tensors (all listed).
             FileNotFoundError / ValueError: no checkpoint, or an unreadable, corrupt or unsafe file.
         """
-        app = cls.__new__(cls)
-        app.config, app.model_spec = config, config.model_spec()
-        return unwrap_checkpoint(weight_io.get_state_dict(model_path, app._weight_plan()))
+        return unwrap_checkpoint(weight_io.get_state_dict(model_path, cls._weight_plan(config)))
 
     @classmethod
     def convert_hf_to_neuron_state_dict(
         cls, state_dict: dict[str, torch.Tensor], config: InferenceConfig
     ) -> dict[str, torch.Tensor]:
         """An in-memory Hugging Face state dict (keys as stored) converted like `get_state_dict`."""
-        app = cls.__new__(cls)
-        app.config, app.model_spec = config, config.model_spec()
-        return unwrap_checkpoint(weight_ops.convert(app._weight_plan(), state_dict))
+        return unwrap_checkpoint(weight_ops.convert(cls._weight_plan(config), state_dict))
 
     def _load_weights(self, source: str | os.PathLike[str]) -> Any:
         tensors = self.get_state_dict(source, self.config)
-        return self.family.weights.from_tensors(tensors, spec=self.model_spec)
+        return self.program.weights(tensors, spec=self.model_spec)
 
     # --- life cycle ----------------------------------------------------------------------------
     def to_cpu(self) -> None:
         """Load the weights and run the pure programs eagerly on the CPU, writing no artifacts."""
         self._runtime = engine.build_runtime(
-            self.model_spec, self.spec, self.family, self._load_weights(self.model_path)
+            self.model_spec, self.spec, self.program, self._load_weights(self.model_path)
         )
         self.is_loaded_to_neuron = True
 
     def _graph_key(self) -> str:
-        return graph_key.graph_key(self.spec, self.model_spec, extra=f"{type(self).__name__}/{self.family.model_type}")
+        return graph_key.graph_key(
+            self.spec, self.model_spec, extra=f"{type(self).__name__}/{self.program.record.name}"
+        )
 
     def compile(self, compiled_model_path: str | os.PathLike[str], debug: bool = False) -> None:
         """Trace one program per sub-model and bucket and write the compiled-model folder.
@@ -191,7 +199,7 @@ class NeuronApplicationBase:
             self._write_shards(root, tensors)
             record.append(SHARDED_WEIGHTS)
         requests = programs.program_requests(
-            self.family, self.model_spec, self.spec, programs.bound_weights(tensors, self.model_spec)
+            self.program, self.model_spec, self.spec, programs.bound_weights(tensors, self.model_spec)
         )
         self._last_compile = artifacts.compile_programs(
             root,
@@ -257,8 +265,8 @@ class NeuronApplicationBase:
         for name, program in self._programs.items():
             loaded = unwrap_checkpoint(backend.bind(program, weight_set), f"Weights do not fit program {name}")
             bound[programs.phase_and_bucket(name)] = programs.runtime_program(backend, loaded)
-        weights = self.family.weights.from_tensors(tensors, spec=self.model_spec)
-        self._runtime = engine.build_runtime(self.model_spec, self.spec, self.family, weights, programs=bound)
+        weights = self.program.weights(tensors, spec=self.model_spec)
+        self._runtime = engine.build_runtime(self.model_spec, self.spec, self.program, weights, programs=bound)
         self.is_loaded_to_neuron = True
 
     def _warmup(self) -> None:

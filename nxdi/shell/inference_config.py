@@ -19,7 +19,8 @@ from returns.result import Failure, Success
 
 from nxdi.core.config import codec
 from nxdi.core.errors import ConfigError, Problem
-from nxdi.core.model_spec import ModelSpec, parse_model_spec
+from nxdi.core.families import parse_model_spec
+from nxdi.core.model_spec import ModelSpec
 from nxdi.core.platform import Platform
 from nxdi.effects import env as env_mod
 from nxdi.effects.files import write_text_atomic

@@ -6,8 +6,9 @@ For tests and examples that need a real checkpoint without a model hub:
     path = save_checkpoint(model, tmp / "q3", SaveFormat.BIN_SHARDED)
 
 `VARIANTS` names small configurations that between them cover what the CPU programs implement:
-GQA, Llama-3 RoPE scaling and tied embeddings, a Mistral sliding window shorter than the test
-sequences, Qwen2 q/k/v biases, and Qwen3 q/k norms with an explicit head_dim. Weights are drawn
+one per runnable family (its record's `tiny_config`: GQA, a Mistral sliding window shorter than
+the test sequences, Qwen2 q/k/v biases with a window on its second layer only, Qwen3 q/k norms
+with an explicit head_dim), plus Llama-3 RoPE scaling with tied embeddings. Weights are drawn
 with a private seeded generator state, so the caller's global RNG is left as it was.
 """
 
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 import transformers
 
+from nxdi.core import families
 from nxdi.effects import checkpoint
 
 
@@ -50,8 +52,7 @@ _BASE: Mapping[str, Any] = {
     "eos_token_id": 2,
 }
 
-VARIANTS: Mapping[str, tuple[str, Mapping[str, Any]]] = {
-    "llama": ("llama", {}),
+TEST_VARIANTS: Mapping[str, tuple[str, Mapping[str, Any]]] = {
     "llama3-tied": (
         "llama",
         {
@@ -66,35 +67,32 @@ VARIANTS: Mapping[str, tuple[str, Mapping[str, Any]]] = {
             },
         },
     ),
-    "mistral": ("mistral", {"sliding_window": 8}),
-    "qwen2": ("qwen2", {"use_sliding_window": False}),
-    "qwen3": ("qwen3", {"head_dim": 32, "use_sliding_window": False}),
 }
-"""Variant name -> (model_type, config overrides on top of the tiny base)."""
+"""Variants beyond the families' own tiny configs: Llama-3 RoPE scaling with tied embeddings."""
 
-_CLASSES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+VARIANTS: Mapping[str, tuple[str, Mapping[str, Any]]] = {
+    **{r.name: (r.model_type, r.tiny_config) for r in families.runnable()},
+    **TEST_VARIANTS,
 }
+"""Variant name -> (model_type, config overrides on top of the tiny base): every runnable family's
+record (`FamilyRecord.tiny_config`), then `TEST_VARIANTS`."""
 
 
 def tiny_config(variant: str, **overrides: Any) -> transformers.PretrainedConfig:
     """The transformers config of a variant in `VARIANTS` (or a bare model_type), with overrides."""
     model_type, extra = VARIANTS.get(variant, (variant, {}))
-    config_cls = getattr(transformers, _CLASSES[model_type][0])
-    config: transformers.PretrainedConfig = config_cls(**{**_BASE, **extra, **overrides})
+    config: transformers.PretrainedConfig = transformers.AutoConfig.for_model(
+        model_type, **{**_BASE, **extra, **overrides}
+    )
     return config
 
 
 def build_model(variant: str, *, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
     """A transformers causal LM of `variant` with random fp32 weights drawn from `seed`, in eval mode."""
     config = tiny_config(variant, **overrides)
-    model_cls = getattr(transformers, _CLASSES[config.model_type][1])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model: transformers.PreTrainedModel = model_cls(config)
+        model: transformers.PreTrainedModel = transformers.AutoModelForCausalLM.from_config(config)
     return model.eval()
 
 

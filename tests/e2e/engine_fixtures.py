@@ -24,10 +24,11 @@ import pytest
 import torch
 from torch import Tensor
 
+from nxdi.core import families
 from nxdi.testing.checkpoints import VARIANTS, SaveFormat
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-"""The families the issue names; `VARIANTS` adds llama3-tied (RoPE scaling, tied embeddings)."""
+FAMILIES = tuple(r.name for r in families.runnable())
+"""Every family the engine runs; `VARIANTS` adds llama3-tied (RoPE scaling, tied embeddings)."""
 
 PROMPTS: tuple[tuple[int, ...], ...] = (
     (1, 5, 7, 9, 11, 3, 4, 5, 6, 7),

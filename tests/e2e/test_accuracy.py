@@ -14,13 +14,14 @@ import pytest
 import torch
 
 from nxdi import NeuronConfig, OnDeviceSamplingConfig, load_pretrained_config
+from nxdi.core import families
 from nxdi.shell.accuracy import check_accuracy, check_accuracy_logits
 from nxdi.shell.exceptions import IncompatibleConfigError, LogitMatchingValidationError
 from nxdi.shell.models.registry import CONFIG_TYPES, MODEL_TYPES
 from nxdi.testing import checkpoints
 from nxdi.testing.training import train_briefly
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = tuple(r.name for r in families.runnable())
 INPUTS = {
     "input_ids": torch.tensor([[0, 0, 0, 10, 13, 16], [4, 5, 6, 7, 8, 9]]),
     "attention_mask": torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]]),
@@ -79,7 +80,7 @@ def test_logit_matching_detects_wrong_weights(trained_bf16: dict[str, Path], tmp
     model = _model(trained_bf16["llama"], "llama", torch_dtype="float32")
     golden = model.load_hf_model(model.model_path).float()
     with torch.no_grad():
-        model._runtime.weights.layers[0].down.mul_(1.5)
+        model._runtime.weights.layers[0].mlp.down.mul_(1.5)
     with pytest.raises(LogitMatchingValidationError) as info:
         check_accuracy_logits(model, inputs=INPUTS, num_tokens_to_check=8, golden_model=golden)
     assert not info.value.results.passed

@@ -9,24 +9,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from nxdi.core import model_spec
-from nxdi.core import weight_plan as weights
+from nxdi.core import families
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.programs import decoder as llama
-from nxdi.core.programs import inputs, kv_cache
+from nxdi.core.programs import catalog, inputs, kv_cache
 from nxdi.effects import weight_loader as weight_io
+from tests.properties.strategies.programs import plan_of, program_of
 
 
 class BoundStep(torch.nn.Module):
     """The program with its weights registered once as parameters (tied tensors registered once)."""
 
-    def __init__(self, w: llama.LlamaWeights, spec: ModelSpec) -> None:
+    def __init__(self, program: catalog.Program, tensors: dict[str, torch.Tensor], spec: ModelSpec) -> None:
         super().__init__()
-        self.spec = spec
+        self.program, self.spec = program, spec
         self.params = torch.nn.ParameterDict()
         self.slots: dict[str, str] = {}
         seen: dict[int, str] = {}
-        for name, t in w.to_tensors().items():
+        for name, t in tensors.items():
             slot = seen.setdefault(id(t), name.replace(".", "__"))
             if slot == name.replace(".", "__"):
                 self.params[slot] = torch.nn.Parameter(t, requires_grad=False)
@@ -35,9 +34,9 @@ class BoundStep(torch.nn.Module):
     def forward(
         self, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor, *cache: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        w = llama.LlamaWeights.from_tensors({n: self.params[s] for n, s in self.slots.items()}, spec=self.spec)
+        w = self.program.weights({n: self.params[s] for n, s in self.slots.items()}, spec=self.spec)
         x = inputs.StepInputs(input_ids=ids, position_ids=pos, last_index=last)
-        logits, new = llama.forward(w, kv_cache.KVCache.from_tensors(cache), x, spec=self.spec)
+        logits, new = self.program.forward(w, kv_cache.KVCache.from_tensors(cache), x, spec=self.spec)
         return (logits, *new.to_tensors())
 
 
@@ -45,10 +44,9 @@ class BoundStep(torch.nn.Module):
 @pytest.mark.parametrize("phase", ["token", "context"])
 def test_steps_export_and_match_eager(variant: str, phase: str, tiny_checkpoint: Callable[..., Path]) -> None:
     path = tiny_checkpoint(variant)
-    spec = model_spec.parse_model_spec(json.loads((path / "config.json").read_text())).unwrap()
-    plan = weights.weight_plan_for(spec, fused_qkv=True).unwrap()
-    w = llama.LlamaWeights.from_tensors(weight_io.get_state_dict(path, plan).unwrap(), spec=spec)
-    step = BoundStep(w, spec)
+    spec = families.parse_model_spec(json.loads((path / "config.json").read_text())).unwrap()
+    tensors = weight_io.get_state_dict(path, plan_of(spec)).unwrap()
+    step = BoundStep(program_of(spec), tensors, spec)
     cache = kv_cache.empty_cache(spec, batch=2, length=32, dtype=torch.float32)
     if phase == "context":
         x = inputs.prompt_inputs([[5, 6, 7], [8]], length=16)
@@ -57,9 +55,9 @@ def test_steps_export_and_match_eager(variant: str, phase: str, tiny_checkpoint:
         x = inputs.token_inputs(torch.tensor([3, 4]), torch.tensor([7, 12]))
     args = (*x.to_tensors(), *cache.to_tensors())
     ep = torch.export.export(step, args, strict=False)
-    unique = {id(t) for t in w.to_tensors().values()}
+    unique = {id(t) for t in tensors.values()}
     assert len(ep.graph_signature.parameters) == len(unique), "every weight is a parameter, tied ones once"
-    weight_shapes = {tuple(t.shape) for t in w.to_tensors().values() if t.dim() == 2}
+    weight_shapes = {tuple(t.shape) for t in tensors.values() if t.dim() == 2}
     assert not [c for c in ep.constants.values() if isinstance(c, torch.Tensor) and tuple(c.shape) in weight_shapes]
     got, want = ep.module()(*args), step(*args)
     for a, b in zip(got, want, strict=True):

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import torch
 
-from nxdi.core import model_spec
-from nxdi.core import weight_plan as weights
+from nxdi.core import families
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.programs import families, inputs, kv_cache, sampling
+from nxdi.core.programs import catalog, inputs, kv_cache, sampling
 from nxdi.effects import weight_loader as weight_io
 from nxdi.testing.checkpoints import VARIANTS, SaveFormat
+from tests.properties.strategies.programs import plan_of, program_of
 
 PROMPTS = [[1, 5, 7, 9, 11, 3, 4, 5, 6, 7], [3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [9, 8]]
 NEW_TOKENS = 32
@@ -34,11 +34,12 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-4) -> N
     assert err <= rel * expected.abs().max().item(), f"max |diff| {err} vs max |logit| {expected.abs().max().item()}"
 
 
-def _program(path: Path, *, fused_qkv: bool = False) -> tuple[ModelSpec, families.Family, Any]:
-    spec = model_spec.parse_model_spec(json.loads((path / "config.json").read_text())).unwrap()
-    family = families.family_for(spec).unwrap()
-    plan = weights.weight_plan_for(spec, fused_qkv=fused_qkv).unwrap()
-    return spec, family, family.weights.from_tensors(weight_io.get_state_dict(path, plan).unwrap(), spec=spec)
+def _program(path: Path, *, torch_dtype: str = "float32") -> tuple[ModelSpec, catalog.Program, Any]:
+    """The spec, program and weights of the checkpoint at `path`, read through its family's weight plan."""
+    spec = families.parse_model_spec(json.loads((path / "config.json").read_text())).unwrap()
+    program = program_of(spec)
+    tensors = weight_io.get_state_dict(path, plan_of(spec, torch_dtype=torch_dtype)).unwrap()
+    return spec, program, program.weights(tensors, spec=spec)
 
 
 def _hf_rows(model: Any, prompts: list[list[int]]) -> list[torch.Tensor]:
@@ -63,12 +64,11 @@ def test_logits_match_hf(variant: str, batch: int, tiny_checkpoint: Callable[...
 
 
 @pytest.mark.parametrize("fmt", list(SaveFormat))
-@pytest.mark.parametrize("fused_qkv", [False, True])
 @pytest.mark.parametrize("variant", ["llama3-tied", "qwen2"])
 def test_every_checkpoint_format_loads_to_the_same_model(
-    variant: str, fmt: SaveFormat, fused_qkv: bool, tiny_checkpoint: Callable[..., Path], tiny_model: Any
+    variant: str, fmt: SaveFormat, tiny_checkpoint: Callable[..., Path], tiny_model: Any
 ) -> None:
-    spec, family, w = _program(tiny_checkpoint(variant, fmt), fused_qkv=fused_qkv)
+    spec, family, w = _program(tiny_checkpoint(variant, fmt))
     expected = _hf_rows(tiny_model(variant), PROMPTS)
     x = inputs.prompt_inputs(PROMPTS, length=CONTEXT_BUCKET)
     cache = kv_cache.empty_cache(spec, batch=len(PROMPTS), length=CONTEXT_BUCKET, dtype=torch.float32)
@@ -77,7 +77,7 @@ def test_every_checkpoint_format_loads_to_the_same_model(
         _close(logits[i, 0], expected[i][-1])
 
 
-def _our_greedy(spec: ModelSpec, family: families.Family, w: Any, prompts: list[list[int]]) -> torch.Tensor:
+def _our_greedy(spec: ModelSpec, family: catalog.Program, w: Any, prompts: list[list[int]]) -> torch.Tensor:
     """Prefill into a context-bucket view, then decode one token per step in the smallest fitting bucket."""
     full = kv_cache.empty_cache(spec, batch=len(prompts), length=TOKEN_BUCKETS[-1], dtype=torch.float32)
     logits, part = family.forward(
@@ -130,11 +130,7 @@ def test_bf16_logits_stay_within_bf16_tolerance(
     variant: str, tiny_checkpoint: Callable[..., Path], tiny_model: Any
 ) -> None:
     """Cast by the plan (cast_type="config"), run in bf16: within 0.05 of the fp32 reference (NxDI's bf16 rtol)."""
-    path = tiny_checkpoint(variant)
-    spec = model_spec.parse_model_spec(json.loads((path / "config.json").read_text())).unwrap()
-    family = families.family_for(spec).unwrap()
-    plan = weights.weight_plan_for(spec, torch_dtype="bfloat16").unwrap()
-    w = family.weights.from_tensors(weight_io.get_state_dict(path, plan).unwrap(), spec=spec)
+    spec, family, w = _program(tiny_checkpoint(variant), torch_dtype="bfloat16")
     cache = kv_cache.empty_cache(spec, batch=len(PROMPTS), length=CONTEXT_BUCKET, dtype=torch.bfloat16)
     logits, new = family.forward(w, cache, inputs.prompt_inputs(PROMPTS, length=CONTEXT_BUCKET), spec=spec)
     assert logits.dtype == torch.float32 and new.k[0].dtype == torch.bfloat16

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from nxdi.core import model_spec
+from nxdi.core import families
 from nxdi.core.programs import layers
 
 MAX_POSITIONS = 64
@@ -54,7 +54,7 @@ def test_rope_tables_match_transformers(case: str, longest: int) -> None:
     positions = torch.stack([torch.arange(longest - 8, longest), torch.arange(8)])  # [B=2, S=8]
     with torch.no_grad():
         cos_hf, sin_hf = rotary(torch.zeros(1, dtype=torch.float32), positions)
-    spec = model_spec.parse_model_spec(config.to_dict()).unwrap()
+    spec = families.parse_model_spec(config.to_dict()).unwrap()
     assert spec.rope is not None
     cos, sin = layers.rope_cos_sin(
         spec.rope, positions, head_dim=spec.head_dim, max_positions=spec.max_position_embeddings, dtype=torch.float32

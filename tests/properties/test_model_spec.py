@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from returns.result import Failure, Success
 
-from nxdi.core.model_spec import ModelSpec, parse_model_spec
+from nxdi.core.families import parse_model_spec
+from nxdi.core.model_spec import ModelSpec
 from tests.properties.strategies.model_spec import broken_configs, llama_like_cases, model_specs
 
 

@@ -2,9 +2,9 @@
 
 - prefill then token-by-token decoding gives the logits of one full forward;
 - a right-padded batch gives each row the logits it gets alone (padding never leaks);
-- fused and separate QKV weights give the same logits;
 - cache writes are out of place, touch only the written slots, and agree with an in-place write;
-- weights and caches round-trip through to_tensors/from_tensors.
+- every weight of the family's table lands in its slot of the weights value; caches round-trip;
+- the catalog runs every decoder family and lists what the decoder lacks for other specs.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from returns.result import Failure, Success
 
-from nxdi.core import weight_plan as weights
-from nxdi.core.model_spec import ModelSpec
+from nxdi.core import families
+from nxdi.core.model_spec import ModelSpec, NormKind
+from nxdi.core.programs import catalog, inputs, kv_cache
 from nxdi.core.programs import decoder as llama
-from nxdi.core.programs import families, inputs, kv_cache
-from tests.properties.strategies.programs import dense_specs, random_weights
+from tests.properties.strategies.programs import dense_specs, program_of, random_weights
 
 SEEDS = st.integers(0, 2**31 - 1)
 
@@ -76,19 +76,6 @@ def test_padded_batch_rows_equal_rows_alone(spec: ModelSpec, seed: int, lengths:
         _close(stepped[i], alone[0])
 
 
-@settings(deadline=None, max_examples=15)
-@given(spec=dense_specs(), seed=SEEDS, n=st.integers(1, 8))
-def test_fused_qkv_gives_the_same_logits(spec: ModelSpec, seed: int, n: int) -> None:
-    toks = _tokens(spec, seed, n)
-    cache = kv_cache.empty_cache(spec, batch=1, length=n, dtype=torch.float32)
-    x = inputs.prompt_inputs([toks], length=n)
-    a, ca = llama.forward(random_weights(spec, seed), cache, x, spec=spec, all_logits=True)
-    b, cb = llama.forward(random_weights(spec, seed, fused_qkv=True), cache, x, spec=spec, all_logits=True)
-    _close(b, a)
-    for t, u in zip(ca.to_tensors(), cb.to_tensors(), strict=True):
-        _close(u, t)
-
-
 @st.composite
 def cache_writes(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, k, t, d = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 10)), draw(st.integers(1, 4))
@@ -116,17 +103,26 @@ def test_cache_write_is_out_of_place_and_agrees_with_an_in_place_write(
     assert torch.equal(out.permute(0, 2, 1, 3)[untouched], before.permute(0, 2, 1, 3)[untouched])
 
 
+def _at(value: object, path: str) -> object:
+    """The field at a slot path: `layers.0.attn.qkv` -> value.layers[0].attn.qkv."""
+    for part in path.split("."):
+        value = value[int(part)] if part.isdigit() else getattr(value, part)  # type: ignore[index]
+    return value
+
+
 @settings(deadline=None, max_examples=15)
-@given(spec=dense_specs(), seed=SEEDS, fused=st.booleans())
-def test_weights_round_trip_and_bind_in_plan_order(spec: ModelSpec, seed: int, fused: bool) -> None:
-    w = random_weights(spec, seed, fused_qkv=fused)
-    flat = w.to_tensors()
-    assert tuple(flat) == weights.weight_names(spec, fused_qkv=fused)
-    assert {n: tuple(t.shape) for n, t in flat.items()} == dict(weights.weight_shapes(spec, fused_qkv=fused))
-    again = llama.LlamaWeights.from_tensors(flat, spec=spec).to_tensors()
-    assert all(again[n] is t for n, t in flat.items())
+@given(spec=dense_specs())
+def test_every_table_weight_lands_in_its_slot(spec: ModelSpec) -> None:
+    program = program_of(spec)
+    named = {name: torch.zeros(shape) for name, shape in program.table.shapes(spec)}
     if spec.tie_word_embeddings:
-        assert flat["lm_head.weight"] is flat["embed_tokens.weight"], "tied weights must be stored once"
+        del named["lm_head.weight"]  # a tied lm_head is bound once, as the embedding
+    w = program.weights(named, spec=spec)
+    for name, slot, _ in program.table.entries(spec):
+        if name in named:
+            assert _at(w, slot) is named[name], f"{name} is not in slot {slot}"
+    if spec.tie_word_embeddings:
+        assert w.lm_head is w.embed, "tied weights must be stored once"
 
 
 @settings(deadline=None)
@@ -141,13 +137,15 @@ def test_cache_round_trips_through_flat_tensors(spec: ModelSpec, b: int, t: int)
 
 
 @given(spec=dense_specs())
-def test_each_dense_family_has_a_program_and_other_specs_are_refused(spec: ModelSpec) -> None:
-    match families.family_for(spec):
-        case Success(family):
-            assert family.model_type == spec.model_type and family.forward is llama.forward
+def test_every_decoder_family_has_a_program_and_other_specs_are_refused(spec: ModelSpec) -> None:
+    record = families.record_for(spec.model_type).unwrap()
+    match catalog.program_for(record, spec):
+        case Success(program):
+            assert program.record is record and program.forward is llama.forward
         case Failure(err):
             raise AssertionError(err.render())
-    moe = families.family_for(attrs.evolve(spec, model_type="mixtral", num_experts=4, num_experts_per_tok=2))
-    assert isinstance(moe, Failure) and moe.failure().fields() == {"model_type"}
-    windowed = families.family_for(attrs.evolve(spec, model_type="qwen2", sliding_window=4))
-    assert isinstance(windowed, Failure) and windowed.failure().fields() == {"sliding_window"}
+    moe = attrs.evolve(spec, num_experts=4, num_experts_per_tok=2)
+    refused = catalog.program_for(record, attrs.evolve(moe, norm=NormKind.LAYER, clip_qkv=8.0))
+    assert isinstance(refused, Failure) and refused.failure().fields() == {"mlp", "norm", "clip_qkv"}
+    opt = catalog.program_for(families.record_for("opt").unwrap(), spec)
+    assert isinstance(opt, Failure) and opt.failure().fields() == {"model_type"}

@@ -9,25 +9,14 @@ from hypothesis import strategies as st
 from returns.result import Failure, Success
 
 from nxdi.core import weight_plan as weights
+from nxdi.core.families.llama import LLAMA_WEIGHTS
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
 from tests.properties.strategies.model_spec import model_specs
-from tests.properties.strategies.programs import dense_specs, random_state_dict
+from tests.properties.strategies.programs import checkpoint_shapes, dense_specs, plan_of, random_state_dict
 
 DENSE = ("llama", "mistral", "qwen2", "qwen3")
 SEEDS = st.integers(0, 2**31 - 1)
-
-
-def _shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Checkpoint key -> shape of a well-formed Hugging Face checkpoint of `spec`."""
-    out = {}
-    for name, shape in weights.weight_shapes(spec):
-        if name == "lm_head.weight":
-            if not spec.tie_word_embeddings:
-                out[name] = shape
-        else:
-            out[f"model.{name}"] = shape
-    return out
 
 
 @given(st.text(alphabet="model.xyz_0123", max_size=30))
@@ -39,27 +28,25 @@ def test_rename_strips_only_a_leading_prefix_and_renames_weight_scale(key: str) 
     assert weights.rename_key(key, model_prefix="") == (key[:-13] + ".scale" if key.endswith(".weight_scale") else key)
 
 
-@given(model_specs(DENSE), st.booleans(), st.sampled_from(["config", "as-declared"]))
-def test_a_well_formed_checkpoint_passes_and_every_source_is_read(spec: ModelSpec, fused: bool, cast: str) -> None:
-    plan = weights.weight_plan_for(spec, fused_qkv=fused, cast_type=cast, torch_dtype="bfloat16").unwrap()
-    shapes = _shapes(spec)
+@given(model_specs(DENSE), st.sampled_from(["config", "as-declared"]))
+def test_a_well_formed_checkpoint_passes_and_every_source_is_read(spec: ModelSpec, cast: str) -> None:
+    plan = plan_of(spec, cast_type=cast, torch_dtype="bfloat16")
+    shapes = checkpoint_shapes(spec)
     match weights.check_checkpoint(plan, shapes):
         case Success(keys):
             assert set(keys) == set(plan.read_keys())
             assert all(keys[n] in shapes for n in keys)
         case Failure(err):
             raise AssertionError(err.render())
-    assert plan.names() == weights.weight_names(spec, fused_qkv=fused)
-    assert all(
-        s.shape == shape for s, (_, shape) in zip(plan.steps, weights.weight_shapes(spec, fused_qkv=fused), strict=True)
-    )
+    assert plan.names() == LLAMA_WEIGHTS.names(spec)
+    assert all(s.shape == shape for s, (_, shape) in zip(plan.steps, LLAMA_WEIGHTS.shapes(spec), strict=True))
 
 
 @settings(max_examples=50)
 @given(model_specs(DENSE), st.data())
 def test_every_missing_unexpected_and_misshaped_key_is_reported_at_once(spec: ModelSpec, data: st.DataObject) -> None:
-    plan = weights.weight_plan_for(spec).unwrap()
-    shapes = _shapes(spec)
+    plan = plan_of(spec)
+    shapes = checkpoint_shapes(spec)
     keys = sorted(shapes)
     missing = set(data.draw(st.lists(st.sampled_from(keys), max_size=3, unique=True), label="missing"))
     rest = [k for k in keys if k not in missing]
@@ -80,15 +67,15 @@ def test_every_missing_unexpected_and_misshaped_key_is_reported_at_once(spec: Mo
 
 @given(model_specs(DENSE))
 def test_colliding_keys_after_renaming_are_reported(spec: ModelSpec) -> None:
-    plan = weights.weight_plan_for(spec).unwrap()
-    shapes = _shapes(spec) | {"norm.weight": (spec.hidden_size,)}  # also "model.norm.weight"
+    plan = plan_of(spec)
+    shapes = checkpoint_shapes(spec) | {"norm.weight": (spec.hidden_size,)}  # also "model.norm.weight"
     result = weights.check_checkpoint(plan, shapes)
     assert isinstance(result, Failure) and "norm.weight" in result.failure().fields()
 
 
-def test_unsupported_families_and_bad_cast_settings_are_config_errors() -> None:
+def test_bad_cast_settings_are_config_errors() -> None:
     spec = ModelSpec(
-        model_type="opt",
+        model_type="llama",
         hidden_size=8,
         num_attention_heads=2,
         num_kv_heads=2,
@@ -98,32 +85,10 @@ def test_unsupported_families_and_bad_cast_settings_are_config_errors() -> None:
         intermediate_size=8,
         max_position_embeddings=8,
     )
-    result = weights.weight_plan_for(spec, cast_type="fp8", torch_dtype="float8_e4m3fn")
-    assert isinstance(result, Failure)
-    assert result.failure().fields() == {"model_type", "cast_type"}
-    llama_spec = attrs.evolve(spec, model_type="llama")
-    bad_dtype = weights.weight_plan_for(llama_spec, cast_type="config", torch_dtype="float8_e4m3fn")
+    result = weights.weight_plan_for(LLAMA_WEIGHTS, spec, cast_type="fp8", torch_dtype="float8_e4m3fn")
+    assert isinstance(result, Failure) and result.failure().fields() == {"cast_type"}
+    bad_dtype = weights.weight_plan_for(LLAMA_WEIGHTS, spec, cast_type="config", torch_dtype="float8_e4m3fn")
     assert isinstance(bad_dtype, Failure) and bad_dtype.failure().fields() == {"torch_dtype"}
-
-
-@st.composite
-def qkv_tensors(draw: st.DrawFn) -> tuple[tuple[int, int, int], torch.Tensor, torch.Tensor, torch.Tensor]:
-    d, kv = draw(st.integers(1, 8)), draw(st.integers(1, 4))
-    h, e = kv * draw(st.integers(1, 4)), draw(st.integers(1, 16))
-    g = torch.Generator().manual_seed(draw(SEEDS))
-    cols = draw(st.sampled_from([(e,), ()]))  # weights [rows, E] or biases [rows]
-    q, k, v = (torch.randn(n * d, *cols, generator=g) for n in (h, kv, kv))
-    return (h * d, kv * d, kv * d), q, k, v
-
-
-@settings(deadline=None)
-@given(qkv_tensors())
-def test_split_inverts_fuse(case: tuple[tuple[int, int, int], torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-    sizes, q, k, v = case
-    fused = weight_ops.fuse_qkv(q, k, v)
-    assert fused.shape[0] == sum(sizes)
-    for a, b in zip(weight_ops.split_qkv(fused, sizes), (q, k, v), strict=True):
-        assert torch.equal(a, b)
 
 
 @settings(deadline=None, max_examples=20)
@@ -132,18 +97,19 @@ def test_convert_fuses_ties_and_casts_without_touching_the_input(spec: ModelSpec
     # a quantization scale, stored as `.weight_scale`, renamed to `.scale` and never cast
     sd = random_state_dict(spec, seed) | {"model.layers.0.self_attn.o_proj.weight_scale": torch.ones(1)}
     sd_before = {k: v.clone() for k, v in sd.items()}
-    plan = weights.weight_plan_for(spec, fused_qkv=True, torch_dtype=dtype).unwrap()
-    casts = plan.steps[0].transforms
-    scale = weights.weight_step("layers.0.self_attn.o_proj.scale", (1,), spec=spec, fused_qkv=True, casts=casts)
-    plan = attrs.evolve(plan, steps=(*plan.steps, scale))
-    out = weight_ops.convert(plan, sd).unwrap()
+    scale = weights.copy("attn.o_scale", "self_attn.o_proj.scale", ("1",))
+    table = attrs.evolve(LLAMA_WEIGHTS, layer=(*LLAMA_WEIGHTS.layer, scale))
+    plan = weights.weight_plan_for(table, spec, torch_dtype=dtype).unwrap()
+    out = weight_ops.convert(
+        plan, sd | {f"model.layers.{i}.self_attn.o_proj.weight_scale": torch.ones(1) for i in range(spec.num_layers)}
+    ).unwrap()
     assert all(torch.equal(sd[k], sd_before[k]) for k in sd), "convert modified its input"
     target = weight_ops.torch_dtype(dtype)
     assert all(t.dtype == target for n, t in out.items() if not n.endswith("scale"))
     assert out["layers.0.self_attn.o_proj.scale"].dtype == torch.float32, "scales keep their dtype"
     for i in range(spec.num_layers):
         p = f"model.layers.{i}.self_attn."
-        q, k, v = weight_ops.split_qkv(out[f"layers.{i}.self_attn.Wqkv.weight"], weights.qkv_sizes(spec))
+        q, k, v = out[f"layers.{i}.self_attn.Wqkv.weight"].split([spec.q_size, spec.kv_size, spec.kv_size])
         for got, name in zip((q, k, v), ("q_proj", "k_proj", "v_proj"), strict=True):
             assert torch.equal(got, sd[f"{p}{name}.weight"].to(target))
     if spec.tie_word_embeddings:

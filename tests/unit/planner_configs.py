@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nxdi.core.model_spec import ModelSpec, parse_model_spec
+from nxdi.core.families import parse_model_spec
+from nxdi.core.model_spec import ModelSpec
 
 _LLAMA_31_ROPE = {
     "factor": 8.0,

@@ -11,26 +11,26 @@ import pytest
 import torch
 from returns.result import Failure
 
-from nxdi.core import model_spec
+from nxdi.core import families
 from nxdi.core import weight_plan as weights
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
 from nxdi.effects import checkpoint
 from nxdi.effects import weight_loader as weight_io
 from nxdi.testing.checkpoints import SaveFormat, write_checkpoint_file
+from tests.properties.strategies.programs import plan_of
 
 
 def _spec(path: Path) -> ModelSpec:
-    return model_spec.parse_model_spec(json.loads((path / "config.json").read_text())).unwrap()
+    return families.parse_model_spec(json.loads((path / "config.json").read_text())).unwrap()
 
 
 @pytest.mark.parametrize("fmt", list(SaveFormat))
-@pytest.mark.parametrize("fused_qkv", [False, True])
 def test_every_layout_gives_the_in_memory_conversion(
-    fmt: SaveFormat, fused_qkv: bool, tiny_checkpoint: Callable[..., Path], tiny_model: Any
+    fmt: SaveFormat, tiny_checkpoint: Callable[..., Path], tiny_model: Any
 ) -> None:
     path = tiny_checkpoint("qwen2", fmt)
-    plan = weights.weight_plan_for(_spec(path), fused_qkv=fused_qkv).unwrap()
+    plan = plan_of(_spec(path))
     got = weight_io.get_state_dict(path, plan).unwrap()
     want = weight_ops.convert(plan, tiny_model("qwen2").state_dict()).unwrap()
     assert tuple(got) == plan.names() == tuple(want)
@@ -42,7 +42,7 @@ def test_cast_type_and_tied_embeddings(
     cast_type: str, dtype: torch.dtype, tiny_checkpoint: Callable[..., Path], tiny_model: Any
 ) -> None:
     path = tiny_checkpoint("llama3-tied", SaveFormat.SAFETENSORS_SHARDED)
-    plan = weights.weight_plan_for(_spec(path), cast_type=cast_type, torch_dtype="bfloat16").unwrap()
+    plan = plan_of(_spec(path), cast_type=cast_type, torch_dtype="bfloat16")
     with checkpoint.open_checkpoint(path) as ckpt:
         names = [
             name
@@ -66,7 +66,7 @@ def test_a_bad_checkpoint_lists_every_problem_and_reads_no_tensor(
     write_checkpoint_file(tmp_path / "model.safetensors", state)
     reads: list[str] = []
     monkeypatch.setattr(checkpoint.Checkpoint, "read", lambda self, key: reads.append(key))
-    plan = weights.weight_plan_for(_spec(tiny_checkpoint("llama"))).unwrap()
+    plan = plan_of(_spec(tiny_checkpoint("llama")))
     result = weight_io.get_state_dict(tmp_path, plan)
     assert isinstance(result, Failure)
     err = result.failure()

@@ -15,7 +15,8 @@ import transformers
 from returns.result import Failure, Success
 
 from nxdi.core.errors import ConfigError
-from nxdi.core.model_spec import ModelSpec, NormKind, PositionKind, RopeKind, RopeSpec, parse_model_spec
+from nxdi.core.families import parse_model_spec
+from nxdi.core.model_spec import ModelSpec, NormKind, PositionKind, RopeKind, RopeSpec
 
 # Real config.json files, abridged to the keys that matter (plus a few they carry that nxdi ignores).
 
@@ -302,11 +303,16 @@ def test_mistral_7b_has_a_sliding_window() -> None:
     assert not (spec.qkv_bias or spec.o_bias or spec.mlp_bias or spec.tie_word_embeddings)
 
 
-def test_qwen2_7b_has_qkv_bias_and_an_unused_window() -> None:
+def test_qwen2_7b_has_qkv_bias_and_windows_only_from_max_window_layers() -> None:
     spec = parsed(QWEN2_7B)
     assert (spec.qkv_bias, spec.o_bias, spec.mlp_bias) == (True, False, False)
     assert spec.sliding_window is None  # use_sliding_window is false
-    assert parsed(QWEN2_7B | {"use_sliding_window": True}).sliding_window == 131072
+    # transformers slides layers i >= max_window_layers: none of Qwen2-7B's 28 at max_window_layers=28
+    assert parsed(QWEN2_7B | {"use_sliding_window": True}).sliding_window is None
+    some = parsed(QWEN2_7B | {"use_sliding_window": True, "max_window_layers": 20})
+    assert (some.sliding_window, some.full_attention_layers) == (131072, tuple(range(20)))
+    typed = parsed(QWEN2_7B | {"use_sliding_window": True, "layer_types": ["sliding_attention"] * 28})
+    assert (typed.sliding_window, typed.full_attention_layers) == (131072, ())
     assert (spec.num_attention_heads, spec.num_kv_heads, spec.head_dim) == (28, 4, 128)
     assert spec.rope == RopeSpec(theta=1e6) and spec.norm_eps == 1e-6
 
@@ -606,6 +612,7 @@ def test_missing_heads_is_reported_once_not_as_missing_kv_heads_too() -> None:
         (QWEN2_7B | {"hidden_size": 3585}, "hidden_size"),
         (QWEN2_7B | {"sliding_window": -4, "use_sliding_window": True}, "sliding_window"),
         (QWEN2_7B | {"use_sliding_window": "no"}, "use_sliding_window"),
+        (QWEN2_7B | {"use_sliding_window": True, "layer_types": ["full_attention"]}, "layer_types"),
         (QWEN2_7B | {"eos_token_id": [1, None]}, "eos_token_id"),
         (QWEN2_7B | {"hidden_act": ["silu"]}, "hidden_act"),
         (MIXTRAL_8X7B | {"num_experts_per_tok": 9}, "num_experts_per_tok"),

@@ -1,4 +1,4 @@
-"""Tensor side of weight plans: apply a `WeightStep` to tensors, fuse and split QKV, cast. Pure.
+"""Tensor side of weight plans: apply a `WeightStep` to tensors (copy, concatenate, cast). Pure.
 
 `nxdi.core.weight_plan` says what to do (no torch); this module does it to tensors it is given, without
 mutating them. Reading tensors from files is `nxdi.effects.weight_loader`.
@@ -24,17 +24,6 @@ def torch_dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"{name!r} is not a torch dtype name")
     return dtype
-
-
-def fuse_qkv(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """`Wqkv = cat([q, k, v], dim 0)`: [H*D + 2*K*D, ...] from [H*D, ...], [K*D, ...], [K*D, ...]."""
-    return torch.cat((q, k, v), dim=0)
-
-
-def split_qkv(wqkv: Tensor, sizes: tuple[int, int, int]) -> tuple[Tensor, Tensor, Tensor]:
-    """The inverse of `fuse_qkv`: views of the Q, K and V rows (sizes from `weights.qkv_sizes`)."""
-    q, k, v = torch.split(wqkv, list(sizes), dim=0)
-    return q, k, v
 
 
 def cast_float(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -89,13 +78,3 @@ def convert(plan: weights.WeightPlan, state_dict: Mapping[str, Tensor]) -> Resul
                     out[step.name] = apply_step(step, [state_dict[keys[s]] for s in step.sources])
             return Success(out)
     raise AssertionError("unreachable")
-
-
-def rename_state_dict(
-    state_dict: Mapping[str, Tensor],
-    *,
-    model_prefix: str = weights.STATE_DICT_MODEL_PREFIX,
-    new_prefix: str = weights.NEW_STATE_DICT_MODEL_PREFIX,
-) -> dict[str, Tensor]:
-    """NxDI's key rewrite applied to a whole dict (a new dict; the tensors are shared, not copied)."""
-    return {weights.rename_key(k, model_prefix=model_prefix, new_prefix=new_prefix): v for k, v in state_dict.items()}

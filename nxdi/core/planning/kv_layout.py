@@ -5,9 +5,9 @@ Rules (NxD Inference's KV cache manager):
   kv_cache_padding_size` (the padding rows are the garbage rows that continuous batching and attention
   data parallelism send out-of-range seq_ids to), K = `kv' / tp` KV heads (after GQA replication),
   T = cache positions, D = head_dim.
-- T is `max_length`, or the sliding window when that is smaller. With flash decoding each core of a
-  group of g holds a 1/g share of the sequence: `max_length` is rounded up to a multiple of g, divided
-  by g, and 128 reserved positions are added.
+- T is `max_length`, or the sliding window when every layer has it and it is smaller. With flash
+  decoding each core of a group of g holds a 1/g share of the sequence: `max_length` is rounded up
+  to a multiple of g, divided by g, and 128 reserved positions are added.
 - dtype is `attention_dtype or torch_dtype`, or the quantized dtype (`float8_e4m3fn` unless a
   `kv_quant_config` says otherwise) with `kv_cache_quant`; values are dequantized to the compute dtype.
 """
@@ -176,7 +176,7 @@ def kv_layout_for(model: ModelSpec, spec: NeuronSpec) -> Result[KVLayout, Config
                 dtype=spec.attention_dtype or spec.torch_dtype,
                 kv_cache_quant=spec.kv_cache_quant or quant is not None,
                 quant_dtype=quant.quant_dtype if quant is not None else KV_QUANT_DTYPE,
-                sliding_window=model.sliding_window,
+                sliding_window=model.cache_window,
                 flash_decoding_group=g,
             )
     return Failure(ConfigError(problems=problems_of(counts, group)))

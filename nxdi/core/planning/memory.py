@@ -163,7 +163,7 @@ def layout_for(model: ModelSpec, counts: gqa.HeadCounts, req: MemoryRequest) -> 
             dtype=req.attention_dtype or req.torch_dtype,
             kv_cache_quant=req.kv_cache_quant,
             quant_dtype=req.kv_quant_dtype,
-            sliding_window=model.sliding_window,
+            sliding_window=model.cache_window,
             flash_decoding_group=g,
         )
     )

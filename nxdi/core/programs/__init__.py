@@ -20,13 +20,14 @@ Dimension letters, used in shape comments and docstrings:
     L  layers
     C  sampling candidates (global top-k)
 
-Values that hold tensors (`KVCache`, `StepInputs`, `LlamaWeights`) are frozen dataclasses with
+Values that hold tensors (`KVCache`, `StepInputs`, `decoder.DecoderWeights`) are frozen dataclasses with
 `eq=False` and slots, not `attrs.frozen` classes: TorchDynamo cannot trace the `__init__` attrs
 generates for frozen classes (it assigns through `object.__setattr__`), and a program builds a new
 cache value inside the graph, so `torch.compile(fullgraph=True)` would break. They stay immutable
 and keyword-only, and compare with `torch.testing.assert_close` on their tensors.
 
 Modules: `layers` (norms, RoPE, attention, MLP), `kv_cache` (the KVCache value and its writes),
-`inputs` (StepInputs), `llama` (the dense decoder: Llama and the families that are Llama plus
-flags: `mistral`, `qwen2`, `qwen3`), `families` (model_type -> program), `sampling`.
+`inputs` (StepInputs), `decoder` (the decoder: Llama and every family that is Llama plus ModelSpec
+fields), `step` (a decoder step plus the sampler), `sampling`, and `catalog` (which program runs a
+family). Host-side tensor helpers that are never traced live in `nxdi.core.host`.
 """

@@ -1,8 +1,10 @@
-"""The dense decoder program (Llama and the families that are Llama plus flags). Pure.
+"""The decoder program: Llama and every family that is Llama plus ModelSpec fields. Pure.
 
-Covers Llama (incl. Llama-3 RoPE scaling, GQA, tied embeddings), Mistral (`spec.sliding_window`),
-Qwen2 (`spec.qkv_bias`) and Qwen3 (`spec.qk_norm`, explicit `spec.head_dim`): every difference is a
-field of the `ModelSpec`, decided when the program is traced, never from tensor values.
+Covers Llama (incl. Llama-3 RoPE scaling, GQA, tied embeddings), Mistral and Qwen2/3 sliding
+windows (`spec.sliding_window`, per layer with `spec.full_attention_layers`), Qwen2 biases
+(`spec.qkv_bias`) and Qwen3 (`spec.qk_norm`, explicit `spec.head_dim`): every difference is a field
+of the `ModelSpec`, decided when the program is traced, never from tensor values. The weights come
+in one layout (fused QKV), built from the family's weight table by `weights_from_slots`.
 
 One step, context encoding or token generation alike (the shapes say which):
     h = embed[input_ids]                                   [B*S, E]
@@ -21,118 +23,107 @@ from collections.abc import Mapping
 import torch.nn.functional as F
 from torch import Tensor
 
-from nxdi.core.model_spec import ModelSpec
+from nxdi.core.model_spec import MlpKind, ModelSpec
 from nxdi.core.programs import inputs, kv_cache, layers
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 
-_LAYER_NAMES: tuple[tuple[str, str], ...] = (
-    ("input_norm", "input_layernorm.weight"),
-    ("qkv", "self_attn.Wqkv.weight"),
-    ("qkv_bias", "self_attn.Wqkv.bias"),
-    ("q", "self_attn.q_proj.weight"),
-    ("k", "self_attn.k_proj.weight"),
-    ("v", "self_attn.v_proj.weight"),
-    ("q_bias", "self_attn.q_proj.bias"),
-    ("k_bias", "self_attn.k_proj.bias"),
-    ("v_bias", "self_attn.v_proj.bias"),
-    ("o", "self_attn.o_proj.weight"),
-    ("o_bias", "self_attn.o_proj.bias"),
-    ("q_norm", "self_attn.q_norm.weight"),
-    ("k_norm", "self_attn.k_norm.weight"),
-    ("post_norm", "post_attention_layernorm.weight"),
-    ("gate", "mlp.gate_proj.weight"),
-    ("up", "mlp.up_proj.weight"),
-    ("down", "mlp.down_proj.weight"),
-    ("gate_bias", "mlp.gate_proj.bias"),
-    ("up_bias", "mlp.up_proj.bias"),
-    ("down_bias", "mlp.down_proj.bias"),
-)
-"""Field -> nxdi name suffix under `layers.{i}.`, in `nxdi.core.weight_plan.weight_names` order."""
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
+class Attention:
+    """Self-attention weights of one layer. Linear weights are [out, in]; absent optional parts are None."""
+
+    qkv: Tensor
+    """[(H + 2K) * D, E]: Q, K and V projections fused (the one layout; the weight plan fuses)."""
+    o: Tensor
+    """[E, H * D]"""
+    qkv_bias: Tensor | None = None
+    o_bias: Tensor | None = None
+    q_norm: Tensor | None = None
+    """[D] per-head RMSNorm of q and k before RoPE (Qwen3)."""
+    k_norm: Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
-class LayerWeights:
-    """One decoder layer. Linear weights are [out, in]; absent optional parts are None.
+class GatedMLP:
+    """`down(act(gate x) * up x)`: gate, up [F, E], down [E, F], optional biases."""
 
-    Attention takes either the fused `qkv` [(H+2K)*D, E] or `q` [H*D, E], `k`/`v` [K*D, E].
-    """
-
-    input_norm: Tensor
-    o: Tensor
-    post_norm: Tensor
     gate: Tensor
     up: Tensor
     down: Tensor
-    qkv: Tensor | None = None
-    q: Tensor | None = None
-    k: Tensor | None = None
-    v: Tensor | None = None
-    qkv_bias: Tensor | None = None
-    q_bias: Tensor | None = None
-    k_bias: Tensor | None = None
-    v_bias: Tensor | None = None
-    o_bias: Tensor | None = None
-    q_norm: Tensor | None = None
-    k_norm: Tensor | None = None
     gate_bias: Tensor | None = None
     up_bias: Tensor | None = None
     down_bias: Tensor | None = None
 
-    def to_tensors(self, prefix: str = "") -> dict[str, Tensor]:
-        """nxdi name -> tensor for the parts present, in binding order."""
-        out = {prefix + name: getattr(self, f) for f, name in _LAYER_NAMES}
-        return {k: t for k, t in out.items() if t is not None}
 
-    @classmethod
-    def from_tensors(cls, tensors: Mapping[str, Tensor], prefix: str = "") -> LayerWeights:
-        """The inverse of `to_tensors`: reads the names present under `prefix`."""
-        return cls(**{f: tensors[prefix + name] for f, name in _LAYER_NAMES if prefix + name in tensors})
+MLP = GatedMLP
+"""The feed-forward block of a layer, one case per `ModelSpec.mlp_kind` the program runs (MoE and
+the plain two-matrix MLP join as further cases, each handled by a `match` in `_mlp`)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
-class LlamaWeights:
-    """All weights of a dense decoder. `lm_head` may be the `embed` tensor itself (tied)."""
+class Layer:
+    """One decoder layer."""
+
+    input_norm: Tensor
+    """[E]"""
+    attn: Attention
+    post_norm: Tensor
+    """[E]"""
+    mlp: MLP
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
+class DecoderWeights:
+    """All weights of the decoder. `lm_head` may be the `embed` tensor itself (tied)."""
 
     embed: Tensor
     """[V, E]"""
-    layers: tuple[LayerWeights, ...]
+    layers: tuple[Layer, ...]
     norm: Tensor
     """[E]"""
     lm_head: Tensor
     """[V, E]"""
 
-    def to_tensors(self) -> dict[str, Tensor]:
-        """Flat nxdi name -> tensor, in `nxdi.core.weight_plan.weight_names` order (tied: the same tensor twice)."""
-        out = {"embed_tokens.weight": self.embed}
-        for i, lw in enumerate(self.layers):
-            out.update(lw.to_tensors(f"layers.{i}."))
-        return out | {"norm.weight": self.norm, "lm_head.weight": self.lm_head}
 
-    @classmethod
-    def from_tensors(cls, tensors: Mapping[str, Tensor], *, spec: ModelSpec) -> LlamaWeights:
-        """Weights from nxdi names (the output of a weight plan); `lm_head` defaults to the embedding."""
-        embed = tensors["embed_tokens.weight"]
-        return cls(
-            embed=embed,
-            layers=tuple(LayerWeights.from_tensors(tensors, f"layers.{i}.") for i in range(spec.num_layers)),
-            norm=tensors["norm.weight"],
-            lm_head=tensors.get("lm_head.weight", embed),
+def _group(slots: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    """The slots under `prefix.`, by their remaining name."""
+    return {k[len(prefix) + 1 :]: v for k, v in slots.items() if k.startswith(prefix + ".")}
+
+
+def _mlp_weights(parts: Mapping[str, Tensor], spec: ModelSpec) -> MLP:
+    match spec.mlp_kind:
+        case MlpKind.GATED:
+            return GatedMLP(**parts)
+    raise ValueError(f"the decoder program has no {spec.mlp_kind.value} MLP (checked by programs.catalog)")
+
+
+def weights_from_slots(slots: Mapping[str, Tensor], *, spec: ModelSpec) -> DecoderWeights:
+    """The weights value from slot paths (`WeightTable.slots`): `embed`, `layers.{i}.attn.qkv`, ...
+
+    Raises:
+        TypeError: a slot the table declares has no field here (a table and program out of step).
+    """
+
+    def layer(i: int) -> Layer:
+        parts = _group(slots, f"layers.{i}")
+        return Layer(
+            input_norm=parts["input_norm"],
+            attn=Attention(**_group(parts, "attn")),
+            post_norm=parts["post_norm"],
+            mlp=_mlp_weights(_group(parts, "mlp"), spec),
         )
 
-
-def _project_qkv(lw: LayerWeights, x: Tensor, spec: ModelSpec) -> tuple[Tensor, Tensor, Tensor]:
-    """q [N, H*D], k and v [N, K*D] from x [N, E], with one fused matmul when the weights are fused."""
-    if lw.qkv is not None:
-        qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # [N, (H+2K)*D]
-        q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
-        return q, k, v
-    assert lw.q is not None and lw.k is not None and lw.v is not None
-    return F.linear(x, lw.q, lw.q_bias), F.linear(x, lw.k, lw.k_bias), F.linear(x, lw.v, lw.v_bias)
+    return DecoderWeights(
+        embed=slots["embed"],
+        layers=tuple(layer(i) for i in range(spec.num_layers)),
+        norm=slots["norm"],
+        lm_head=slots["lm_head"],
+    )
 
 
 def _attention(
-    lw: LayerWeights,
+    w: Attention,
     x: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
@@ -145,23 +136,40 @@ def _attention(
     """Self-attention of normed x [N, E] (N = B*S): returns [N, E] and the written k/v caches [B, K, T, D]."""
     b, s = slots.shape
     h, kh, d = spec.num_attention_heads, spec.num_kv_heads, spec.head_dim
-    q, k, v = _project_qkv(lw, x, spec)
+    q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
     q, k, v = q.view(b, s, h, d), k.view(b, s, kh, d), v.view(b, s, kh, d)
-    if lw.q_norm is not None and lw.k_norm is not None:
-        q, k = layers.rms_norm(q, lw.q_norm, spec.norm_eps), layers.rms_norm(k, lw.k_norm, spec.norm_eps)
+    if spec.qk_norm:
+        assert w.q_norm is not None and w.k_norm is not None, "qk_norm needs q_norm and k_norm weights"
+        q, k = layers.rms_norm(q, w.q_norm, spec.norm_eps), layers.rms_norm(k, w.k_norm, spec.norm_eps)
     q, k = layers.apply_rope(q, *rope), layers.apply_rope(k, *rope)
     k_cache = kv_cache.write(k_cache, k.transpose(1, 2), slots)
     v_cache = kv_cache.write(v_cache, v.transpose(1, 2), slots)
     o = layers.attend(q, k_cache, v_cache, mask)  # [B, S, H*D]
-    return F.linear(o.view(b * s, h * d), lw.o, lw.o_bias), k_cache, v_cache
+    return F.linear(o.view(b * s, h * d), w.o, w.o_bias), k_cache, v_cache
 
 
-def _mlp(lw: LayerWeights, x: Tensor, spec: ModelSpec) -> Tensor:
-    biases = (lw.gate_bias, lw.up_bias, lw.down_bias)
-    return layers.gated_mlp(x, lw.gate, lw.up, lw.down, activation=spec.activation, biases=biases)
+def _mlp(m: MLP, x: Tensor, spec: ModelSpec) -> Tensor:
+    """The feed-forward block of normed x [N, E] -> [N, E]."""
+    match m:
+        case GatedMLP():
+            biases = (m.gate_bias, m.up_bias, m.down_bias)
+            return layers.gated_mlp(x, m.gate, m.up, m.down, activation=spec.activation, biases=biases)
 
 
-def _rope_tables(x: StepInputs, slots: Tensor, spec: ModelSpec, w: LlamaWeights) -> tuple[Tensor, Tensor]:
+def _masks(slots: Tensor, length: int, spec: ModelSpec) -> list[Tensor]:
+    """Each layer's attention mask [B, 1, G*S, T]; layers with the same window share one tensor."""
+    groups = spec.num_attention_heads // spec.num_kv_heads
+    built: dict[int | None, Tensor] = {}
+    out = []
+    for i in range(spec.num_layers):
+        window = spec.layer_window(i)
+        if window not in built:
+            built[window] = layers.fold_mask(layers.visible_mask(slots, length, window=window), groups)
+        out.append(built[window])
+    return out
+
+
+def _rope_tables(x: StepInputs, slots: Tensor, spec: ModelSpec, w: DecoderWeights) -> tuple[Tensor, Tensor]:
     """cos/sin [B, S, 1, D] at every token's slot (= its position for real tokens)."""
     assert spec.rope is not None, "the dense decoder uses rotary positions"
     seq_len = slots.gather(1, x.last_index[:, None]).max() + 1  # longest real sequence (dynamic NTK)
@@ -177,7 +185,7 @@ def _rope_tables(x: StepInputs, slots: Tensor, spec: ModelSpec, w: LlamaWeights)
 
 
 def forward(
-    w: LlamaWeights, cache: KVCache, x: StepInputs, *, spec: ModelSpec, all_logits: bool = False
+    w: DecoderWeights, cache: KVCache, x: StepInputs, *, spec: ModelSpec, all_logits: bool = False
 ) -> tuple[Tensor, KVCache]:
     """One decoder step over the cache view `cache` (T slots).
 
@@ -195,15 +203,16 @@ def forward(
     b, s = x.input_ids.shape
     slots = inputs.write_slots(x)  # [B, S]
     rope = _rope_tables(x, slots, spec, w)
-    groups = spec.num_attention_heads // spec.num_kv_heads
-    mask = layers.fold_mask(layers.visible_mask(slots, cache.length, window=spec.sliding_window), groups)
+    masks = _masks(slots, cache.length, spec)
     h = F.embedding(x.input_ids, w.embed).view(b * s, -1)  # [B*S, E]
     ks, vs = [], []
-    for lw, k_cache, v_cache in zip(w.layers, cache.k, cache.v, strict=True):
+    for lw, mask, k_cache, v_cache in zip(w.layers, masks, cache.k, cache.v, strict=True):
         normed = layers.rms_norm(h, lw.input_norm, spec.norm_eps)
-        a, k_cache, v_cache = _attention(lw, normed, k_cache, v_cache, rope=rope, mask=mask, slots=slots, spec=spec)
+        a, k_cache, v_cache = _attention(
+            lw.attn, normed, k_cache, v_cache, rope=rope, mask=mask, slots=slots, spec=spec
+        )
         h = h + a
-        h = h + _mlp(lw, layers.rms_norm(h, lw.post_norm, spec.norm_eps), spec)
+        h = h + _mlp(lw.mlp, layers.rms_norm(h, lw.post_norm, spec.norm_eps), spec)
         ks.append(k_cache)
         vs.append(v_cache)
     h = h.view(b, s, -1)

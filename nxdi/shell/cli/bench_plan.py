@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from nxdi.core.config.neuron_parse import parse_neuron_spec
-from nxdi.core.model_spec import parse_model_spec
+from nxdi.core.families import parse_model_spec
 from nxdi.core.planning import plan
 from nxdi.core.platform import Platform
 from nxdi.shell.cli.bench_timing import Timings, render_table, time_calls

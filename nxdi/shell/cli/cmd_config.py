@@ -8,7 +8,7 @@ from pathlib import Path
 
 from nxdi.core import graph_key
 from nxdi.core.config import codec
-from nxdi.core.model_spec import parse_model_spec
+from nxdi.core.families import parse_model_spec
 from nxdi.shell.cli.flags import add_neuron_config_flags, neuron_config_kwargs
 from nxdi.shell.exceptions import IncompatibleConfigError, unwrap_or_raise
 

@@ -28,7 +28,7 @@ from nxdi.core.config.fields import did_you_mean
 from nxdi.core.config.neuron_parse import parse_neuron_spec
 from nxdi.core.config.neuron_spec import DTYPE_BYTES
 from nxdi.core.errors import ConfigError, Problem
-from nxdi.core.model_spec import parse_model_spec
+from nxdi.core.families import parse_model_spec
 from nxdi.core.planning import plan
 from nxdi.core.platform import INSTANCES, Platform
 from nxdi.shell.cli import plan_report

@@ -58,16 +58,28 @@ def _heads(draw: Draw, raw: dict[str, Any], model_type: str) -> dict[str, int]:
     return {"hidden_size": hidden, "num_attention_heads": heads, "num_kv_heads": kv, "head_dim": head_dim}
 
 
-def _window(draw: Draw, raw: dict[str, Any], model_type: str) -> int | None:
+def _window(draw: Draw, raw: dict[str, Any], model_type: str, layers: int) -> dict[str, Any]:
+    """`sliding_window` and `full_attention_layers`: Mistral windows every layer; Qwen windows the layers
+    from `max_window_layers` on (or those `layer_types` marks), only with `use_sliding_window`."""
     window = draw(st.none() | st.integers(1, 1 << 17))
     if model_type in ("mistral", "mixtral"):
         raw["sliding_window"] = window
-        return window
-    if model_type in ("qwen2", "qwen3"):
-        used = draw(st.booleans())
-        raw |= {"use_sliding_window": used, "sliding_window": window}
-        return window if used else None
-    return None
+        return {"sliding_window": window}
+    if model_type not in ("qwen2", "qwen3"):
+        return {}
+    used = draw(st.booleans())
+    raw |= {"use_sliding_window": used, "sliding_window": window}
+    if draw(st.booleans()):
+        full = sorted(draw(st.sets(st.integers(0, layers - 1))))
+        raw["layer_types"] = ["full_attention" if i in full else "sliding_attention" for i in range(layers)]
+    else:
+        first = draw(st.none() | st.integers(0, layers + 2))
+        if first is not None:
+            raw["max_window_layers"] = first
+        full = list(range(min(28 if first is None else first, layers)))
+    if not used or window is None or len(full) == layers:
+        return {"sliding_window": None}
+    return {"sliding_window": window, "full_attention_layers": tuple(full)}
 
 
 def _biases(draw: Draw, raw: dict[str, Any], model_type: str) -> dict[str, bool]:
@@ -123,7 +135,7 @@ def llama_like_cases(draw: Draw, families: tuple[str, ...] = LLAMA_LIKE) -> tupl
         tie_word_embeddings=tie,
         **_biases(draw, raw, model_type),
         qk_norm=model_type == "qwen3",
-        sliding_window=_window(draw, raw, model_type),
+        **_window(draw, raw, model_type, layers),
         **_experts(draw, raw, model_type),
         **_tokens(draw, raw, vocab),
     )

@@ -1,20 +1,24 @@
-"""Strategies for the tensor programs: tiny dense decoder specs, and random weights drawn from a seed.
+"""Strategies for the tensor programs: tiny decoder specs, and random weights drawn from a seed.
 
 - `dense_specs()`: tiny llama/mistral/qwen2/qwen3 `ModelSpec`s covering GQA, every RoPE kind, sliding
-  windows, biases, q/k norms, tied embeddings and the activations (small enough to run eagerly).
-- `random_state_dict(spec, seed)`: a checkpoint-style dict (`model.` keys) of random fp32 tensors.
-- `random_weights(spec, seed, fused_qkv)`: the same weights as a `LlamaWeights`, via the weight plan.
+  windows (per layer too), biases, q/k norms, tied embeddings and the activations (small enough to
+  run eagerly).
+- `random_state_dict(spec, seed)`: a Hugging Face checkpoint-style dict (`model.` keys) of random fp32 tensors.
+- `random_weights(spec, seed)`: the same weights as the decoder program's weights value, via the weight plan.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from hypothesis import strategies as st
 
+from nxdi.core import families
 from nxdi.core import weight_plan as weights
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec, RopeKind, RopeSpec
-from nxdi.core.programs import decoder as llama
+from nxdi.core.programs import catalog
 
 
 @st.composite
@@ -33,20 +37,23 @@ def rope_specs(draw: st.DrawFn, max_positions: int) -> RopeSpec:
 
 @st.composite
 def dense_specs(draw: st.DrawFn, *, max_positions: int = 32) -> ModelSpec:
-    """A tiny dense decoder spec; `max_positions` is small so dynamic NTK scaling is exercised."""
+    """A tiny decoder spec; `max_positions` is small so dynamic NTK scaling is exercised."""
     model_type = draw(st.sampled_from(["llama", "mistral", "qwen2", "qwen3"]))
     kv = draw(st.integers(1, 3))
     heads = kv * draw(st.integers(1, 3))
     head_dim = draw(st.sampled_from([4, 8, 16]))
+    layers = draw(st.integers(1, 2))
     explicit = model_type == "qwen3" and draw(st.booleans())
     qkv_bias = model_type == "qwen2" or draw(st.booleans())
+    window = draw(st.integers(1, 8)) if model_type != "llama" and draw(st.booleans()) else None
+    full = draw(st.sets(st.integers(0, layers - 1))) if window is not None and model_type != "mistral" else set()
     return ModelSpec(
         model_type=model_type,
         hidden_size=draw(st.sampled_from([8, 16, 24])) if explicit else heads * head_dim,
         num_attention_heads=heads,
         num_kv_heads=kv,
         head_dim=head_dim,
-        num_layers=draw(st.integers(1, 2)),
+        num_layers=layers,
         vocab_size=draw(st.integers(8, 48)),
         intermediate_size=draw(st.integers(4, 40)),
         max_position_embeddings=max_positions,
@@ -58,26 +65,40 @@ def dense_specs(draw: st.DrawFn, *, max_positions: int = 32) -> ModelSpec:
         o_bias=model_type != "qwen2" and draw(st.booleans()),
         mlp_bias=model_type == "llama" and draw(st.booleans()),
         qk_norm=model_type == "qwen3",
-        sliding_window=draw(st.integers(1, 8)) if model_type == "mistral" and draw(st.booleans()) else None,
+        sliding_window=window,
+        full_attention_layers=tuple(sorted(full)),
     )
+
+
+def program_of(spec: ModelSpec) -> catalog.Program:
+    """The program (and weight table) of `spec`'s family."""
+    return families.record_for(spec.model_type).bind(lambda r: catalog.program_for(r, spec)).unwrap()
+
+
+def plan_of(spec: ModelSpec, **kwargs: Any) -> weights.WeightPlan:
+    """The weight plan of `spec`'s family (kwargs: cast_type, torch_dtype, prefixes)."""
+    return weights.weight_plan_for(program_of(spec).table, spec, **kwargs).unwrap()
+
+
+def checkpoint_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Checkpoint key (as Hugging Face stores it) -> shape of a well-formed checkpoint of `spec`."""
+    plan = plan_of(spec)
+    return {plan.stored_key(name): shape for name, shape in plan.source_shapes().items()}
 
 
 def random_state_dict(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     """Random fp32 tensors under Hugging Face keys (`model.` prefix; no `lm_head` when tied)."""
     g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
-    for name, shape in weights.weight_shapes(spec):
-        if name == "lm_head.weight" and spec.tie_word_embeddings:
-            continue
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-            t = 1.0 + 0.2 * torch.randn(shape, generator=g)
+    for key, shape in checkpoint_shapes(spec).items():
+        if key.endswith("norm.weight") or key.endswith("layernorm.weight"):
+            out[key] = 1.0 + 0.2 * torch.randn(shape, generator=g)
         else:
-            t = torch.randn(shape, generator=g) * (0.5 if len(shape) == 1 else shape[-1] ** -0.5)
-        out[name if name == "lm_head.weight" else f"model.{name}"] = t
+            out[key] = torch.randn(shape, generator=g) * (0.5 if len(shape) == 1 else shape[-1] ** -0.5)
     return out
 
 
-def random_weights(spec: ModelSpec, seed: int, *, fused_qkv: bool = False) -> llama.LlamaWeights:
-    """`random_state_dict` converted by the weight plan into program weights."""
-    plan = weights.weight_plan_for(spec, fused_qkv=fused_qkv).unwrap()
-    return llama.LlamaWeights.from_tensors(weight_ops.convert(plan, random_state_dict(spec, seed)).unwrap(), spec=spec)
+def random_weights(spec: ModelSpec, seed: int) -> Any:
+    """`random_state_dict` converted by the weight plan into the program's weights value."""
+    tensors = weight_ops.convert(plan_of(spec), random_state_dict(spec, seed)).unwrap()
+    return program_of(spec).weights(tensors, spec=spec)

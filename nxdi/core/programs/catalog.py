@@ -1,0 +1,82 @@
+"""Which program runs a family, and whether a model is within that program's reach. Pure.
+
+A family record names its program (`FamilyRecord.program`); this module maps the name to the
+program's functions and checks the ModelSpec against what the program implements, listing every
+feature it lacks. Adding a family that the decoder already covers touches nothing here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from returns.result import Failure, Result, Success
+from torch import Tensor
+
+from nxdi.core.errors import ConfigError, Problem
+from nxdi.core.families import runnable
+from nxdi.core.families.record import FamilyRecord, ProgramKind
+from nxdi.core.model_spec import MlpKind, ModelSpec, NormKind, PositionKind
+from nxdi.core.programs import decoder
+from nxdi.core.programs.kv_cache import KVCache
+from nxdi.core.weight_plan import WeightTable
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Program:
+    """A family's program: its weights table, how the weights value is built, and the forward pass."""
+
+    record: FamilyRecord
+    weights_from_slots: Callable[..., Any]
+    """`weights_from_slots(slots, spec=...)`: the program's weights value from slot paths."""
+    forward: Callable[..., tuple[Tensor, KVCache]]
+    """`forward(weights, cache, inputs, *, spec) -> (logits, cache)`."""
+
+    @property
+    def table(self) -> WeightTable:
+        assert self.record.weights is not None, "a runnable family has a weight table"
+        return self.record.weights
+
+    def weights(self, tensors: Mapping[str, Tensor], *, spec: ModelSpec) -> Any:
+        """The weights value from tensors named as the weight table names them."""
+        return self.weights_from_slots(self.table.slots(tensors, spec), spec=spec)
+
+
+def _decoder_gaps(spec: ModelSpec) -> list[Problem]:
+    """What the decoder program does not implement yet, one problem each."""
+    gaps = [
+        (spec.mlp_kind is not MlpKind.GATED, "mlp", spec.mlp_kind.value, "a gated MLP"),
+        (spec.norm is not NormKind.RMS, "norm", spec.norm.value, "RMSNorm"),
+        (spec.position is not PositionKind.ROPE or spec.rope is None, "position", spec.position.value, "RoPE"),
+        (spec.clip_qkv is not None, "clip_qkv", spec.clip_qkv, "no q/k/v clamping"),
+    ]
+    return [
+        Problem.of(field, value, f"is not supported by the decoder program yet (it implements {what})")
+        for bad, field, value, what in gaps
+        if bad
+    ]
+
+
+_PROGRAMS: Mapping[ProgramKind, tuple[Callable[..., Any], Callable[..., Any], Callable[[ModelSpec], list[Problem]]]] = {
+    ProgramKind.DECODER: (decoder.weights_from_slots, decoder.forward, _decoder_gaps),
+}
+"""Program kind -> (weights_from_slots, forward, what it lacks for a spec)."""
+
+
+def program_for(record: FamilyRecord, spec: ModelSpec) -> Result[Program, ConfigError]:
+    """The program that runs `spec` (a model of family `record`).
+
+    Returns:
+        `Success(Program)`, or `Failure(ConfigError)` when the family has no program yet (naming the
+        families that have one) or the spec uses features its program lacks (each one listed).
+    """
+    if record.program is None or record.weights is None:
+        known = ", ".join(r.name for r in runnable())
+        why = f"has no program on the engine yet (families that run: {known})"
+        return Failure(ConfigError.of("model_type", spec.model_type, why))
+    weights_from_slots, forward, gaps = _PROGRAMS[record.program]
+    problems = gaps(spec)
+    if problems:
+        return Failure(ConfigError(problems=tuple(problems)))
+    return Success(Program(record=record, weights_from_slots=weights_from_slots, forward=forward))
