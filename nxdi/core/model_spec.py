@@ -94,7 +94,7 @@ class ModelSpec:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    """Qwen3-style RMSNorm over each head of q and k before RoPE."""
+    """An RMSNorm over each head of q and k, before RoPE."""
     clip_qkv: float | None = None
     """DBRX: q, k and v are clamped to [-clip_qkv, clip_qkv] after projection; None for no clamp."""
     sliding_window: int | None = None

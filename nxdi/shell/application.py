@@ -58,6 +58,8 @@ class NeuronApplicationBase:
         IncompatibleConfigError: the configuration cannot run on this backend (every problem listed).
     """
 
+    _config_cls: ClassVar[type[InferenceConfig]] = InferenceConfig
+    """What `get_config_cls` returns (the family's InferenceConfig for `nxdi.shell.models` classes)."""
     _STATE_DICT_MODEL_PREFIX: ClassVar[str] = weight_plans.STATE_DICT_MODEL_PREFIX
     _NEW_STATE_DICT_MODEL_PREFIX: ClassVar[str] = weight_plans.NEW_STATE_DICT_MODEL_PREFIX
 
@@ -94,7 +96,7 @@ class NeuronApplicationBase:
 
     @classmethod
     def get_config_cls(cls) -> type[InferenceConfig]:
-        return InferenceConfig
+        return cls._config_cls
 
     @classmethod
     def validate_config(cls, config: InferenceConfig) -> None:

@@ -20,6 +20,7 @@ from returns.result import Failure, Success
 from nxdi.core.config import codec
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.families import parse_model_spec
+from nxdi.core.families.record import FamilyRecord
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.platform import Platform
 from nxdi.effects import env as env_mod
@@ -103,8 +104,10 @@ class InferenceConfig:
     """
 
     attribute_map: ClassVar[dict[str, str]] = {}
-    _model_type: ClassVar[str | None] = None
-    """HF model_type assumed when the attributes do not name one (set by family subclasses)."""
+    _family: ClassVar[FamilyRecord | None] = None
+    """The family a `nxdi.shell.models` class describes: its required and derived attributes, its
+    NeuronConfig class, and the model_type assumed when the attributes name none. None: a custom model."""
+    _neuron_config_cls: ClassVar[type[NeuronConfig]] = NeuronConfig
 
     def __init__(
         self,
@@ -148,16 +151,28 @@ class InferenceConfig:
         """Load attributes from another source; nothing by default."""
 
     def get_required_attributes(self) -> list[str]:
-        """Attribute names that must be present; none by default."""
-        return []
+        """Attribute names that must be present: the family's (none for a custom model)."""
+        return list(self._family.required_attributes) if self._family is not None else []
 
     def add_derived_config(self) -> None:
-        """Compute attributes derived from others."""
+        """Compute attributes derived from others: the family's own (Qwen2's qkv_bias, ...), the cores
+        that share a KV head under flash decoding (`min(tp, heads) / kv_heads`), and the padded hidden size."""
         self.num_cores_per_group = 1
+        if self._family is None:
+            return
+        for name, value in self._family.derived_attributes.items():
+            setattr(self, name, value)
+        spec = self.neuron_config.spec
+        heads, kv = getattr(self, "num_attention_heads", None), getattr(self, "num_key_value_heads", None)
+        if spec.flash_decoding_enabled and isinstance(heads, int) and isinstance(kv, int) and kv > 0:
+            self.num_cores_per_group = max(1, min(spec.tp_degree, heads) // kv)
+        if spec.padded_hidden_size is not None and not hasattr(self, "original_hidden_size"):
+            self.original_hidden_size = getattr(self, "hidden_size", None)
+            self.hidden_size = spec.padded_hidden_size
 
     @classmethod
     def get_neuron_config_cls(cls) -> type[NeuronConfig]:
-        return NeuronConfig
+        return cls._neuron_config_cls
 
     def validate_config(self) -> None:
         """Check required attributes (all missing ones listed) and the model attributes."""
@@ -172,7 +187,7 @@ class InferenceConfig:
         if problems:
             error = ConfigError(problems=tuple(problems))
             raise IncompatibleConfigError(error.render("Invalid InferenceConfig"), error)
-        if self._model_type is not None:
+        if self._family is not None:
             self.model_spec()
 
     def _chunked_attention_problems(self) -> list[Problem]:
@@ -205,8 +220,8 @@ class InferenceConfig:
         """The Hugging Face attributes (everything but the Neuron-specific ones)."""
         skip = {"neuron_config", "fused_spec_config", "metadata", "attribute_map", "num_cores_per_group"}
         out = {k: _jsonable(v) for k, v in vars(self).items() if k not in skip}
-        if self._model_type is not None:
-            out.setdefault("model_type", self._model_type)
+        if self._family is not None:
+            out.setdefault("model_type", self._family.model_type)
         return out
 
     def model_spec(self) -> ModelSpec:

@@ -2,13 +2,13 @@
 
 For tests and examples that need a real checkpoint without a model hub:
 
-    model = build_model("qwen3", seed=0)              # a transformers model, random weights, eval mode
-    path = save_checkpoint(model, tmp / "q3", SaveFormat.BIN_SHARDED)
+    model = build_model("mistral", seed=0)            # a transformers model, random weights, eval mode
+    path = save_checkpoint(model, tmp / "mistral", SaveFormat.BIN_SHARDED)
 
 `VARIANTS` names small configurations that between them cover what the CPU programs implement:
-one per runnable family (its record's `tiny_config`: GQA, a Mistral sliding window shorter than
-the test sequences, Qwen2 q/k/v biases with a window on its second layer only, Qwen3 q/k norms
-with an explicit head_dim), plus Llama-3 RoPE scaling with tied embeddings. Weights are drawn
+one per runnable family (its record's `tiny_config`, which picks the features that family adds:
+GQA, sliding windows shorter than the test sequences, per-layer windows, q/k/v biases, q/k norms,
+an explicit head_dim), plus Llama-3 RoPE scaling with tied embeddings. Weights are drawn
 with a private seeded generator state, so the caller's global RNG is left as it was.
 """
 

@@ -16,6 +16,7 @@ from typing import Any
 from hypothesis import strategies as st
 from returns.result import Success
 
+from nxdi.core import families
 from nxdi.core.config.neuron_parse import parse_neuron_spec
 from nxdi.core.config.neuron_spec import NeuronSpec
 
@@ -134,12 +135,12 @@ def invalid_neuron_kwargs(draw: st.DrawFn) -> tuple[dict[str, Any], str]:
 
 @st.composite
 def llama_configs(draw: st.DrawFn) -> dict[str, Any]:
-    """Hugging Face config dicts of small Llama-family models (valid for parse_model_spec)."""
+    """Hugging Face config dicts of small models of the families the engine runs (valid for parse_model_spec)."""
     kv = draw(st.sampled_from([1, 2, 4]))
     heads = kv * draw(st.sampled_from([1, 2, 4]))
     head_dim = draw(st.sampled_from([8, 16, 32]))
     return {
-        "model_type": draw(st.sampled_from(["llama", "mistral", "qwen2", "qwen3"])),
+        "model_type": draw(st.sampled_from([r.model_type for r in families.runnable()])),
         "hidden_size": heads * head_dim,
         "num_attention_heads": heads,
         "num_key_value_heads": kv,

@@ -73,7 +73,7 @@ def load_model(path: Path, variant: str, *, workdir: Path | None = None, **neuro
     """
     from nxdi.shell.config import NeuronConfig
     from nxdi.shell.inference_config import load_pretrained_config
-    from nxdi.shell.models.registry import CONFIG_TYPES, MODEL_TYPES
+    from nxdi.shell.models import CONFIG_TYPES, MODEL_TYPES
 
     kwargs = {"torch_dtype": "float32", "seq_len": SEQ_LEN, **neuron_config_kwargs}
     model_type = model_type_of(variant)

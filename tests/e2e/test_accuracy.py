@@ -17,7 +17,7 @@ from nxdi import NeuronConfig, OnDeviceSamplingConfig, load_pretrained_config
 from nxdi.core import families
 from nxdi.shell.accuracy import check_accuracy, check_accuracy_logits
 from nxdi.shell.exceptions import IncompatibleConfigError, LogitMatchingValidationError
-from nxdi.shell.models.registry import CONFIG_TYPES, MODEL_TYPES
+from nxdi.shell.models import CONFIG_TYPES, MODEL_TYPES
 from nxdi.testing import checkpoints
 from nxdi.testing.training import train_briefly
 

@@ -16,7 +16,7 @@ from transformers import GenerationConfig
 from nxdi import NeuronConfig, OnDeviceSamplingConfig, load_pretrained_config
 from nxdi.effects.artifacts import ArtifactIntegrityError
 from nxdi.shell.generation import HuggingFaceGenerationAdapter
-from nxdi.shell.models.llama import LlamaInferenceConfig, NeuronLlamaForCausalLM
+from nxdi.shell.models import LlamaInferenceConfig, NeuronLlamaForCausalLM
 from nxdi.testing import checkpoints
 
 IDS = torch.tensor([[0, 0, 0, 1, 5, 7], [4, 5, 6, 8, 9, 3]])
@@ -92,7 +92,7 @@ def test_fresh_process_loads_without_tracing(compiled: Path) -> None:
         calls = []
         real = torch.export.export
         torch.export.export = lambda *a, **k: calls.append(1) or real(*a, **k)
-        from nxdi.shell.models.llama import NeuronLlamaForCausalLM
+        from nxdi.shell.models import NeuronLlamaForCausalLM
         m = NeuronLlamaForCausalLM({str(compiled)!r}); m.load({str(compiled)!r})
         out = m(torch.tensor([[1, 5, 7]]).repeat(2, 1))
         print("traced", len(calls), "tokens", out.tokens.tolist())

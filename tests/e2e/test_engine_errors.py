@@ -145,7 +145,7 @@ def test_unsupported_features_are_all_listed(tiny_checkpoint: Callable[..., Path
 def test_forward_before_loading_says_how_to_load(tiny_checkpoint: Callable[..., Path]) -> None:
     from nxdi.shell.config import NeuronConfig
     from nxdi.shell.inference_config import load_pretrained_config
-    from nxdi.shell.models.llama import LlamaInferenceConfig, NeuronLlamaForCausalLM
+    from nxdi.shell.models import LlamaInferenceConfig, NeuronLlamaForCausalLM
 
     path = tiny_checkpoint("llama")
     config = LlamaInferenceConfig(NeuronConfig(torch_dtype="float32"), load_config=load_pretrained_config(path))
@@ -210,7 +210,7 @@ def test_a_bad_checkpoint_raises_one_clear_error_naming_the_key_or_file(
 ) -> None:
     from nxdi.shell.config import NeuronConfig
     from nxdi.shell.inference_config import load_pretrained_config
-    from nxdi.shell.models.llama import LlamaInferenceConfig, NeuronLlamaForCausalLM
+    from nxdi.shell.models import LlamaInferenceConfig, NeuronLlamaForCausalLM
 
     src = tiny_checkpoint("llama")
     path = tmp_path / "model"

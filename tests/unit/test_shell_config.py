@@ -358,11 +358,10 @@ def test_bad_json_names_the_file(tmp_path: Path) -> None:
 
 
 def test_documented_classes_importable_from_nxdi_and_shell() -> None:
-    from nxdi.shell import config, inference_config
-    from nxdi.shell.models import llama
+    from nxdi.shell import config, inference_config, models
 
     assert nxdi.NeuronConfig is config.NeuronConfig and nxdi.InferenceConfig is inference_config.InferenceConfig
-    assert nxdi.LlamaInferenceConfig is llama.LlamaInferenceConfig
+    assert nxdi.LlamaInferenceConfig is models.LlamaInferenceConfig
     for name in nxdi.__all__:
         assert getattr(nxdi, name) is not None
 

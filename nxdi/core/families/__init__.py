@@ -41,6 +41,17 @@ def runnable() -> tuple[FamilyRecord, ...]:
     return tuple(r for r in RECORDS if r.runnable)
 
 
+def class_names() -> dict[str, FamilyRecord]:
+    """Every documented shell class name the records declare -> its record (`nxdi.shell.models` makes them)."""
+    out: dict[str, FamilyRecord] = {}
+    for record in RECORDS:
+        if record.classes is not None:
+            for name in (record.classes.inference_config, record.classes.neuron_config, record.classes.causal_lm):
+                if name is not None:
+                    out[name] = record
+    return out
+
+
 def record_for(model_type: object) -> Result[FamilyRecord, ConfigError]:
     """The record of HF `model_type`, or a Failure naming the known ones."""
     found = by_model_type().get(model_type) if isinstance(model_type, str) else None

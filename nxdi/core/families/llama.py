@@ -1,9 +1,9 @@
 """Llama: the record, and the Llama checkpoint layout and config reader other families reuse. Pure.
 
 Llama-3 RoPE scaling, GQA and tied embeddings are ModelSpec fields, so they need no code here.
-Mistral, Qwen2, Qwen3 and Mixtral read their configs with `read_llama_like` plus their own
-fields, and share `LLAMA_WEIGHTS` (Hugging Face's Llama key names, Q, K and V fused into the one
-`Wqkv` the decoder program takes).
+Llama-shaped families read their configs with `read_llama_like` plus their own fields, and share
+`LLAMA_WEIGHTS` (Hugging Face's Llama key names, Q, K and V fused into the one `Wqkv` the decoder
+program takes).
 """
 
 from __future__ import annotations

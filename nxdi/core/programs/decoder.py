@@ -1,10 +1,11 @@
 """The decoder program: Llama and every family that is Llama plus ModelSpec fields. Pure.
 
-Covers Llama (incl. Llama-3 RoPE scaling, GQA, tied embeddings), Mistral and Qwen2/3 sliding
-windows (`spec.sliding_window`, per layer with `spec.full_attention_layers`), Qwen2 biases
-(`spec.qkv_bias`) and Qwen3 (`spec.qk_norm`, explicit `spec.head_dim`): every difference is a field
-of the `ModelSpec`, decided when the program is traced, never from tensor values. The weights come
-in one layout (fused QKV), built from the family's weight table by `weights_from_slots`.
+Covers RoPE (every scaling kind), GQA, tied embeddings, sliding windows (`spec.sliding_window`, per
+layer with `spec.full_attention_layers`), projection biases (`spec.qkv_bias`, `o_bias`,
+`mlp_bias`), per-head q/k RMSNorm (`spec.qk_norm`) and an explicit `spec.head_dim`: every
+difference between the families it runs is a field of the `ModelSpec`, decided when the program is
+traced, never from tensor values. The weights come in one layout (fused QKV), built from the
+family's weight table by `weights_from_slots`.
 
 One step, context encoding or token generation alike (the shapes say which):
     h = embed[input_ids]                                   [B*S, E]
@@ -40,7 +41,7 @@ class Attention:
     qkv_bias: Tensor | None = None
     o_bias: Tensor | None = None
     q_norm: Tensor | None = None
-    """[D] per-head RMSNorm of q and k before RoPE (Qwen3)."""
+    """[D] per-head RMSNorm of q and k before RoPE (`spec.qk_norm`)."""
     k_norm: Tensor | None = None
 
 

@@ -80,7 +80,7 @@ def _checkpoint(args: argparse.Namespace) -> Path:
 def _nxdi_model(path: Path, args: argparse.Namespace, batch: int) -> Any:
     from nxdi.shell.config import NeuronConfig, OnDeviceSamplingConfig
     from nxdi.shell.inference_config import load_pretrained_config
-    from nxdi.shell.models.registry import MODEL_TYPES, model_type_of
+    from nxdi.shell.models import MODEL_TYPES, model_type_of
 
     cls = MODEL_TYPES[model_type_of(str(path))]["causal-lm"]
     neuron = NeuronConfig(

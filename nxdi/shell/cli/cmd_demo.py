@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from nxdi.shell.config import NeuronConfig, OnDeviceSamplingConfig
     from nxdi.shell.generation import HuggingFaceGenerationAdapter
     from nxdi.shell.inference_config import load_pretrained_config
-    from nxdi.shell.models.llama import LlamaInferenceConfig, NeuronLlamaForCausalLM
+    from nxdi.shell.models import LlamaInferenceConfig, NeuronLlamaForCausalLM
 
     out = Path(args.output_dir)
     model_path = Path(args.model_path) if args.model_path else out / "tiny-llama"

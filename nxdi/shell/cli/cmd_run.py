@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nxdi.core import families
 from nxdi.shell.cli.flags import add_neuron_config_flags, neuron_config_kwargs
 
 ACCURACY_MODES = ("skip-accuracy-check", "token-matching", "logit-matching")
@@ -25,7 +26,8 @@ ACCURACY_MODES = ("skip-accuracy-check", "token-matching", "logit-matching")
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("run", help="compile, load and generate with a model", allow_abbrev=False)
-    p.add_argument("--model-type", default=None, help="llama, mistral, qwen2, qwen3 (default: config.json's)")
+    runs = ", ".join(t for r in families.runnable() for t in r.model_types)
+    p.add_argument("--model-type", default=None, help=f"{runs} (default: config.json's)")
     p.add_argument("--task-type", default="causal-lm", choices=["causal-lm"])
     p.add_argument("--model-path", required=True, help="Hugging Face checkpoint folder")
     p.add_argument("--compiled-model-path", required=True, help="where compiled artifacts are written and read")
@@ -92,7 +94,7 @@ def _inputs(args: argparse.Namespace, batch: int) -> tuple[Any, Any, Any]:
 def _build(args: argparse.Namespace) -> Any:
     from nxdi.shell.config import NeuronConfig
     from nxdi.shell.inference_config import load_pretrained_config
-    from nxdi.shell.models.registry import MODEL_TYPES, model_type_of
+    from nxdi.shell.models import MODEL_TYPES, model_type_of
 
     model_type = args.model_type or model_type_of(args.model_path)
     cls = MODEL_TYPES[model_type][args.task_type]
