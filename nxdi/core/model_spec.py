@@ -11,6 +11,8 @@ import enum
 
 import attrs
 
+from nxdi.core.config.fields import INFO, FieldInfo, setting
+
 
 class MlpKind(enum.Enum):
     """The feed-forward block of every layer."""
@@ -104,9 +106,13 @@ class ModelSpec:
     num_experts: int = 0
     """Experts per MoE layer; 0 for dense models."""
     num_experts_per_tok: int = 0
-    pad_token_id: int | None = None
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    pad_token_id: int | None = setting(None, "Padding token id (runtime only).", graph=False)
+    bos_token_id: int | None = setting(None, "Beginning-of-sequence token id (runtime only).", graph=False)
+    eos_token_ids: tuple[int, ...] = attrs.field(
+        default=(),
+        converter=tuple,
+        metadata={INFO: FieldInfo(doc="End-of-sequence token ids (runtime only).", graph=False)},
+    )
 
     @property
     def q_size(self) -> int:

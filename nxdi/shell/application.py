@@ -16,9 +16,8 @@ import torch
 
 from nxdi.core import families, graph_key
 from nxdi.core import weight_plan as weight_plans
-from nxdi.core.config.neuron_checks import cpu_inert_flags
+from nxdi.core.config import neuron_checks
 from nxdi.core.config.neuron_spec import NeuronSpec
-from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.programs import catalog
@@ -81,9 +80,13 @@ class NeuronApplicationBase:
         self.is_compiled = False
         self.is_loaded_to_neuron = False
         self._runtime: Runtime | None = None
-        inert = cpu_inert_flags(self.neuron_config.spec)
+        inert = self.neuron_config._without_effect_on_cpu()
         if inert:
-            warnings.warn(f"Neuron-only settings have no effect on the CPU backend: {', '.join(inert)}", stacklevel=2)
+            warnings.warn(
+                f"These settings have no effect on the CPU backend: {', '.join(inert)} "
+                "(`nxdi config --list` says why for each)",
+                stacklevel=2,
+            )
 
     # --- configuration ---------------------------------------------------------------------
     @property
@@ -103,24 +106,7 @@ class NeuronApplicationBase:
         """Require a neuron_config, and reject what the CPU engine cannot run yet (all listed)."""
         if getattr(config, "neuron_config", None) is None:
             raise IncompatibleConfigError("neuron_config: is required but missing from the InferenceConfig")
-        spec = config.neuron_config.spec
-        unsupported = [
-            Problem.of(name, getattr(spec, name), "is not supported by the CPU engine yet", fix)
-            for name, bad, fix in (
-                ("tp_degree", spec.tp_degree > 1, "use tp_degree=1 on the CPU backend"),
-                ("speculation_length", spec.speculation_length > 0, "set speculation_length=0"),
-                ("is_medusa", spec.is_medusa, "set is_medusa=False"),
-                ("kv_cache_quant", spec.kv_cache_quant or spec.kv_quant_config is not None, "turn KV quantization off"),
-                ("quantized", spec.quantized, "use an unquantized checkpoint"),
-                ("lora_config", spec.lora_config is not None, "drop lora_config"),
-                ("is_block_kv_layout", spec.is_block_kv_layout, "use the contiguous KV layout"),
-                ("token_generation_batches", spec.token_generation_batches is not None, "drop batch buckets"),
-            )
-            if bad
-        ]
-        if unsupported:
-            error = ConfigError(problems=tuple(unsupported))
-            raise IncompatibleConfigError(error.render("Unsupported on the CPU backend"), error)
+        unwrap_or_raise(neuron_checks.check_cpu_support(config.neuron_config.spec), "Unsupported on the CPU backend")
 
     def get_compiler_args(self) -> str | None:
         """Extra neuronx-cc arguments; none by default."""

@@ -16,24 +16,15 @@ from typing import Any, ClassVar
 import attrs
 
 from nxdi.core.config import codec, neuron_parse
-from nxdi.core.config.fields import JsonMap, did_you_mean
+from nxdi.core.config.fields import JsonMap, did_you_mean, sub_spec_fields, to_json
 from nxdi.core.config.neuron_spec import DERIVED, NeuronSpec
-from nxdi.core.config.sub_specs import (
-    ChunkedPrefillSpec,
-    LoraSpec,
-    MoESpec,
-    OnDeviceSamplingSpec,
-    parse_sub,
-    sub_to_dict,
-)
+from nxdi.core.config.sub_specs import ChunkedPrefillSpec, LoraSpec, OnDeviceSamplingSpec, parse_sub
 from nxdi.core.platform import Platform
 from nxdi.effects import env as env_mod
 from nxdi.effects import lora_adapters as lora_io
 from nxdi.shell.exceptions import unwrap_or_raise
 
-_DTYPE_FIELDS = frozenset({"torch_dtype", "rpl_reduce_dtype", "attention_dtype"})
-_NEURON_FIELDS = frozenset(f.name for f in attrs.fields(NeuronSpec)) - {"moe"}
-_MOE_FIELDS = frozenset(f.name for f in attrs.fields(MoESpec))
+_SUB_SPECS: dict[str, type] = sub_spec_fields(NeuronSpec)
 
 
 def _is_torch_dtype(value: Any) -> bool:
@@ -51,12 +42,17 @@ def _platform() -> Platform:
     return env_mod.read_env().platform_target or Platform.TRN1
 
 
-def _present(value: Any) -> Any:
-    """A spec value as NxDI returns it: lists for tuples, dicts for JsonMaps."""
+def present(value: Any, *, dtype: bool = False) -> Any:
+    """A spec value as NxDI users read it (the shell's one presentation function): a torch dtype for
+    a dtype name, lists for tuples, dicts for JsonMaps and for nested sub-specs."""
+    if dtype and value is not None:
+        return to_torch_dtype(value)
     if isinstance(value, JsonMap):
         return value.to_dict()
+    if attrs.has(type(value)):
+        return to_json(value)
     if isinstance(value, tuple):
-        return [_present(v) for v in value]
+        return [present(v) for v in value]
     return value
 
 
@@ -64,7 +60,6 @@ class _SubConfig:
     """Shared behaviour of the shell sub-configs: a spec, an owner to re-validate, attribute access."""
 
     _spec_cls: ClassVar[type]
-    _field: ClassVar[str]
 
     def __init__(self, spec: Any) -> None:
         object.__setattr__(self, "_spec", spec)
@@ -78,21 +73,23 @@ class _SubConfig:
         if name.startswith("_"):
             raise AttributeError(name)
         if name in attrs.fields_dict(self._spec_cls):
-            return _present(getattr(self._spec, name))
+            return present(getattr(self._spec, name))
         if name in ("effective_max_loras",):
             return getattr(self._spec, name)
         known = attrs.fields_dict(self._spec_cls)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}; {did_you_mean(name, known)}")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        data = {**sub_to_dict(self._spec), name: value}
-        new = unwrap_or_raise(parse_sub(self._spec_cls, data, prefix=self._field))
+        field = _field_of(self._spec_cls)
+        data = {**to_json(self._spec), name: value}
+        new = unwrap_or_raise(parse_sub(self._spec_cls, data, prefix=field))
         if self._owner is not None:
-            self._owner._replace_sub(self._field, new)
+            self._owner._replace_sub(field, new)
         object.__setattr__(self, "_spec", new)
 
     def to_dict(self) -> dict[str, Any]:
-        return sub_to_dict(self._spec)
+        out: dict[str, Any] = to_json(self._spec)
+        return out
 
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and other._spec == self._spec  # type: ignore[attr-defined]
@@ -113,21 +110,18 @@ class OnDeviceSamplingConfig(_SubConfig):
     """
 
     _spec_cls = OnDeviceSamplingSpec
-    _field = "on_device_sampling_config"
 
     def __init__(self, **kwargs: Any) -> None:
-        raw = {"top_k_kernel_enabled": _platform() is not Platform.TRN1, **kwargs}
-        super().__init__(unwrap_or_raise(parse_sub(OnDeviceSamplingSpec, raw, prefix=self._field)))
+        super().__init__(unwrap_or_raise(neuron_parse.parse_on_device_sampling(kwargs, platform=_platform())))
 
 
 class ChunkedPrefillConfig(_SubConfig):
     """Chunked prefill: max_num_seqs, tkg_model_enabled, kernel_q_tile_size, kernel_kv_tile_size."""
 
     _spec_cls = ChunkedPrefillSpec
-    _field = "chunked_prefill_config"
 
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__(unwrap_or_raise(parse_sub(ChunkedPrefillSpec, kwargs, prefix=self._field)))
+        super().__init__(unwrap_or_raise(parse_sub(ChunkedPrefillSpec, kwargs, prefix=_field_of(ChunkedPrefillSpec))))
 
 
 class LoraServingConfig(_SubConfig):
@@ -141,7 +135,6 @@ class LoraServingConfig(_SubConfig):
     """
 
     _spec_cls = LoraSpec
-    _field = "lora_config"
 
     def __init__(self, **kwargs: Any) -> None:
         raw = dict(kwargs)
@@ -162,11 +155,15 @@ class LoraServingConfig(_SubConfig):
         super().__init__(attrs.evolve(parsed, target_modules=modules, max_lora_rank=rank))
 
 
-_SUB_CLASSES: Mapping[str, type[_SubConfig]] = {
-    "on_device_sampling_config": OnDeviceSamplingConfig,
-    "lora_config": LoraServingConfig,
-    "chunked_prefill_config": ChunkedPrefillConfig,
+_SUB_CLASSES: Mapping[type, type[_SubConfig]] = {
+    c._spec_cls: c for c in (OnDeviceSamplingConfig, LoraServingConfig, ChunkedPrefillConfig)
 }
+"""The shell class of each sub-spec users configure through an object."""
+
+
+def _field_of(spec_cls: type) -> str:
+    """The NeuronConfig attribute holding a `spec_cls` value."""
+    return next(name for name, cls in _SUB_SPECS.items() if cls is spec_cls)
 
 
 def _normalize(value: Any) -> Any:
@@ -222,14 +219,12 @@ class NeuronConfig:
         if name.startswith("_"):
             raise AttributeError(name)
         spec = self._spec
-        if name in _SUB_CLASSES and name in _NEURON_FIELDS:
+        if _SUB_SPECS.get(name) in _SUB_CLASSES:
             return self._sub(name)
-        if name in _NEURON_FIELDS or name in DERIVED:
-            value = getattr(spec, name)
-            return to_torch_dtype(value) if name in _DTYPE_FIELDS and value is not None else _present(value)
-        if self._moe and name in _MOE_FIELDS and spec.moe is not None:
-            value = getattr(spec.moe, name)
-            return sub_to_dict(value) if attrs.has(type(value)) and not isinstance(value, JsonMap) else _present(value)
+        if name in neuron_parse.FIELD_NAMES or name in DERIVED:
+            return present(getattr(spec, name), dtype=name in neuron_parse.DTYPE_FIELDS)
+        if self._moe and name in neuron_parse.MOE_FIELD_NAMES and spec.moe is not None:
+            return present(getattr(spec.moe, name))
         if name == "logical_neuron_cores":
             warnings.warn("logical_neuron_cores is deprecated; use logical_nc_config", DeprecationWarning, stacklevel=2)
             return spec.logical_nc_config
@@ -242,7 +237,8 @@ class NeuronConfig:
             return None
         cached = self._subs.get(name)
         if cached is None or cached.spec != value:
-            cached = _SUB_CLASSES[name].__new__(_SUB_CLASSES[name])
+            sub_cls = _SUB_CLASSES[type(value)]
+            cached = sub_cls.__new__(sub_cls)
             _SubConfig.__init__(cached, value)
             object.__setattr__(cached, "_owner", self)
             self._subs[name] = cached
@@ -259,6 +255,17 @@ class NeuronConfig:
         given = {**self._given, **{k: _normalize(v) for k, v in changes.items()}}
         parsed = self._parse(given)
         self._install(given, parsed)
+
+    def _without_effect_on_cpu(self) -> tuple[str, ...]:
+        """The settings given that the CPU backend accepts but cannot honour (see `OnCpu.NO`)."""
+        env = env_mod.read_env()
+        return neuron_parse.without_effect_on_cpu(
+            self._given,
+            self._spec,
+            env_lnc=env.logical_nc_config,
+            platform=env.platform_target or Platform.TRN1,
+            moe=self._moe,
+        )
 
     def _replace_sub(self, name: str, spec: Any) -> None:
         self.update(**{name: spec})

@@ -17,8 +17,7 @@ from typing import Any, ClassVar
 
 from returns.result import Failure, Success
 
-from nxdi.core.config import codec
-from nxdi.core.errors import ConfigError, Problem
+from nxdi.core.config import codec, neuron_checks
 from nxdi.core.families import parse_model_spec
 from nxdi.core.families.record import FamilyRecord
 from nxdi.core.model_spec import ModelSpec
@@ -26,7 +25,7 @@ from nxdi.core.platform import Platform
 from nxdi.effects import env as env_mod
 from nxdi.effects.files import write_text_atomic
 from nxdi.shell.config import MoENeuronConfig, NeuronConfig, _is_torch_dtype
-from nxdi.shell.exceptions import IncompatibleConfigError, MissingAttributesError, unwrap_or_raise
+from nxdi.shell.exceptions import MissingAttributesError, unwrap_or_raise
 
 CONFIG_FILE = "neuron_config.json"
 
@@ -183,37 +182,12 @@ class InferenceConfig:
                 f"Config must define {missing}:\n{lines}\nFix: pass them as keyword arguments or use "
                 "load_config=load_pretrained_config(model_path)"
             )
-        problems = list(self._chunked_attention_problems())
-        if problems:
-            error = ConfigError(problems=tuple(problems))
-            raise IncompatibleConfigError(error.render("Invalid InferenceConfig"), error)
+        attributes = {k: v for k, v in vars(self).items() if k != "neuron_config"}
+        unwrap_or_raise(
+            neuron_checks.check_attention_chunking(self.neuron_config.spec, attributes), "Invalid InferenceConfig"
+        )
         if self._family is not None:
             self.model_spec()
-
-    def _chunked_attention_problems(self) -> list[Problem]:
-        chunk = getattr(self, "attention_chunk_size", None)
-        nc = self.neuron_config.spec
-        out = []
-        if isinstance(chunk, int) and chunk < nc.seq_len:
-            for name, bad in (
-                ("flash_decoding_enabled", nc.flash_decoding_enabled),
-                ("attn_block_tkg_nki_kernel_enabled", nc.attn_block_tkg_nki_kernel_enabled),
-                ("is_prefix_caching", nc.is_prefix_caching),
-                ("chunked_prefill_config", nc.chunked_prefill_config is not None),
-                ("padding_side", nc.padding_side != "right"),
-                ("attention_dp_degree", nc.attention_dp_degree != 1),
-            ):
-                if bad:
-                    value = getattr(nc, name)
-                    out.append(
-                        Problem.of(f"neuron_config.{name}", value, "is not yet supported with chunked attention")
-                    )
-            if chunk % nc.cp_degree or (nc.seq_len % chunk) % nc.cp_degree:
-                out.append(Problem.of("attention_chunk_size", chunk, f"is incompatible with cp_degree={nc.cp_degree}"))
-        window = nc.windowed_context_encoding_size
-        if window is not None and window != getattr(self, "sliding_window", window):
-            out.append(Problem.of("neuron_config.windowed_context_encoding_size", window, "must equal sliding_window"))
-        return out
 
     # --- the model ---------------------------------------------------------------------------
     def hf_dict(self) -> dict[str, Any]:

@@ -11,7 +11,8 @@ from returns.result import Failure, Success
 
 from nxdi.core import graph_key
 from nxdi.core.config import codec, neuron_parse
-from nxdi.core.config.neuron_spec import NeuronSpec, is_graph_field
+from nxdi.core.config.fields import info_of
+from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.testing.strategies import invalid_neuron_kwargs, neuron_kwargs, neuron_specs
 
 
@@ -99,7 +100,7 @@ _FLIPPABLE = tuple(
 def test_graph_key_changes_iff_a_graph_field_changes(spec: NeuronSpec, name: str) -> None:
     flipped = attrs.evolve(spec, **{name: not getattr(spec, name)})
     changed = graph_key.graph_key(spec) != graph_key.graph_key(flipped)
-    assert changed == is_graph_field(name)
+    assert changed == info_of(NeuronSpec, name).graph
 
 
 @given(neuron_specs())

@@ -366,10 +366,16 @@ def test_documented_classes_importable_from_nxdi_and_shell() -> None:
         assert getattr(nxdi, name) is not None
 
 
-def test_cpu_inert_flags_are_reported() -> None:
-    from nxdi.core.config.neuron_checks import cpu_inert_flags
-
+def test_settings_without_effect_on_the_cpu_are_found_from_their_declarations() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        spec = NeuronConfig(fused_qkv=True, qkv_kernel_enabled=True, mlp_kernel_enabled=True).spec
-    assert cpu_inert_flags(spec) == ("qkv_kernel_enabled", "mlp_kernel_enabled")
+        config = NeuronConfig(fused_qkv=True, qkv_kernel_enabled=True, mlp_kernel_enabled=True, seq_len=64)
+    assert config._without_effect_on_cpu() == ("qkv_kernel_enabled", "mlp_kernel_enabled")
+    # derived defaults (n_active_tokens = seq_len, ...) are not "set", nor is anything of a reloaded config
+    assert NeuronConfig(seq_len=64, batch_size=4)._without_effect_on_cpu() == ()
+    assert NeuronConfig.from_spec(NeuronConfig(seq_len=64).spec)._without_effect_on_cpu() == ()
+    ods = NeuronConfig(on_device_sampling_config={"top_k_kernel_enabled": True, "sampling_dp_degree": 2})
+    assert ods._without_effect_on_cpu() == (
+        "on_device_sampling_config.sampling_dp_degree",
+        "on_device_sampling_config.top_k_kernel_enabled",
+    )

@@ -13,7 +13,6 @@ never trusted, so a file cannot claim a `world_size` its degrees do not give.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,30 +20,15 @@ import attrs
 from returns.result import Failure, Result, Success
 
 from nxdi.core.config import neuron_parse
-from nxdi.core.config.fields import JsonMap, json_value
+from nxdi.core.config.fields import to_json
 from nxdi.core.config.neuron_spec import DERIVED, NeuronSpec
-from nxdi.core.config.sub_specs import MoESpec, sub_to_dict
+from nxdi.core.config.sub_specs import MoESpec
 from nxdi.core.errors import ConfigError
 from nxdi.core.platform import Platform
 
 # Written like the reference does, but nxdi keeps them out of NeuronSpec (the reference's own
 # `is_prefill_stage` is a field; these are the derived properties plus the deprecated alias).
 _IGNORED_ON_READ = (*DERIVED, "logical_neuron_cores")
-
-
-def json_safe(value: Any) -> Any:
-    """Recursively convert to standard-JSON values (non-finite floats to strings, tuples to lists)."""
-    if isinstance(value, Mapping):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return json_value(value)
-    if isinstance(value, JsonMap):
-        return json_safe(value.to_dict())
-    if attrs.has(type(value)):
-        return sub_to_dict(value)
-    return value
 
 
 def neuron_spec_to_dict(spec: NeuronSpec) -> dict[str, Any]:
@@ -54,10 +38,10 @@ def neuron_spec_to_dict(spec: NeuronSpec) -> dict[str, Any]:
         value = getattr(spec, f.name)
         if f.name == "moe":
             if value is not None:
-                out.update({m.name: json_safe(getattr(value, m.name)) for m in attrs.fields(MoESpec)})
+                out.update({m.name: to_json(getattr(value, m.name)) for m in attrs.fields(MoESpec)})
             continue
-        out[f.name] = json_safe(value)
-    out.update({name: json_safe(getattr(spec, name)) for name in DERIVED})
+        out[f.name] = to_json(value)
+    out.update({name: to_json(getattr(spec, name)) for name in DERIVED})
     return out
 
 
@@ -80,7 +64,7 @@ def parse_neuron_dict(
 
 def dumps(document: Mapping[str, Any]) -> str:
     """Deterministic standard JSON: sorted keys, indent 2 (clients hash it to name artifact folders)."""
-    return json.dumps(json_safe(document), indent=2, sort_keys=True, allow_nan=False)
+    return json.dumps(to_json(document), indent=2, sort_keys=True, allow_nan=False)
 
 
 def loads(text: str, *, source: str = "neuron_config.json") -> Result[dict[str, Any], ConfigError]:

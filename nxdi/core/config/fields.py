@@ -1,22 +1,112 @@
-"""Typed coercion of raw config values (user kwargs, JSON) into spec field values. Pure.
+"""Config fields: how they are declared (docs and facts as metadata) and how raw values are coerced. Pure.
 
-Specs declare their fields with ordinary type annotations; `coerce` checks a raw value against
-such an annotation (bool, int, float, str, Literal, X | None, tuple[X, ...], JsonMap) and returns
-the converted value or a `Problem` naming the field. This keeps one door for untrusted input.
+Declaration: every field of a config value is declared once with `setting(default, doc, ...)`,
+which stores a `FieldInfo` in the attrs metadata: the one-line documentation, the group it is
+listed under, whether it changes a compiled graph, what it does on the CPU backend, and whether it
+holds a dtype name. Everything else (the graph key, dtype conversion in the shell, the CPU checks,
+the CLI help, `nxdi config --list`, docs/neuron-config.md) is derived from that metadata.
+
+Coercion: `coerce` checks a raw value (user kwargs, JSON) against a field's type annotation (bool,
+int, float, str, Literal, X | None, tuple[X, ...], JsonMap) and returns the converted value or a
+`Problem` naming the field. This keeps one door for untrusted input.
 """
 
 from __future__ import annotations
 
 import difflib
+import enum
 import math
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
 
 from nxdi.core.errors import Problem
+
+
+class Group(enum.Enum):
+    """The groups the NeuronConfig attributes are listed in (the seeds' grouping)."""
+
+    GENERAL = "General"
+    DISTRIBUTED = "Distributed"
+    ATTENTION = "Attention"
+    BATCHING = "Continuous batching"
+    SAMPLING = "On-device sampling"
+    BUCKETING = "Bucketing"
+    QUANTIZATION = "Quantization"
+    SPECULATION = "Speculative decoding"
+    PAGED = "Paged attention, prefix caching and chunked prefill"
+    LORA = "Multi-LoRA serving"
+    KERNELS = "Kernels"
+    COMPILER = "Compiler"
+    DEBUGGING = "Debugging"
+    MOE = "Mixture of experts"
+
+
+class OnCpu(enum.Enum):
+    """What a setting does on the CPU backend."""
+
+    YES = "yes"
+    """It takes effect."""
+    NO = "no effect"
+    """Accepted and saved, but the CPU backend cannot honour it; a model warns when it is set."""
+    REFUSED = "refused"
+    """Not implemented on the CPU engine yet; a model refuses any value but the default."""
+
+
+@attrs.frozen(kw_only=True)
+class FieldInfo:
+    """What nxdi declares about one config field (attrs metadata under `INFO`)."""
+
+    doc: str
+    """One line: what it does, its unit, its default (derived defaults named), its range."""
+    group: Group | None = None
+    """Where it is listed (sub-config fields are listed under their config)."""
+    graph: bool = True
+    """Whether changing it changes a compiled graph (what the graph key hashes)."""
+    cpu: OnCpu = OnCpu.YES
+    cpu_note: str = ""
+    """Why it has no effect on the CPU backend, when it has none."""
+    dtype: bool = False
+    """It holds a dtype name (the shell shows it as a torch.dtype)."""
+
+
+INFO = "nxdi"
+"""The attrs metadata key of a field's FieldInfo."""
+
+
+def setting(
+    default: Any,
+    doc: str,
+    *,
+    group: Group | None = None,
+    graph: bool = True,
+    cpu: OnCpu | str = OnCpu.YES,
+    cpu_note: str = "",
+    dtype: bool = False,
+    validator: Callable[..., Any] | list[Callable[..., Any]] | None = None,
+) -> Any:
+    """An attrs field declared with its documentation and facts (see `FieldInfo`).
+
+    `cpu` given as a string means "no effect on the CPU backend, because <string>" (OnCpu.NO).
+    """
+    effect, note = (OnCpu.NO, cpu) if isinstance(cpu, str) else (cpu, cpu_note)
+    info = FieldInfo(doc=doc, group=group, graph=graph, cpu=effect, cpu_note=note, dtype=dtype)
+    return attrs.field(default=default, validator=validator, metadata={INFO: info})
+
+
+def info_of(cls: type, name: str) -> FieldInfo:
+    """The FieldInfo of field `name` of attrs class `cls` (a bare FieldInfo when it declares none)."""
+    found = attrs.fields_dict(cls)[name].metadata.get(INFO)
+    return found if isinstance(found, FieldInfo) else FieldInfo(doc="")
+
+
+def infos(cls: type) -> dict[str, FieldInfo]:
+    """FieldInfo of every field of `cls`, in declaration order."""
+    return {f.name: info_of(cls, f.name) for f in attrs.fields(cls)}
+
 
 _FLOAT_WORDS = {"inf": math.inf, "infinity": math.inf, "-inf": -math.inf, "-infinity": -math.inf, "nan": math.nan}
 
@@ -144,12 +234,35 @@ def field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def json_value(value: Any) -> Any:
-    """A spec field value as standard JSON: tuples to lists, JsonMap to dict, inf/nan to strings."""
+def sub_spec_fields(cls: type) -> dict[str, type]:
+    """The fields of `cls` that hold another attrs value (a sub-spec, possibly optional), by name."""
+    out: dict[str, type] = {}
+    for name, tp in field_types(cls).items():
+        args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1 and isinstance(inner[0], type) and attrs.has(inner[0]) and inner[0] is not JsonMap:
+            out[name] = inner[0]
+    return out
+
+
+def to_json(value: Any, *, graph_only: bool = False) -> Any:
+    """A config value as standard JSON (the one converter the core has).
+
+    attrs values become dicts of their fields (with `graph_only`, without the fields declared
+    `graph=False`), JsonMaps and mappings dicts, tuples and lists lists, enums their values, and
+    non-finite floats the strings "inf", "-inf" and "nan" (standard JSON has no Infinity).
+    """
+    if isinstance(value, JsonMap):
+        return {k: to_json(v, graph_only=graph_only) for k, v in value.items}
+    if attrs.has(type(value)):
+        names = [f.name for f in attrs.fields(type(value)) if not graph_only or info_of(type(value), f.name).graph]
+        return {n: to_json(getattr(value, n), graph_only=graph_only) for n in names}
+    if isinstance(value, Mapping):
+        return {str(k): to_json(v, graph_only=graph_only) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v, graph_only=graph_only) for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, JsonMap):
-        return {k: json_value(v) for k, v in value.items}
-    if isinstance(value, tuple):
-        return [json_value(v) for v in value]
     return value

@@ -3,14 +3,20 @@
 Every rule runs on every spec, so a user sees all problems at once. Rules follow the reference's
 ValueError / AssertionError / IncompatibleConfigError conditions (REFERENCE §2.1) and the seeds'
 documented requirements; each problem names the field, the value, why, and the fix.
+`check_neuron_spec` runs the rules of a spec alone; `check_attention_chunking` the ones that also
+need model attributes; `check_cpu_support` what the CPU engine refuses (from the fields' `OnCpu`
+declarations).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
+import attrs
 from returns.result import Result
 
+from nxdi.core.config.fields import OnCpu, infos
 from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.errors import ConfigError, Problem, problems_result
 
@@ -210,28 +216,52 @@ def check_neuron_spec(spec: NeuronSpec) -> Result[NeuronSpec, ConfigError]:
     return problems_result(spec, (p for rule in RULES for p in rule(spec)))
 
 
-NEURON_ONLY_FLAGS: tuple[str, ...] = (
-    "attn_kernel_enabled",
-    "qkv_kernel_enabled",
-    "qkv_nki_kernel_enabled",
-    "mlp_kernel_enabled",
-    "quantized_mlp_kernel_enabled",
-    "out_proj_kernel_enabled",
-    "attn_block_tkg_nki_kernel_enabled",
-    "attn_block_cte_nki_kernel_enabled",
-    "rmsnorm_quantize_kernel_enabled",
-    "fused_rmsnorm_skip_gamma",
-    "kv_cache_update_with_kernel",
-    "moe_fused_nki_kernel_enabled",
-    "router_topk_nki_kernel_enabled",
-    "expert_mlp_nki_kernel_enabled",
-    "shared_mlp_nki_kernel_enabled",
-    "enable_spill_reload_dge",
-    "layer_boundary_markers",
-)
-"""Neuron kernel and compiler flags with no effect on the CPU backend."""
+def check_cpu_support(spec: NeuronSpec) -> Result[NeuronSpec, ConfigError]:
+    """Fail listing every setting the CPU engine does not implement yet (declared `OnCpu.REFUSED`)
+    that `spec` moves off its default, so nothing a user asks for is silently dropped."""
+    fields = attrs.fields_dict(NeuronSpec)
+    problems = [
+        Problem.of(
+            name,
+            getattr(spec, name),
+            "is not supported by the CPU engine yet",
+            f"set {name}={fields[name].default!r}",
+        )
+        for name, info in infos(NeuronSpec).items()
+        if info.cpu is OnCpu.REFUSED and getattr(spec, name) != fields[name].default
+    ]
+    return problems_result(spec, problems)
 
 
-def cpu_inert_flags(spec: NeuronSpec) -> tuple[str, ...]:
-    """The Neuron-only flags `spec` turns on, which the CPU backend accepts but cannot honour."""
-    return tuple(f for f in NEURON_ONLY_FLAGS if getattr(spec, f))
+def check_attention_chunking(spec: NeuronSpec, model_attributes: Mapping[str, Any]) -> Result[NeuronSpec, ConfigError]:
+    """The model-dependent rules (REFERENCE §2.3): chunked attention (a model's `attention_chunk_size`
+    below seq_len) rules out several features, and a windowed context encoding must use the model's
+    `sliding_window` when the model has that attribute.
+
+    Returns:
+        `Failure` naming every `neuron_config.` setting chunked attention rules out, a chunk size that
+        context parallelism cannot split, and a windowed_context_encoding_size off the sliding window.
+    """
+    problems = []
+    chunk = model_attributes.get("attention_chunk_size")
+    if isinstance(chunk, int) and chunk < spec.seq_len:
+        for name, bad in (
+            ("flash_decoding_enabled", spec.flash_decoding_enabled),
+            ("attn_block_tkg_nki_kernel_enabled", spec.attn_block_tkg_nki_kernel_enabled),
+            ("is_prefix_caching", spec.is_prefix_caching),
+            ("chunked_prefill_config", spec.chunked_prefill_config is not None),
+            ("padding_side", spec.padding_side != "right"),
+            ("attention_dp_degree", spec.attention_dp_degree != 1),
+        ):
+            if bad:
+                value = getattr(spec, name)
+                problems.append(
+                    Problem.of(f"neuron_config.{name}", value, "is not yet supported with chunked attention")
+                )
+        if chunk % spec.cp_degree or (spec.seq_len % chunk) % spec.cp_degree:
+            why = f"is incompatible with cp_degree={spec.cp_degree}"
+            problems.append(Problem.of("attention_chunk_size", chunk, why))
+    window = spec.windowed_context_encoding_size
+    if window is not None and window != model_attributes.get("sliding_window", window):
+        problems.append(Problem.of("neuron_config.windowed_context_encoding_size", window, "must equal sliding_window"))
+    return problems_result(spec, problems)

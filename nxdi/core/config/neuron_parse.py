@@ -20,29 +20,20 @@ import attrs
 from returns.result import Failure, Result, Success
 
 from nxdi.core.config import neuron_checks
-from nxdi.core.config.fields import coerce, did_you_mean, field_types
+from nxdi.core.config.fields import OnCpu, coerce, did_you_mean, field_types, infos, sub_spec_fields, to_json
 from nxdi.core.config.neuron_spec import DERIVED, NeuronSpec
-from nxdi.core.config.sub_specs import (
-    ChunkedPrefillSpec,
-    KVQuantSpec,
-    LoraSpec,
-    MoESpec,
-    OnDeviceSamplingSpec,
-    check_field,
-    parse_sub,
-)
+from nxdi.core.config.sub_specs import MoESpec, OnDeviceSamplingSpec, check_field, parse_sub
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.platform import Platform, resolve_lnc
 
-_SUB_SPECS: Mapping[str, type] = {
-    "on_device_sampling_config": OnDeviceSamplingSpec,
-    "lora_config": LoraSpec,
-    "chunked_prefill_config": ChunkedPrefillSpec,
-    "kv_quant_config": KVQuantSpec,
-}
-_FIELDS = tuple(f.name for f in attrs.fields(NeuronSpec) if f.name != "moe")
-_MOE_FIELDS = tuple(f.name for f in attrs.fields(MoESpec))
-_DTYPE_FIELDS = ("torch_dtype", "rpl_reduce_dtype", "attention_dtype")
+_SUB_SPECS: Mapping[str, type] = sub_spec_fields(NeuronSpec)
+"""NeuronSpec fields that hold a sub-spec (on-device sampling, LoRA, ...), by name."""
+FIELD_NAMES = tuple(f.name for f in attrs.fields(NeuronSpec) if f.name != "moe")
+"""The NeuronConfig attributes (MoE options live in `MOE_FIELD_NAMES`)."""
+MOE_FIELD_NAMES = tuple(f.name for f in attrs.fields(MoESpec))
+"""The attributes MoENeuronConfig adds."""
+DTYPE_FIELDS = tuple(name for name, info in infos(NeuronSpec).items() if info.dtype)
+"""Fields holding dtype names (the shell shows them as torch dtypes)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -55,8 +46,8 @@ class ParsedNeuronSpec:
 
 def known_names(*, moe: bool) -> tuple[str, ...]:
     """Every kwarg name NeuronConfig (or MoENeuronConfig when `moe`) accepts."""
-    aliases = tuple(_ALIASES) + (_MOE_ALIASES + _MOE_FIELDS if moe else ())
-    return _FIELDS + aliases
+    aliases = tuple(_ALIASES) + (_MOE_ALIASES + MOE_FIELD_NAMES if moe else ())
+    return FIELD_NAMES + aliases
 
 
 def _rewrite_aliases(raw: dict[str, Any], notes: list[str], problems: list[Problem]) -> None:
@@ -84,7 +75,7 @@ def _rewrite_aliases(raw: dict[str, Any], notes: list[str], problems: list[Probl
 
 def _rewrite_moe(raw: dict[str, Any]) -> dict[str, Any]:
     """Pull MoENeuronConfig attributes (and their aliases) out of `raw` into a MoESpec dict."""
-    moe = {name: raw.pop(name) for name in _MOE_FIELDS if name in raw}
+    moe = {name: raw.pop(name) for name in MOE_FIELD_NAMES if name in raw}
     if "disable_normalize_top_k_affinities" in raw:
         value = raw.pop("disable_normalize_top_k_affinities")
         moe.setdefault("normalize_top_k_affinities", not value if isinstance(value, bool) else value)
@@ -156,6 +147,19 @@ def _parse_lora(value: Any, problems: list[Problem]) -> Any:
     return raw
 
 
+def parse_on_device_sampling(raw: Any, *, platform: Platform) -> Result[OnDeviceSamplingSpec, ConfigError]:
+    """An OnDeviceSamplingSpec from kwargs (or a spec, returned as is).
+
+    `top_k_kernel_enabled` defaults to True on every platform but trn1, as in the reference.
+
+    Returns:
+        `Failure` listing every unknown name and bad value under `on_device_sampling_config.`.
+    """
+    if isinstance(raw, Mapping):
+        raw = {"top_k_kernel_enabled": platform is not Platform.TRN1, **raw}
+    return parse_sub(OnDeviceSamplingSpec, raw, prefix="on_device_sampling_config")
+
+
 def _coerce_given(raw: Mapping[str, Any], platform: Platform, problems: list[Problem]) -> dict[str, Any]:
     types_ = field_types(NeuronSpec)
     given: dict[str, Any] = {}
@@ -163,15 +167,18 @@ def _coerce_given(raw: Mapping[str, Any], platform: Platform, problems: list[Pro
         if name in _SUB_SPECS and value is not None:
             if name == "lora_config":
                 value = _parse_lora(value, problems)
-            if name == "on_device_sampling_config" and isinstance(value, Mapping):
-                value = {"top_k_kernel_enabled": platform is not Platform.TRN1, **value}
-            match parse_sub(_SUB_SPECS[name], value, prefix=name):
+            parsed = (
+                parse_on_device_sampling(value, platform=platform)
+                if name == "on_device_sampling_config"
+                else parse_sub(_SUB_SPECS[name], value, prefix=name)
+            )
+            match parsed:
                 case Success(sub):
                     given[name] = sub
                 case Failure(err):
                     problems.extend(err.problems)
             continue
-        converted, problem = coerce(name, _dtype_name(value) if name in _DTYPE_FIELDS else value, types_[name])
+        converted, problem = coerce(name, _dtype_name(value) if name in DTYPE_FIELDS else value, types_[name])
         if problem:
             problems.append(problem)
         else:
@@ -255,7 +262,7 @@ def parse_neuron_spec(
     _rewrite_aliases(raw, notes, problems)
     moe_raw = _rewrite_moe(raw) if moe else {}
     known = known_names(moe=moe)
-    for name in [n for n in raw if n not in _FIELDS]:
+    for name in [n for n in raw if n not in FIELD_NAMES]:
         value = raw.pop(name)
         if name in DERIVED:
             problems.append(Problem.of(name, value, "is computed by nxdi, not set", "remove it"))
@@ -294,3 +301,36 @@ def spec_kwargs(spec: NeuronSpec) -> dict[str, Any]:
     if spec.moe is not None:
         out.update({f.name: getattr(spec.moe, f.name) for f in attrs.fields(MoESpec)})
     return out
+
+
+def _without(value: Any, names: frozenset[str]) -> Any:
+    """A sub-spec value (spec or dict) as a dict without the fields `names`."""
+    raw = to_json(value) if attrs.has(type(value)) else value
+    return {k: v for k, v in raw.items() if k not in names} if isinstance(raw, Mapping) else raw
+
+
+def without_effect_on_cpu(
+    given: Mapping[str, Any],
+    spec: NeuronSpec,
+    *,
+    env_lnc: int | None = None,
+    platform: Platform = Platform.TRN1,
+    moe: bool = False,
+) -> tuple[str, ...]:
+    """The settings of `spec` declared `OnCpu.NO` that `given` (the kwargs `spec` was parsed from)
+    moves off the value they would have had if not given, their derived defaults included; sub-spec
+    fields are named `config.field`. The shell warns about them."""
+    no_effect = {n for n, i in infos(NeuronSpec).items() if i.cpu is OnCpu.NO}
+    nested = {
+        name: frozenset(n for n, i in infos(cls).items() if i.cpu is OnCpu.NO) for name, cls in _SUB_SPECS.items()
+    }
+    rest = {k: (_without(v, nested[k]) if k in nested and v is not None else v) for k, v in given.items()}
+    rest = {k: v for k, v in rest.items() if k not in no_effect}
+    parsed = parse_neuron_spec(rest, env_lnc=env_lnc, platform=platform, moe=moe)
+    base = parsed.map(lambda p: p.spec).value_or(NeuronSpec())
+    found = [n for n in FIELD_NAMES if n in no_effect and getattr(spec, n) != getattr(base, n)]
+    for name, fields in nested.items():
+        mine, theirs = getattr(spec, name), getattr(base, name)
+        if mine is not None and theirs is not None:
+            found.extend(f"{name}.{f}" for f in sorted(fields) if getattr(mine, f) != getattr(theirs, f))
+    return tuple(found)

@@ -13,7 +13,7 @@ from typing import Any, Literal, TypeVar
 import attrs
 from returns.result import Failure, Result, Success
 
-from nxdi.core.config.fields import JsonMap, coerce, did_you_mean, field_types, json_value
+from nxdi.core.config.fields import JsonMap, coerce, did_you_mean, field_types, setting, sub_spec_fields
 from nxdi.core.errors import ConfigError, Problem
 
 S = TypeVar("S")
@@ -23,57 +23,100 @@ S = TypeVar("S")
 class OnDeviceSamplingSpec:
     """Sampling inside the compiled program (NxDI `OnDeviceSamplingConfig`)."""
 
-    do_sample: bool = False
-    """Multinomial sampling when True, greedy argmax when False."""
-    top_k: int = attrs.field(default=1, validator=attrs.validators.ge(-1))
-    """Default top-k; -1 or 0 means the whole vocabulary."""
-    top_p: float = attrs.field(default=1.0, validator=[attrs.validators.gt(0.0), attrs.validators.le(1.0)])
-    """Default nucleus threshold in (0, 1]."""
-    temperature: float = attrs.field(default=1.0, validator=attrs.validators.ge(0.0))
-    """Default temperature, >= 0 (0 means greedy)."""
-    dynamic: bool = False
-    """Take per-row top_k/top_p/temperature from `sampling_params` at run time."""
-    deterministic: bool = False
-    """Use 0.5 instead of a random draw when picking from the cumulative distribution."""
-    global_topk: int = attrs.field(default=256, validator=attrs.validators.ge(0))
-    """Candidates kept before per-row top-k (0: sort the whole vocabulary)."""
-    on_device_sampling_config: bool = True
-    """Literal flag the reference serializes; always True."""
-    top_k_kernel_enabled: bool = False
-    """Use the Neuron top-k kernel (reference default: platform is not trn1). No effect on CPU."""
-    sampling_dp_degree: int = attrs.field(default=1, validator=attrs.validators.ge(1))
-    """Batch-sharded (data-parallel) sampling degree."""
+    do_sample: bool = setting(False, "Multinomial sampling when True, greedy argmax when False.")
+    top_k: int = setting(
+        1,
+        "Default top-k; -1 or 0 means the whole vocabulary; must not exceed global_topk.",
+        validator=attrs.validators.ge(-1),
+    )
+    top_p: float = setting(
+        1.0,
+        "Default nucleus (top-p) threshold, in (0, 1].",
+        validator=[attrs.validators.gt(0.0), attrs.validators.le(1.0)],
+    )
+    temperature: float = setting(
+        1.0, "Default sampling temperature, >= 0 (0 means greedy).", validator=attrs.validators.ge(0.0)
+    )
+    dynamic: bool = setting(
+        False, "Take per-row top_k, top_p and temperature from the [batch, 3] sampling_params at run time."
+    )
+    deterministic: bool = setting(
+        False, "Use 0.5 instead of a random draw when picking from the cumulative distribution."
+    )
+    global_topk: int = setting(
+        256, "Candidates kept before per-row top-k; 0 sorts the whole vocabulary.", validator=attrs.validators.ge(0)
+    )
+    on_device_sampling_config: bool = setting(True, "Literal flag kept for serialization compatibility; always True.")
+    top_k_kernel_enabled: bool = setting(
+        False,
+        "Use the Neuron top-k kernel; default True on platforms other than trn1, False on trn1.",
+        cpu="Neuron kernel",
+    )
+    sampling_dp_degree: int = setting(
+        1,
+        "Data-parallel degree for batch-sharded sampling, >= 1.",
+        validator=attrs.validators.ge(1),
+        cpu="one host samples every row",
+    )
 
 
 @attrs.frozen(kw_only=True)
 class LoraSpec:
     """Multi-LoRA serving (NxDI `LoraServingConfig`), with checkpoint paths already resolved to a map."""
 
-    max_loras: int = attrs.field(default=1, validator=attrs.validators.ge(1))
-    """Adapters resident in device memory at once (raised to the number of checkpoints given)."""
-    max_lora_rank: int = attrs.field(default=16, validator=attrs.validators.ge(1))
-    """Largest adapter rank; smaller adapters are zero-padded to it."""
-    max_cpu_loras: int = attrs.field(default=100, validator=attrs.validators.ge(1))
-    batch_size: int = attrs.field(default=1, validator=attrs.validators.ge(1))
-    target_modules: tuple[str, ...] | None = None
-    """Modules that carry adapters (union of the adapters' target_modules when read from disk)."""
-    lora_bias: Literal["none", "all", "lora_only"] = "none"
-    lora_ckpt_paths: JsonMap | None = None
-    """Adapter id -> checkpoint path, resident on device."""
-    lora_ckpt_paths_cpu: JsonMap | None = None
-    """Adapter id -> checkpoint path, kept in host memory."""
-    lora_ckpt_json: str | None = None
-    """JSON file the paths were read from, if any."""
-    lora_memory_transpose: bool = True
-    lora_shard_linear_layer: bool = True
-    """Shard the adapter's linear layer across the TP group (per-core size = size / tp)."""
-    is_context_encoding: bool = False
-    dynamic_multi_lora: bool = False
-    eviction_policy: Literal["lru", "lfu"] = "lru"
-    lfu_decay_period: int = attrs.field(default=128, validator=attrs.validators.ge(1))
-    base_model_quantized: bool = False
-    enable_base_model_only: bool = False
-    """Reserve one extra slot for requests without an adapter (applied once, unlike the reference)."""
+    max_loras: int = setting(
+        1,
+        "Adapters resident in device memory at once; raised to the number of lora_ckpt_paths.",
+        validator=attrs.validators.ge(1),
+    )
+    max_lora_rank: int = setting(
+        16, "Largest adapter rank; smaller adapters are zero-padded to it.", validator=attrs.validators.ge(1)
+    )
+    max_cpu_loras: int = setting(
+        100,
+        "Adapters kept in host memory; lora_ckpt_paths_cpu may not hold more.",
+        validator=attrs.validators.ge(1),
+        graph=False,
+    )
+    batch_size: int = setting(
+        1, "Batch size, in sequences, the LoRA serving layers are built for.", validator=attrs.validators.ge(1)
+    )
+    target_modules: tuple[str, ...] | None = setting(
+        None, "Modules that carry adapters (union of the adapters' target_modules when read from disk)."
+    )
+    lora_bias: Literal["none", "all", "lora_only"] = setting(
+        "none", 'Which biases the adapters train: "none", "all" or "lora_only".'
+    )
+    lora_ckpt_paths: JsonMap | None = setting(
+        None, 'Adapter id to checkpoint path for device-resident adapters (also "id : path" strings).', graph=False
+    )
+    lora_ckpt_paths_cpu: JsonMap | None = setting(
+        None, "Adapter id to checkpoint path for adapters kept in host memory.", graph=False
+    )
+    lora_ckpt_json: str | None = setting(
+        None,
+        "JSON file listing adapter checkpoints (lora-ckpt-dir, lora-ckpt-paths, lora-ckpt-paths-cpu).",
+        graph=False,
+    )
+    lora_memory_transpose: bool = setting(True, "Transpose the adapters' memory layout for faster inference.")
+    lora_shard_linear_layer: bool = setting(
+        True, "Shard the adapter's linear layer across the TP group (1/tp_degree per core, adds all-gather)."
+    )
+    is_context_encoding: bool = setting(False, "Marks LoRA layers of the context-encoding model.")
+    dynamic_multi_lora: bool = setting(
+        False, 'Swap adapters between host and device at run time; adds ".*lora.*" to layout-optimization skips.'
+    )
+    eviction_policy: Literal["lru", "lfu"] = setting(
+        "lru", 'Policy for evicting device-resident adapters: "lru" or "lfu".', graph=False
+    )
+    lfu_decay_period: int = setting(
+        128,
+        "Period after which LFU usage counts decay, for the lfu policy.",
+        validator=attrs.validators.ge(1),
+        graph=False,
+    )
+    base_model_quantized: bool = setting(False, "The base model's weights are quantized.")
+    enable_base_model_only: bool = setting(False, "Reserve one extra adapter slot for requests that use no adapter.")
 
     @property
     def effective_max_loras(self) -> int:
@@ -84,10 +127,20 @@ class LoraSpec:
 class ChunkedPrefillSpec:
     """Chunked prefill (NxDI `ChunkedPrefillConfig`)."""
 
-    max_num_seqs: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-    tkg_model_enabled: bool = True
-    kernel_q_tile_size: int = attrs.field(default=128, validator=attrs.validators.gt(0))
-    kernel_kv_tile_size: int = attrs.field(default=1024, validator=attrs.validators.gt(0))
+    max_num_seqs: int = setting(
+        0,
+        "Sequences concatenated into one chunked-prefill request (the effective batch size).",
+        validator=attrs.validators.ge(0),
+    )
+    tkg_model_enabled: bool = setting(
+        True, "Also compile a separate token-generation model for decode-only steps; when False batch_size must be 1."
+    )
+    kernel_q_tile_size: int = setting(
+        128, "Query tile length, in tokens, used by the chunked-prefill kernel.", validator=attrs.validators.gt(0)
+    )
+    kernel_kv_tile_size: int = setting(
+        1024, "KV-cache tile length, in tokens, used by the chunked-prefill kernel.", validator=attrs.validators.gt(0)
+    )
 
 
 QuantGranularity = Literal["per_tensor_symmetric", "per_channel_symmetric", "per_key_symmetric"]
@@ -97,60 +150,98 @@ QuantGranularity = Literal["per_tensor_symmetric", "per_channel_symmetric", "per
 class KVQuantSpec:
     """KV-cache quantization (NxD `KVQuantizationConfig`)."""
 
-    quant_dtype: Literal["float8_e4m3fn", "float8_e5m2"] = "float8_e4m3fn"
-    direct_cast: bool = True
-    """Plain dtype casts both ways, no scales."""
-    k_quantization_type: QuantGranularity = "per_tensor_symmetric"
-    v_quantization_type: QuantGranularity = "per_tensor_symmetric"
+    quant_dtype: Literal["float8_e4m3fn", "float8_e5m2"] = setting(
+        "float8_e4m3fn", "dtype of the quantized KV cache: float8_e4m3fn or float8_e5m2."
+    )
+    direct_cast: bool = setting(True, "Plain dtype casts in both directions, with no scales.")
+    k_quantization_type: QuantGranularity = setting(
+        "per_tensor_symmetric",
+        "Scale granularity for K: per_tensor_symmetric, per_channel_symmetric or per_key_symmetric.",
+    )
+    v_quantization_type: QuantGranularity = setting(
+        "per_tensor_symmetric",
+        "Scale granularity for V: per_tensor_symmetric, per_channel_symmetric or per_key_symmetric.",
+    )
 
 
 @attrs.frozen(kw_only=True)
 class RouterSpec:
     """MoE router: activation and dtype."""
 
-    act_fn: Literal["softmax", "sigmoid"] = "softmax"
-    dtype: str = "float32"
+    act_fn: Literal["softmax", "sigmoid"] = setting(
+        "softmax", 'Activation over the router\'s expert logits: "softmax" or "sigmoid".'
+    )
+    dtype: str = setting("float32", "Data type the router computes in.")
 
 
 @attrs.frozen(kw_only=True)
 class HybridShardingSpec:
     """Separate MoE TP/EP degrees for context encoding and token generation."""
 
-    moe_cte_tp_degree: int = attrs.field(default=1, validator=attrs.validators.ge(1))
-    moe_cte_ep_degree: int = attrs.field(default=1, validator=attrs.validators.ge(1))
-    moe_tkg_tp_degree: int = attrs.field(default=1, validator=attrs.validators.ge(1))
-    moe_tkg_ep_degree: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    moe_cte_tp_degree: int = setting(
+        1, "Tensor-parallel degree of MoE layers in context encoding.", validator=attrs.validators.ge(1)
+    )
+    moe_cte_ep_degree: int = setting(
+        1, "Expert-parallel degree of MoE layers in context encoding.", validator=attrs.validators.ge(1)
+    )
+    moe_tkg_tp_degree: int = setting(
+        1, "Tensor-parallel degree of MoE layers in token generation.", validator=attrs.validators.ge(1)
+    )
+    moe_tkg_ep_degree: int = setting(
+        1, "Expert-parallel degree of MoE layers in token generation.", validator=attrs.validators.ge(1)
+    )
 
 
 @attrs.frozen(kw_only=True)
 class MoESpec:
     """Mixture-of-experts options (NxDI `MoENeuronConfig` attributes)."""
 
-    capacity_factor: float | None = None
-    """Tokens per expert = capacity_factor * fair share; None never drops tokens."""
-    glu_mlp: bool = True
-    glu_type: Literal["glu", "swiglu"] = "glu"
-    hidden_act_scaling_factor: float = 1.0
-    hidden_act_bias: float = 0.0
-    gate_clamp_upper_limit: float | None = None
-    gate_clamp_lower_limit: float | None = None
-    up_clamp_upper_limit: float | None = None
-    up_clamp_lower_limit: float | None = None
-    use_index_calc_kernel: bool = False
-    moe_mask_padded_tokens: bool = False
-    early_expert_affinity_modulation: bool = False
-    normalize_top_k_affinities: bool = True
-    """Renormalize the top-k router weights to sum to 1 (kwarg alias: not disable_normalize_top_k_affinities)."""
-    fused_shared_experts: bool = False
-    shared_experts_sequence_parallel_enabled: bool = False
-    return_expert_index: bool = False
-    return_router_logits: bool = False
-    hybrid_sharding_config: HybridShardingSpec | None = None
-    moe_tp_degree: int = attrs.field(default=1, validator=attrs.validators.ge(1))
-    moe_ep_degree: int = attrs.field(default=1, validator=attrs.validators.ge(1))
-    transpose_shared_experts_weights: bool = False
-    blockwise_matmul_config: JsonMap = JsonMap()  # noqa: RUF009 - frozen, so sharing the default is safe
-    router_config: RouterSpec = RouterSpec()
+    capacity_factor: float | None = setting(
+        None, "Tokens per expert as a multiple of the fair share; None never drops tokens."
+    )
+    glu_mlp: bool = setting(True, "Experts use a gated (GLU) MLP.")
+    glu_type: Literal["glu", "swiglu"] = setting("glu", 'Gated activation form: "glu" or "swiglu".')
+    hidden_act_scaling_factor: float = setting(1.0, "Scaling factor applied inside the expert activation.")
+    hidden_act_bias: float = setting(0.0, "Bias added inside the expert activation.")
+    gate_clamp_upper_limit: float | None = setting(
+        None, "Upper clamp on the expert gate projection output; default None (no clamp)."
+    )
+    gate_clamp_lower_limit: float | None = setting(
+        None, "Lower clamp on the expert gate projection output; default None (no clamp)."
+    )
+    up_clamp_upper_limit: float | None = setting(
+        None, "Upper clamp on the expert up projection output; default None (no clamp)."
+    )
+    up_clamp_lower_limit: float | None = setting(
+        None, "Lower clamp on the expert up projection output; default None (no clamp)."
+    )
+    use_index_calc_kernel: bool = setting(False, "Use the index-calculation kernel for expert token routing.")
+    moe_mask_padded_tokens: bool = setting(False, "Exclude padding tokens from expert routing.")
+    early_expert_affinity_modulation: bool = setting(
+        False, "Scale expert inputs by router affinities before the expert MLP instead of after."
+    )
+    normalize_top_k_affinities: bool = setting(
+        True, "Renormalize the top-k router weights to sum to 1 (kwarg alias: not disable_normalize_top_k_affinities)."
+    )
+    fused_shared_experts: bool = setting(False, "Fuse the shared experts into the routed-expert computation.")
+    shared_experts_sequence_parallel_enabled: bool = setting(False, "Run the shared experts with sequence parallelism.")
+    return_expert_index: bool = setting(False, "Also return the chosen expert indices.")
+    return_router_logits: bool = setting(False, "Also return the router logits.")
+    hybrid_sharding_config: HybridShardingSpec | None = setting(
+        None, "Separate MoE TP/EP degrees for context encoding and token generation."
+    )
+    moe_tp_degree: int = setting(1, "Tensor-parallel degree inside MoE layers.", validator=attrs.validators.ge(1))
+    moe_ep_degree: int = setting(
+        1, "Expert-parallel degree inside MoE layers, in ranks.", validator=attrs.validators.ge(1)
+    )
+    transpose_shared_experts_weights: bool = setting(False, "Transpose the shared-expert weights at load.")
+    blockwise_matmul_config: JsonMap = setting(
+        JsonMap(), "Blockwise expert matmul settings (NxD BlockwiseMatmulConfig kwargs); default empty."
+    )
+    router_config: RouterSpec = setting(
+        RouterSpec(),
+        "Router activation and dtype; router_act_fn and router_dtype kwargs fill it; default softmax, float32.",
+    )
 
 
 def _names(cls: type) -> tuple[str, ...]:
@@ -168,6 +259,7 @@ def parse_sub(cls: type[S], raw: Mapping[str, Any], *, prefix: str) -> Result[S,
     if not isinstance(raw, Mapping):
         return Failure(ConfigError.of(prefix, raw, f"must be a {cls.__name__} or a dict of its attributes"))
     types_ = field_types(cls)
+    nested = sub_spec_fields(cls)
     known = _names(cls)
     values: dict[str, Any] = {}
     problems: list[Problem] = []
@@ -177,7 +269,7 @@ def parse_sub(cls: type[S], raw: Mapping[str, Any], *, prefix: str) -> Result[S,
                 Problem.of(f"{prefix}.{name}", value, "is not a known attribute", did_you_mean(name, known))
             )
             continue
-        sub = _NESTED.get(types_[name])
+        sub = nested.get(name)
         if sub is not None and isinstance(value, Mapping):
             match parse_sub(sub, value, prefix=f"{prefix}.{name}"):
                 case Success(v):
@@ -217,19 +309,3 @@ def check_field(cls: type, name: str, value: Any, prefix: str) -> Problem | None
         full = f"{prefix}.{name}" if prefix else name
         return Problem.of(full, value, reason.replace(f"'{name}' ", ""))
     return None
-
-
-def sub_to_dict(value: Any) -> dict[str, Any]:
-    """Every attribute of a sub-spec as standard JSON values (nested sub-specs as dicts)."""
-    out: dict[str, Any] = {}
-    for f in attrs.fields(type(value)):
-        v = getattr(value, f.name)
-        out[f.name] = sub_to_dict(v) if attrs.has(type(v)) and not isinstance(v, JsonMap) else json_value(v)
-    return out
-
-
-_NESTED: Mapping[Any, type] = {
-    HybridShardingSpec | None: HybridShardingSpec,
-    RouterSpec: RouterSpec,
-}
-"""Annotations whose dict values are parsed as nested sub-specs."""

@@ -9,13 +9,22 @@ from pathlib import Path
 from nxdi.core import graph_key
 from nxdi.core.config import codec
 from nxdi.core.families import parse_model_spec
+from nxdi.shell.cli import reference
 from nxdi.shell.cli.flags import add_neuron_config_flags, neuron_config_kwargs
 from nxdi.shell.exceptions import IncompatibleConfigError, unwrap_or_raise
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("config", help="print the resolved neuron_config.json for a model and flags", allow_abbrev=False)
+    p = sub.add_parser(
+        "config",
+        help="print the resolved neuron_config.json for a model and flags, or list every attribute",
+        description="Print the neuron_config.json that a model and NeuronConfig flags resolve to, or, with "
+        "--list, every NeuronConfig attribute with its default, what it does on the CPU backend and a description.",
+        allow_abbrev=False,
+    )
     p.add_argument("--model-path", help="model folder or config.json (optional)")
+    p.add_argument("--list", action="store_true", help="list every NeuronConfig attribute, grouped, and exit")
+    p.add_argument("--markdown", action="store_true", help="with --list: as the Markdown of docs/neuron-config.md")
     add_neuron_config_flags(p)
     p.set_defaults(run=run)
 
@@ -34,6 +43,10 @@ def _hf_config(model_path: str | None) -> dict[str, object]:
 def run(args: argparse.Namespace) -> int:
     from nxdi.shell.config import NeuronConfig
 
+    if args.list:
+        rows = reference.reference_rows()
+        print(reference.render_markdown(rows) if args.markdown else reference.render_text(rows), end="")
+        return 0
     try:
         neuron = NeuronConfig(**neuron_config_kwargs(args))
         hf = _hf_config(args.model_path)

@@ -15,10 +15,12 @@ from typing import Any
 
 import attrs
 
-from nxdi.core.config.fields import field_types
+from nxdi.core.config.fields import Group, field_types, info_of
 from nxdi.core.config.neuron_spec import NeuronSpec
+from nxdi.shell.cli import reference
 
 _SKIP = frozenset({"moe", "is_prefill_stage", "overrides_torch_dtype"})
+"""Attributes without a flag: MoE options (no flags of their own) and two that nxdi sets itself."""
 
 
 def _scalar(tp: Any) -> tuple[Any, Any, str] | None:
@@ -37,24 +39,36 @@ def _scalar(tp: Any) -> tuple[Any, Any, str] | None:
 
 
 def add_neuron_config_flags(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per simple NeuronConfig attribute (default: not given)."""
-    group = parser.add_argument_group("NeuronConfig attributes")
+    """Add one flag per simple NeuronConfig attribute (default: not given), grouped as the
+    reference groups them, each with its description as help (`nxdi config --list` has the rest)."""
+    groups = {g: parser.add_argument_group(f"NeuronConfig: {g.value}") for g in Group}
     types_ = field_types(NeuronSpec)
     for field in attrs.fields(NeuronSpec):
         if field.name in _SKIP:
             continue
+        group = groups[info_of(NeuronSpec, field.name).group or Group.GENERAL]
+        help_ = reference.field_help(field.name)
         flag = "--" + field.name.replace("_", "-")
         tp = types_[field.name]
         if tp is bool or tp == (bool | None):
-            group.add_argument(flag, dest=f"nc_{field.name}", action=argparse.BooleanOptionalAction, default=None)
+            group.add_argument(
+                flag, dest=f"nc_{field.name}", action=argparse.BooleanOptionalAction, default=None, help=help_
+            )
             continue
         simple = _scalar(tp)
         if simple is None:
             continue
         kind, choices, nargs = simple
-        kw: dict[str, Any] = {"type": kind, "default": None, "dest": f"nc_{field.name}"}
+        kw: dict[str, Any] = {
+            "type": kind,
+            "default": None,
+            "dest": f"nc_{field.name}",
+            "help": help_,
+            "metavar": field.name.upper(),
+        }
         if choices:
             kw["choices"] = choices
+            kw.pop("metavar")  # argparse shows the choices
         if nargs:
             kw["nargs"] = nargs
         group.add_argument(flag, **kw)
