@@ -13,13 +13,13 @@ from typing import Any
 
 from returns.result import Success
 
-from nxdi.core.config.neuron_spec import NeuronSpec
+from nxdi.core.config.neuron_spec import NeuronSpec, Phase
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import buckets
 from nxdi.core.programs import catalog, kv_cache
 from nxdi.core.programs.step import StepSpec, step
-from nxdi.effects.runtime import Phase, Program, Runtime
+from nxdi.effects.runtime import Program, Runtime
 
 
 def step_spec_for(model: ModelSpec, spec: NeuronSpec) -> StepSpec:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nxdi.core.config.neuron_spec import NeuronSpec
+from nxdi.core.config.neuron_spec import NeuronSpec, Phase
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.programs import catalog, kv_cache
@@ -25,7 +25,7 @@ from nxdi.core.programs.step import StepSpec, step
 from nxdi.effects.artifacts import ProgramRequest
 from nxdi.effects.backends.base import Backend, LoadedProgram, Signature
 from nxdi.effects.engine import bucket_lengths, step_spec_for
-from nxdi.effects.runtime import Phase, Program
+from nxdi.effects.runtime import Program
 
 INPUTS = ("input_ids", "position_ids", "last_index", "sampling_params", "uniforms")
 

@@ -10,25 +10,18 @@ keep the calling convention of `nxdi.core.programs.step.step`.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from nxdi.core.config.neuron_spec import Phase
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 
 Program = Callable[[Any, KVCache, StepInputs, Tensor, Tensor], tuple[Tensor | None, Tensor | None, KVCache]]
 """(weights, cache view, inputs, params [B, 3], uniforms [B]) -> (logits | None, tokens | None, cache view)."""
-
-
-class Phase(enum.Enum):
-    """The compiled sub-models (NxDI's context-encoding and token-generation models)."""
-
-    CONTEXT = "context_encoding"
-    TOKEN = "token_generation"
 
 
 class Runtime:

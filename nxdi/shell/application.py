@@ -17,7 +17,7 @@ import torch
 from nxdi.core import families, graph_key
 from nxdi.core import weight_plan as weight_plans
 from nxdi.core.config import neuron_checks
-from nxdi.core.config.neuron_spec import NeuronSpec
+from nxdi.core.config.neuron_spec import NeuronSpec, Phase
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.programs import catalog
@@ -27,7 +27,7 @@ from nxdi.effects import env as env_mod
 from nxdi.effects import weight_loader as weight_io
 from nxdi.effects.backends.base import Backend, WeightSet
 from nxdi.effects.backends.cpu import CpuBackend
-from nxdi.effects.runtime import Phase, Runtime
+from nxdi.effects.runtime import Runtime
 from nxdi.shell.config import NeuronConfig
 from nxdi.shell.exceptions import IncompatibleConfigError, unwrap_checkpoint, unwrap_or_raise
 from nxdi.shell.inference_config import CONFIG_FILE, InferenceConfig

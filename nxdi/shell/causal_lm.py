@@ -17,11 +17,12 @@ from returns.result import Failure, Result, Success
 from torch import Tensor
 
 from nxdi.core import sampling_params as sampling_params_core
+from nxdi.core.config.neuron_spec import Phase
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.host import batching
 from nxdi.core.planning import buckets, padding
 from nxdi.core.programs.inputs import StepInputs
-from nxdi.effects.runtime import Phase, Runtime
+from nxdi.effects.runtime import Runtime
 from nxdi.shell.application import NeuronApplicationBase
 from nxdi.shell.exceptions import IncompatibleConfigError, unwrap_or_raise
 

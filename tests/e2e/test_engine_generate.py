@@ -131,7 +131,7 @@ def test_a_context_batch_of_one_splits_prefill_into_single_rows(
     loaded_model: Callable[..., Any], hf_greedy: Callable[..., torch.Tensor]
 ) -> None:
     """ctx_batch_size=1 (continuous-batching style): prefill runs row by row, decoding batched."""
-    from nxdi.effects.runtime import Phase
+    from nxdi.core.config.neuron_spec import Phase
     from tests.e2e.engine_fixtures import bucket_calls
 
     model = loaded_model("llama", batch_size=4, ctx_batch_size=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from returns.result import Failure, Success
 
+from nxdi.core.config.neuron_spec import Phase
 from nxdi.core.planning import buckets, padding
 
 
@@ -44,9 +45,7 @@ def test_explicit_tables_are_sorted_and_checked() -> None:
 
 
 def test_reference_selection_examples_with_smallest_fit() -> None:
-    t = buckets.BucketTable(
-        kind=buckets.BucketKind.CONTEXT_ENCODING, lengths=(128, 256, 512), batch_sizes=(1,), max_length=512
-    )
+    t = buckets.BucketTable(kind=Phase.CONTEXT, lengths=(128, 256, 512), batch_sizes=(1,), max_length=512)
     assert buckets.select_bucket(t, 100) == Success(128)
     assert buckets.select_bucket(t, 255) == Success(256)
     assert buckets.select_bucket(t, 128) == Success(128)  # the reference's strict `<` picks 256

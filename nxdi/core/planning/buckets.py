@@ -18,7 +18,6 @@ Theory of operation:
 
 from __future__ import annotations
 
-import enum
 import itertools
 from collections.abc import Iterable, Sequence
 from typing import TypeGuard
@@ -26,19 +25,11 @@ from typing import TypeGuard
 import attrs
 from returns.result import Failure, Result, Success
 
-from nxdi.core.config.neuron_spec import NeuronSpec
+from nxdi.core.config.neuron_spec import NeuronSpec, Phase
 from nxdi.core.errors import ConfigError, Problem, problems_of, problems_result
 
 MIN_AUTO_BUCKET = 128
 """Smallest automatic bucket (unless the maximum itself is smaller)."""
-
-
-class BucketKind(enum.Enum):
-    """Which compiled sub-model a table belongs to."""
-
-    CONTEXT_ENCODING = "context_encoding"
-    TOKEN_GENERATION = "token_generation"
-    SPECULATION = "speculation"
 
 
 def _strictly_ascending_positive(
@@ -56,14 +47,14 @@ def _strictly_descending_positive(
 
 
 _LIMIT_FIELD = {
-    BucketKind.CONTEXT_ENCODING: "max_context_length",
-    BucketKind.TOKEN_GENERATION: "max_length",
-    BucketKind.SPECULATION: "max_length",
+    Phase.CONTEXT: "max_context_length",
+    Phase.TOKEN: "max_length",
+    Phase.SPECULATION: "max_length",
 }
 _BUCKETS_FIELD = {
-    BucketKind.CONTEXT_ENCODING: "context_encoding_buckets",
-    BucketKind.TOKEN_GENERATION: "token_generation_buckets",
-    BucketKind.SPECULATION: "token_generation_buckets",
+    Phase.CONTEXT: "context_encoding_buckets",
+    Phase.TOKEN: "token_generation_buckets",
+    Phase.SPECULATION: "token_generation_buckets",
 }
 
 
@@ -71,7 +62,7 @@ _BUCKETS_FIELD = {
 class BucketTable:
     """The compiled buckets of one sub-model."""
 
-    kind: BucketKind
+    kind: Phase
     lengths: tuple[int, ...] = attrs.field(validator=_strictly_ascending_positive)
     """Sequence buckets in tokens, strictly ascending (CTE: prompt length; TKG/speculation: cache positions)."""
     batch_sizes: tuple[int, ...] = attrs.field(validator=_strictly_descending_positive)
@@ -152,7 +143,7 @@ def check_lengths(
 
 
 def _table(
-    kind: BucketKind, *, limit: int, enable_bucketing: bool, buckets: Sequence[object] | None, extra: int = 0
+    kind: Phase, *, limit: int, enable_bucketing: bool, buckets: Sequence[object] | None, extra: int = 0
 ) -> Result[tuple[int, ...], ConfigError]:
     if limit <= 0:
         return Failure(ConfigError.of(_LIMIT_FIELD[kind], limit, "must be a positive integer"))
@@ -171,7 +162,7 @@ def context_encoding_table(
     Returns:
         `Failure` naming `context_encoding_buckets` when an explicit list is invalid (see `check_lengths`).
     """
-    kind = BucketKind.CONTEXT_ENCODING
+    kind = Phase.CONTEXT
     return _table(kind, limit=max_context_length, enable_bucketing=enable_bucketing, buckets=buckets).map(
         lambda lengths: BucketTable(
             kind=kind, lengths=lengths, batch_sizes=(batch_size,), max_length=max_context_length
@@ -213,7 +204,7 @@ def token_generation_table(
     Returns:
         `Failure` listing problems of both `token_generation_buckets` and `token_generation_batches`.
     """
-    kind = BucketKind.TOKEN_GENERATION
+    kind = Phase.TOKEN
     lengths = _table(kind, limit=max_length, enable_bucketing=enable_bucketing, buckets=buckets)
     sizes = check_batches(batches, batch_size=batch_size) if batches is not None else Success((batch_size,))
     match lengths, sizes:
@@ -231,7 +222,7 @@ def speculation_table(
     buckets: Sequence[object] | None = None,
 ) -> Result[BucketTable, ConfigError]:
     """The speculation table: the TKG rule on `max_length`; selection adds `speculation_length`."""
-    kind = BucketKind.SPECULATION
+    kind = Phase.SPECULATION
     if speculation_length < 0:
         return Failure(ConfigError.of("speculation_length", speculation_length, "must be >= 0"))
     return _table(kind, limit=max_length, enable_bucketing=enable_bucketing, buckets=buckets).map(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
+from nxdi.core.config.neuron_spec import Phase
 from nxdi.core.model_spec import ModelSpec, NormKind, PositionKind, RopeSpec
 from nxdi.core.planning import buckets
 
@@ -11,11 +12,11 @@ from nxdi.core.planning import buckets
 @st.composite
 def bucket_tables(draw: st.DrawFn) -> buckets.BucketTable:
     """Valid tables of any kind, 1-D or 2-D, with a maximum at or above the largest bucket."""
-    kind = draw(st.sampled_from(list(buckets.BucketKind)))
+    kind = draw(st.sampled_from(list(Phase)))
     lengths = sorted(draw(st.sets(st.integers(min_value=1, max_value=1 << 16), min_size=1, max_size=8)))
     sizes = sorted(draw(st.sets(st.integers(min_value=1, max_value=64), min_size=1, max_size=4)), reverse=True)
     max_length = draw(st.integers(min_value=lengths[-1], max_value=lengths[-1] + 1000))
-    extra = draw(st.integers(min_value=0, max_value=8)) if kind is buckets.BucketKind.SPECULATION else 0
+    extra = draw(st.integers(min_value=0, max_value=8)) if kind is Phase.SPECULATION else 0
     return buckets.BucketTable(
         kind=kind, lengths=tuple(lengths), batch_sizes=tuple(sizes), max_length=max_length, extra_tokens=extra
     )
