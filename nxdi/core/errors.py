@@ -110,6 +110,20 @@ class CheckpointError:
         return frozenset(p.field for p in self.problems)
 
 
+@attrs.frozen(kw_only=True)
+class ArtifactError:
+    """Every problem found in a compiled-model folder: missing, altered or stale files."""
+
+    problems: tuple[Problem, ...] = attrs.field(converter=_problem_tuple)
+    not_found: bool = False
+    """True when nothing is compiled there, or the weights it needs are gone (the shell raises
+    FileNotFoundError; otherwise the folder is damaged or stale: ArtifactIntegrityError)."""
+
+    def render(self, title: str = "Invalid compiled model") -> str:
+        """A multi-line message listing every problem."""
+        return _render_all(title, self.problems)
+
+
 def problems_result(value: T, problems: Iterable[Problem]) -> Result[T, ConfigError]:
     """`Success(value)` when `problems` is empty, else a `Failure` listing them all."""
     found = tuple(problems)

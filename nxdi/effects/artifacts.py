@@ -5,7 +5,7 @@ Layout of a compiled-model folder:
 
     neuron_config.json                                 the shell writes it
     weights/tp{rank}_sharded_checkpoint.safetensors    the weights writer (once, for every program)
-    programs/<name><suffix>                            one program per sub-model and bucket, no weights
+    programs/<phase>_<bucket><suffix>                  one program per sub-model and bucket, no weights
     manifest.json                                      written last: see `Manifest`
 
 Rules:
@@ -13,14 +13,14 @@ Rules:
   writing anything and writes it last, so an interrupted compile leaves a folder that reads as
   "nothing compiled" (FileNotFoundError), never a half-valid one.
 - Every file is written to a temporary name in its folder and renamed into place.
-- The manifest records the sha256 and size of every program (and of any file the caller asks it
-  to record). Loading checks them all and names each file that is missing, truncated or altered.
+- The manifest records each program's sub-model (phase) and bucket as fields, and the sha256 and
+  size of every program (and of any file the caller asks it to record). Loading checks them all
+  and names each file that is missing, truncated or altered.
+- The manifest carries a format number. A folder written by another format (an older nxdi) is
+  refused with "compile again", before anything else in it is read.
 - Compile cache: a program's key hashes the caller's graph key, the program name, the backend and
   the backend version (torch version and saved format). Compiling an unchanged configuration again
   reuses the folder's programs; with `cache_dir`, programs are also reused across folders.
-
-(Over 400 lines: the folder format, its checks, and the compile that writes it are one concept;
-split, the writer and the reader of the same manifest would drift apart.)
 """
 
 from __future__ import annotations
@@ -28,27 +28,25 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any
 
 import attrs
 from returns.pipeline import is_successful
 from returns.result import Failure, Result, Success
 from torch import Tensor
 
-from nxdi.core.errors import Problem
+from nxdi.core.config.neuron_spec import Phase
+from nxdi.core.errors import ArtifactError, Problem
 from nxdi.effects import files
 from nxdi.effects.backends.base import Backend, CompiledProgram, FlatProgram, Signature
 
-T = TypeVar("T")
-
 MANIFEST = "manifest.json"
 PROGRAMS = "programs"
-FORMAT = 1
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+FORMAT = 2
+"""Manifest format: 2 records phase and bucket per program (format 1 encoded them in the file name)."""
 _CHUNK = 1 << 22
 
 
@@ -57,10 +55,6 @@ def _programs(values: Iterable[ProgramRecord]) -> tuple[ProgramRecord, ...]:
 
 
 def _files(values: Iterable[FileRecord]) -> tuple[FileRecord, ...]:
-    return tuple(values)
-
-
-def _problems(values: Iterable[Problem]) -> tuple[Problem, ...]:
     return tuple(values)
 
 
@@ -79,7 +73,8 @@ class FileRecord:
 class ProgramRecord:
     """One compiled program in the folder."""
 
-    name: str
+    phase: Phase
+    bucket: int
     file: str
     """Relative path of the program file (also listed in `Manifest.files`)."""
     signature: Signature
@@ -107,7 +102,13 @@ class Manifest:
             "backend": self.backend,
             "backend_version": self.backend_version,
             "programs": [
-                {"name": p.name, "file": p.file, "cache_key": p.cache_key, "signature": p.signature.to_json()}
+                {
+                    "phase": p.phase.value,
+                    "bucket": p.bucket,
+                    "file": p.file,
+                    "cache_key": p.cache_key,
+                    "signature": p.signature.to_json(),
+                }
                 for p in self.programs
             ],
             "files": {f.path: {"sha256": f.sha256, "size": f.size} for f in self.files},
@@ -118,7 +119,8 @@ class Manifest:
         """The inverse of `to_json`. Raises KeyError/TypeError/ValueError on a malformed document."""
         programs = tuple(
             ProgramRecord(
-                name=str(p["name"]),
+                phase=Phase(p["phase"]),
+                bucket=int(p["bucket"]),
                 file=str(p["file"]),
                 cache_key=str(p["cache_key"]),
                 signature=Signature.from_json(p["signature"]),
@@ -138,39 +140,21 @@ class Manifest:
         )
 
 
-@attrs.frozen(kw_only=True)
-class ArtifactError:
-    """Every problem found in a compiled-model folder."""
-
-    problems: tuple[Problem, ...] = attrs.field(converter=_problems)
-    nothing_compiled: bool = False
-    """True when the folder has no manifest at all (the shell raises FileNotFoundError)."""
-
-    def render(self, title: str = "Invalid compiled model") -> str:
-        """A multi-line message listing every problem."""
-        lines = [f"{title}: {len(self.problems)} problem(s):"]
-        lines.extend(f"  - {p.render()}" for p in self.problems)
-        return "\n".join(lines)
-
-
-class ArtifactIntegrityError(RuntimeError):
-    """A compiled-model folder is corrupt, incomplete, or was made by another backend or version."""
-
-    def __init__(self, message: str, error: ArtifactError) -> None:
-        super().__init__(message)
-        self.error = error
-
-
 @attrs.frozen(eq=False, kw_only=True)
 class ProgramRequest:
-    """One program to compile: its name, the pure flat program, its signature, example tensors."""
+    """One program to compile: its sub-model and bucket, the pure flat program, its signature, examples."""
 
-    name: str = attrs.field(validator=attrs.validators.matches_re(_NAME))
-    """File-name safe: letters, digits, `_`, `.`, `-` (e.g. `token_generation_256`)."""
+    phase: Phase
+    bucket: int = attrs.field(validator=attrs.validators.gt(0))
     fn: FlatProgram
     signature: Signature
     example: Callable[[], Sequence[Tensor]]
     """Builds the W + C + I example tensors; called only when the program must be traced."""
+
+    @property
+    def name(self) -> str:
+        """`context_encoding_128`, ...: the program's file name stem and its name in messages."""
+        return f"{self.phase.value}_{self.bucket}"
 
 
 @attrs.frozen(kw_only=True)
@@ -204,15 +188,21 @@ def record_file(directory: Path, rel: str) -> FileRecord:
 
 
 def read_manifest(directory: str | os.PathLike[str]) -> Result[Manifest, ArtifactError]:
-    """The folder's manifest, or an ArtifactError (`nothing_compiled` when there is none)."""
+    """The folder's manifest, or an ArtifactError (`not_found` when there is none; another format refused)."""
     path = Path(directory) / MANIFEST
     if not path.is_file():
         problem = Problem.of(str(path), "<missing>", "no compiled model here", "compile() the model into this folder")
-        return Failure(ArtifactError(problems=(problem,), nothing_compiled=True))
+        return Failure(ArtifactError(problems=(problem,), not_found=True))
+    fix = "delete the folder and compile again"
     try:
-        return Success(Manifest.from_json(json.loads(path.read_text(encoding="utf-8"))))
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        version = raw.get("format") if isinstance(raw, dict) else None
+        if version != FORMAT:
+            who = "an older" if isinstance(version, int) and version < FORMAT else "another"
+            why = f"was written by {who} nxdi (manifest format {version}; this nxdi reads {FORMAT})"
+            return Failure(ArtifactError(problems=(Problem.of(f"{path}:format", version, why, "compile again"),)))
+        return Success(Manifest.from_json(raw))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        fix = "delete the folder and compile again"
         return Failure(ArtifactError(problems=(Problem.of(str(path), type(e).__name__, f"is malformed ({e})", fix),)))
 
 
@@ -238,8 +228,6 @@ def _compatibility(
     """The manifest was made by this backend and version (and for `graph_key`, when given)."""
     where, fix = str(directory / MANIFEST), "compile the model again with this installation"
     problems = []
-    if manifest.format != FORMAT:
-        problems.append(Problem.of(f"{where}:format", manifest.format, f"this nxdi reads format {FORMAT}", fix))
     if manifest.backend != backend.name:
         problems.append(Problem.of(f"{where}:backend", manifest.backend, f"loading with backend {backend.name!r}", fix))
     elif manifest.backend_version != backend.version():
@@ -253,34 +241,24 @@ def _compatibility(
 
 def load_programs(
     directory: str | os.PathLike[str], backend: Backend, *, graph_key: str | None = None
-) -> Result[dict[str, CompiledProgram], ArtifactError]:
+) -> Result[dict[tuple[Phase, int], CompiledProgram], ArtifactError]:
     """Every program of a compiled folder, verified and deserialized (no tracing).
 
     Returns:
-        name -> program, or an ArtifactError: no manifest (`nothing_compiled`), a malformed
-        manifest, missing/altered files (each named), or another backend, version or graph key.
+        (phase, bucket) -> program, or an ArtifactError: no manifest (`not_found`), a manifest of
+        another format or malformed, missing/altered files (each named), or another backend,
+        version or graph key.
     """
     root = Path(directory)
     checked = (
         read_manifest(root).bind(lambda m: _compatibility(m, backend, graph_key, root)).bind(lambda m: verify(root, m))
     )
-    return checked.map(lambda m: {p.name: backend.load(root / p.file, p.signature, name=p.name) for p in m.programs})
-
-
-def unwrap_artifacts(result: Result[T, ArtifactError]) -> T:
-    """The value, or FileNotFoundError (nothing compiled) / ArtifactIntegrityError listing every problem."""
-    match result:
-        case Success(value):
-            return value
-        case Failure(error):
-            _raise(error)
-    raise AssertionError("unreachable")
-
-
-def _raise(error: ArtifactError) -> NoReturn:
-    if error.nothing_compiled:
-        raise FileNotFoundError(error.render("Nothing compiled"))
-    raise ArtifactIntegrityError(error.render(), error)
+    return checked.map(
+        lambda m: {
+            (p.phase, p.bucket): backend.load(root / p.file, p.signature, name=f"{p.phase.value}_{p.bucket}")
+            for p in m.programs
+        }
+    )
 
 
 # --- compiling --------------------------------------------------------------------------------
@@ -367,13 +345,13 @@ def compile_programs(
             hashes the manifest should hold, so loading detects changes to them too.
 
     Raises:
-        ValueError: duplicate program names. Exceptions from tracing propagate; the folder is
-            then left without a manifest (reads as not compiled).
+        ValueError: two requests for one (phase, bucket). Exceptions from tracing propagate; the
+            folder is then left without a manifest (reads as not compiled).
     """
     root = Path(directory)
     names = [r.name for r in requests]
     if len(set(names)) != len(names):
-        raise ValueError(f"duplicate program names in {names}")
+        raise ValueError(f"two requests for one sub-model and bucket among {names}")
     version = backend.version()
     reusable = _reusable(root)
     (root / MANIFEST).unlink(missing_ok=True)  # not compiled until the new manifest lands
@@ -385,7 +363,9 @@ def compile_programs(
         rel = f"{PROGRAMS}/{req.name}{backend.suffix}"
         if _place(req, root / rel, key, ctx):
             traced.append(req.name)
-        programs.append(ProgramRecord(name=req.name, file=rel, signature=req.signature, cache_key=key))
+        programs.append(
+            ProgramRecord(phase=req.phase, bucket=req.bucket, file=rel, signature=req.signature, cache_key=key)
+        )
     _remove_stale(root, {p.file for p in programs})
     rels = [p.file for p in programs] + [r for r in record if r not in {p.file for p in programs}]
     manifest = Manifest(

@@ -1,11 +1,11 @@
-"""The loaded model: weights, the KV cache, and one step program per sub-model and bucket.
+"""The loaded model: the KV cache, and one step program per sub-model and bucket.
 Effects: owns and mutates the KV cache tensors, draws random numbers from a seeded generator.
 
-A `Runtime` is what `load()` / `to_cpu()` produce. It runs a step on a *view* of the cache (the
-first `bucket` slots, and the rows the caller names) and writes the program's updated view back
-in place, so the cache lives in one set of tensors for the life of the model. Programs are
-interchangeable: the eager pure step, or whatever a backend compiled from it, as long as they
-keep the calling convention of `nxdi.core.programs.step.step`.
+A `Runtime` is what `load()` / `to_cpu()` produce (`nxdi.effects.engine`). It runs a step on a
+*view* of the cache (the first `bucket` slots, and the rows the caller names) and writes the
+program's updated view back in place, so the cache lives in one set of tensors for the life of the
+model. Programs are interchangeable, the eager pure step or whatever a backend compiled from it, as
+long as they keep one calling convention, with their weights already bound (see `Program`).
 """
 
 from __future__ import annotations
@@ -20,23 +20,26 @@ from nxdi.core.config.neuron_spec import Phase
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 
-Program = Callable[[Any, KVCache, StepInputs, Tensor, Tensor], tuple[Tensor | None, Tensor | None, KVCache]]
-"""(weights, cache view, inputs, params [B, 3], uniforms [B]) -> (logits | None, tokens | None, cache view)."""
+Program = Callable[[KVCache, StepInputs, Tensor, Tensor], tuple[Tensor | None, Tensor | None, KVCache]]
+"""(cache view, inputs, params [B, 3], uniforms [B]) -> (logits | None, tokens | None, cache view),
+its weights bound already."""
 
 
 class Runtime:
-    """Weights, the KV cache and the step programs of a loaded model."""
+    """The KV cache and the step programs of a loaded model."""
 
     def __init__(
         self,
         *,
-        weights: Any,
         cache: KVCache,
         programs: Mapping[tuple[Phase, int], Program],
+        weights: Any = None,
         seed: int = 0,
         deterministic: bool = False,
     ) -> None:
         self.weights = weights
+        """The program's weights value the programs were built from (for inspection; a compiled
+        program runs on the backend's bound copies)."""
         self.cache = cache
         self.programs = dict(programs)
         self.deterministic = deterministic
@@ -78,7 +81,7 @@ class Runtime:
         """
         program = self.programs[(phase, bucket)]
         view = self._view(bucket, rows, x.input_ids.shape[0])
-        logits, tokens, updated = program(self.weights, view, x, params, self.uniforms(x.input_ids.shape[0]))
+        logits, tokens, updated = program(view, x, params, self.uniforms(x.input_ids.shape[0]))
         self._write_back(updated, bucket, rows)
         return logits, tokens
 

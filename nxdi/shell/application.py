@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,31 +16,19 @@ import torch
 from nxdi.core import families, graph_key
 from nxdi.core import weight_plan as weight_plans
 from nxdi.core.config import neuron_checks
-from nxdi.core.config.neuron_spec import NeuronSpec, Phase
+from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.programs import catalog
-from nxdi.core.programs.inputs import StepInputs
-from nxdi.effects import artifacts, checkpoint, engine, programs
+from nxdi.effects import engine
 from nxdi.effects import env as env_mod
 from nxdi.effects import weight_loader as weight_io
-from nxdi.effects.backends.base import Backend, WeightSet
+from nxdi.effects.backends.base import Backend
 from nxdi.effects.backends.cpu import CpuBackend
 from nxdi.effects.runtime import Runtime
 from nxdi.shell.config import NeuronConfig
-from nxdi.shell.exceptions import IncompatibleConfigError, unwrap_checkpoint, unwrap_or_raise
+from nxdi.shell.exceptions import IncompatibleConfigError, unwrap
 from nxdi.shell.inference_config import CONFIG_FILE, InferenceConfig
-
-SHARDED_WEIGHTS = "weights/tp0_sharded_checkpoint.safetensors"
-
-
-def checkpoint_exists(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` holds a checkpoint nxdi can read."""
-    try:
-        checkpoint.find_checkpoint(path)
-    except FileNotFoundError:
-        return False
-    return True
 
 
 class NeuronApplicationBase:
@@ -106,7 +93,7 @@ class NeuronApplicationBase:
         """Require a neuron_config, and reject what the CPU engine cannot run yet (all listed)."""
         if getattr(config, "neuron_config", None) is None:
             raise IncompatibleConfigError("neuron_config: is required but missing from the InferenceConfig")
-        unwrap_or_raise(neuron_checks.check_cpu_support(config.neuron_config.spec), "Unsupported on the CPU backend")
+        unwrap(neuron_checks.check_cpu_support(config.neuron_config.spec), "Unsupported on the CPU backend")
 
     def get_compiler_args(self) -> str | None:
         """Extra neuronx-cc arguments; none by default."""
@@ -118,7 +105,7 @@ class NeuronApplicationBase:
         """The program of the config's model (IncompatibleConfigError when none runs it)."""
         model = config.model_spec()
         program = families.record_for(model.model_type).bind(lambda record: catalog.program_for(record, model))
-        return unwrap_or_raise(program, "This model cannot run on the CPU backend")
+        return unwrap(program, "This model cannot run on the CPU backend")
 
     @classmethod
     def _weight_plan(cls, config: InferenceConfig) -> weight_plans.WeightPlan:
@@ -132,7 +119,7 @@ class NeuronApplicationBase:
             model_prefix=cls._STATE_DICT_MODEL_PREFIX,
             new_prefix=cls._NEW_STATE_DICT_MODEL_PREFIX,
         )
-        return unwrap_or_raise(plan)
+        return unwrap(plan)
 
     @classmethod
     def get_state_dict(cls, model_path: str | os.PathLike[str], config: InferenceConfig) -> dict[str, torch.Tensor]:
@@ -142,134 +129,93 @@ class NeuronApplicationBase:
             CheckpointValidationError: missing, unexpected or misshapen tensors (all listed).
             FileNotFoundError / ValueError: no checkpoint, or an unreadable, corrupt or unsafe file.
         """
-        return unwrap_checkpoint(weight_io.get_state_dict(model_path, cls._weight_plan(config)))
+        return unwrap(weight_io.get_state_dict(model_path, cls._weight_plan(config)))
 
     @classmethod
     def convert_hf_to_neuron_state_dict(
         cls, state_dict: dict[str, torch.Tensor], config: InferenceConfig
     ) -> dict[str, torch.Tensor]:
         """An in-memory Hugging Face state dict (keys as stored) converted like `get_state_dict`."""
-        return unwrap_checkpoint(weight_ops.convert(cls._weight_plan(config), state_dict))
-
-    def _load_weights(self, source: str | os.PathLike[str]) -> Any:
-        tensors = self.get_state_dict(source, self.config)
-        return self.program.weights(tensors, spec=self.model_spec)
+        return unwrap(weight_ops.convert(cls._weight_plan(config), state_dict))
 
     # --- life cycle ----------------------------------------------------------------------------
-    def to_cpu(self) -> None:
-        """Load the weights and run the pure programs eagerly on the CPU, writing no artifacts."""
-        self._runtime = engine.build_runtime(
-            self.model_spec, self.spec, self.program, self._load_weights(self.model_path)
-        )
-        self.is_loaded_to_neuron = True
+    def _engine_model(self) -> engine.EngineModel:
+        return engine.EngineModel(program=self.program, model=self.model_spec, spec=self.spec)
 
     def _graph_key(self) -> str:
         return graph_key.graph_key(
             self.spec, self.model_spec, extra=f"{type(self).__name__}/{self.program.record.name}"
         )
 
+    def _backend(self) -> Backend:
+        return CpuBackend()
+
+    def to_cpu(self) -> None:
+        """Load the weights and run the pure programs eagerly on the CPU, writing no artifacts."""
+        self._runtime = engine.eager_runtime(self._engine_model(), self.get_state_dict(self.model_path, self.config))
+        self.is_loaded_to_neuron = True
+
     def compile(self, compiled_model_path: str | os.PathLike[str], debug: bool = False) -> None:
         """Trace one program per sub-model and bucket and write the compiled-model folder.
 
         Writes `neuron_config.json`, `programs/*.pt2` (graphs only, no weights), with
         `save_sharded_checkpoint` the converted weights once in
-        `weights/tp0_sharded_checkpoint.safetensors`, and last `manifest.json` with a sha256 per
-        file. Programs whose graph key, name and backend version are unchanged are reused, not
-        traced again. An interrupted compile leaves no manifest, which reads as not compiled.
-        `debug` is accepted for NxDI compatibility (the CPU backend keeps no HLO to annotate).
+        `weights/tp0_sharded_checkpoint.safetensors`, and last `manifest.json` with the sub-model,
+        bucket and sha256 of every program. Programs whose graph key, sub-model, bucket and backend
+        version are unchanged are reused, not traced again. An interrupted compile leaves no
+        manifest, which reads as not compiled. `debug` is accepted for NxDI compatibility (the CPU
+        backend keeps no HLO to annotate).
         """
         root = Path(compiled_model_path)
-        root.mkdir(parents=True, exist_ok=True)
         self.config.save(root)
-        tensors = self.get_state_dict(self.model_path, self.config)
-        record = [CONFIG_FILE]
-        if self.spec.save_sharded_checkpoint:
-            self._write_shards(root, tensors)
-            record.append(SHARDED_WEIGHTS)
-        requests = programs.program_requests(
-            self.program, self.model_spec, self.spec, programs.bound_weights(tensors, self.model_spec)
-        )
-        self._last_compile = artifacts.compile_programs(
+        self._last_compile = engine.compile_model(
             root,
-            requests,
-            graph_key=self._graph_key(),
+            self._engine_model(),
+            self.get_state_dict(self.model_path, self.config),
             backend=self._backend(),
+            graph_key=self._graph_key(),
+            save_weights=self.spec.save_sharded_checkpoint,
             cache_dir=env_mod.read_env().compile_cache_dir,
-            record=record,
+            record=[CONFIG_FILE],
         )
         self.is_compiled = True
 
-    def _write_shards(self, root: Path, tensors: Mapping[str, torch.Tensor]) -> None:
-        checkpoint.write_safetensors(root / SHARDED_WEIGHTS, programs.bound_weights(tensors, self.model_spec))
-
     def shard_weights(self, compiled_model_path: str | os.PathLike[str]) -> None:
         """Write the converted weights to `compiled_model_path/weights/` (tp rank 0 on the CPU)."""
-        self._write_shards(Path(compiled_model_path), self.get_state_dict(self.model_path, self.config))
-
-    def _backend(self) -> Backend:
-        return CpuBackend()
-
-    def _weight_source(self, root: Path) -> dict[str, torch.Tensor]:
-        """The converted weights: the sharded file when the compile wrote one, else the original checkpoint."""
-        if (root / SHARDED_WEIGHTS).is_file():
-            with checkpoint.open_checkpoint(root / SHARDED_WEIGHTS) as ckpt:
-                return dict(ckpt.iter_tensors())
-        source = self.checkpoint_path
-        if not checkpoint_exists(source):
-            raise FileNotFoundError(
-                f"{root}: compiled without save_sharded_checkpoint, so weights come from the original checkpoint "
-                f"{source!r}, which has no checkpoint files. Fix: compile with save_sharded_checkpoint=True or "
-                "restore the checkpoint"
-            )
-        return programs.bound_weights(self.get_state_dict(source, self.config), self.model_spec)
+        weights = self.get_state_dict(self.model_path, self.config)
+        engine.write_weights(compiled_model_path, self._engine_model(), weights)
 
     def load(self, compiled_model_path: str | os.PathLike[str]) -> None:
         """Load the compiled programs and the weights, without tracing; warm up unless skip_warmup.
 
         Raises:
-            FileNotFoundError: nothing is compiled at the path.
-            ArtifactIntegrityError: a file is missing or altered, or the folder was compiled for another
-                configuration or backend version (every problem named).
+            FileNotFoundError: nothing is compiled at the path, or its weights are gone (the folder
+                holds none and the original checkpoint is missing).
+            ArtifactIntegrityError: a file is missing or altered, or the folder was compiled by
+                another nxdi, for another configuration or backend version (every problem named).
+            CheckpointValidationError: the weights do not fit the compiled programs.
         """
-        root = Path(compiled_model_path)
-        backend = self._backend()
-        compiled = artifacts.unwrap_artifacts(artifacts.load_programs(root, backend, graph_key=self._graph_key()))
-        self._programs = compiled
-        self.load_weights(root)
-        self.is_compiled = True
-        if not self.spec.skip_warmup:
-            self._warmup()
+        self._load(compiled_model_path, warmup=not self.spec.skip_warmup)
 
     def load_weights(self, compiled_model_path: str | os.PathLike[str]) -> None:
-        """(Re)load the weights and bind every compiled program to them; the KV cache starts empty."""
-        backend = self._backend()
-        tensors = self._weight_source(Path(compiled_model_path))
-        names = next(iter(self._programs.values())).signature.weights
-        missing = [n for n in names if n not in tensors]
-        if missing:
-            raise FileNotFoundError(f"{compiled_model_path}: the weights lack {missing}. Fix: compile again")
-        weight_set = WeightSet(tensors=tuple(tensors[n] for n in names))
-        bound = {}
-        for name, program in self._programs.items():
-            loaded = unwrap_checkpoint(backend.bind(program, weight_set), f"Weights do not fit program {name}")
-            bound[programs.phase_and_bucket(name)] = programs.runtime_program(backend, loaded)
-        weights = self.program.weights(tensors, spec=self.model_spec)
-        self._runtime = engine.build_runtime(self.model_spec, self.spec, self.program, weights, programs=bound)
-        self.is_loaded_to_neuron = True
+        """(Re)load the compiled programs and the weights; the KV cache starts empty (no warm-up).
 
-    def _warmup(self) -> None:
-        """Run every program once on dummy inputs, then clear the cache (first calls allocate)."""
-        runtime = self._require_runtime()
-        for phase, bucket in runtime.programs:
-            batch = self.spec.ctx_batch_size if phase is Phase.CONTEXT else self.spec.tkg_batch_size
-            s = bucket if phase is Phase.CONTEXT else 1
-            x = StepInputs(
-                input_ids=torch.zeros(batch, s, dtype=torch.int64),
-                position_ids=torch.arange(s)[None, :].expand(batch, s).contiguous(),
-                last_index=torch.full((batch,), s - 1, dtype=torch.int64),
-            )
-            runtime.run(phase, bucket, x, rows=None, params=torch.ones(batch, 3))
-        runtime.reset_cache()
+        Raises: as `load`.
+        """
+        self._load(compiled_model_path, warmup=False)
+
+    def _load(self, compiled_model_path: str | os.PathLike[str], *, warmup: bool) -> None:
+        source = engine.CheckpointSource(path=self.checkpoint_path, plan=self._weight_plan(self.config))
+        loaded = engine.load_model(
+            compiled_model_path,
+            self._engine_model(),
+            backend=self._backend(),
+            graph_key=self._graph_key(),
+            checkpoint_source=source,
+            warmup=warmup,
+        )
+        self._runtime = unwrap(loaded)
+        self.is_compiled = self.is_loaded_to_neuron = True
 
     def set_seed(self, seed: int) -> None:
         """Restart the on-device sampling random stream: the same seed gives the same draws."""

@@ -24,7 +24,7 @@ from nxdi.core.planning import buckets, padding
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.effects.runtime import Runtime
 from nxdi.shell.application import NeuronApplicationBase
-from nxdi.shell.exceptions import IncompatibleConfigError, unwrap_or_raise
+from nxdi.shell.exceptions import IncompatibleConfigError, unwrap
 
 
 def prepare_sampling_params(
@@ -45,7 +45,7 @@ def prepare_sampling_params(
     rows = sampling_params_core.prepare_sampling_params(
         batch_size, top_k=as_list(top_k), top_p=as_list(top_p), temperature=as_list(temperature)
     )
-    return torch.tensor(unwrap_or_raise(rows, "Invalid sampling parameters"), dtype=torch.float32)
+    return torch.tensor(unwrap(rows, "Invalid sampling parameters"), dtype=torch.float32)
 
 
 class CausalLMOutput(dict):  # type: ignore[type-arg]
@@ -66,8 +66,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         super().__init__(*args, **kwargs)
         self.kv_cache_populated = False
         self._tables = {
-            Phase.CONTEXT: unwrap_or_raise(buckets.context_table_for(self.spec)),
-            Phase.TOKEN: unwrap_or_raise(buckets.token_table_for(self.spec)),
+            Phase.CONTEXT: unwrap(buckets.context_table_for(self.spec)),
+            Phase.TOKEN: unwrap(buckets.token_table_for(self.spec)),
         }
 
     @property
@@ -151,9 +151,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             return torch.tensor([row] * batch, dtype=torch.float32)
         rows = torch.as_tensor(given, dtype=torch.float32)
         topk = ods.global_topk if ods is not None else 256
-        checked = unwrap_or_raise(
-            sampling_params_core.validate_sampling_params(rows.tolist(), topk), "Invalid sampling_params"
-        )
+        checked = unwrap(sampling_params_core.validate_sampling_params(rows.tolist(), topk), "Invalid sampling_params")
         if len(checked) != batch:
             raise IncompatibleConfigError(f"sampling_params: has {len(checked)} rows for a batch of {batch}")
         return torch.tensor(sampling_params_core.infer_sampling_params(checked), dtype=torch.float32)
@@ -162,7 +160,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         self, runtime: Runtime, ids: Tensor, mask: Tensor, rows: Tensor, params: Tensor
     ) -> tuple[Tensor | None, Tensor | None]:
         compacted, lengths = batching.compact(ids, mask)
-        bucket = unwrap_or_raise(
+        bucket = unwrap(
             buckets.select_bucket(
                 self._tables[Phase.CONTEXT],
                 int(lengths.max()),
@@ -183,7 +181,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                 f"position_ids: position {needed - 1} is past max_length={self.spec.max_length} (seq_len); "
                 "generation cannot continue. Fix: raise seq_len / max_length, or generate fewer tokens"
             )
-        bucket = unwrap_or_raise(buckets.select_bucket(self._tables[Phase.TOKEN], needed))
+        bucket = unwrap(buckets.select_bucket(self._tables[Phase.TOKEN], needed))
         x = StepInputs(input_ids=ids, position_ids=positions, last_index=torch.zeros(ids.shape[0], dtype=torch.int64))
         return self._run_batched(runtime, Phase.TOKEN, bucket, x, rows, params, self.spec.tkg_batch_size)
 
@@ -191,7 +189,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         self, runtime: Runtime, phase: Phase, bucket: int, x: StepInputs, rows: Tensor, params: Tensor, compiled: int
     ) -> tuple[Tensor | None, Tensor | None]:
         """Pad or split the batch to the compiled batch size, run, and restore the caller's order."""
-        plan = unwrap_or_raise(self._batch_plan(rows.tolist(), compiled), "Invalid seq_ids")
+        plan = unwrap(self._batch_plan(rows.tolist(), compiled), "Invalid seq_ids")
         logits_out: list[tuple[tuple[int, ...], Tensor]] = []
         tokens_out: list[tuple[tuple[int, ...], Tensor]] = []
         for chunk in plan.chunks:

@@ -22,7 +22,7 @@ from nxdi.core.config.sub_specs import ChunkedPrefillSpec, LoraSpec, OnDeviceSam
 from nxdi.core.platform import Platform
 from nxdi.effects import env as env_mod
 from nxdi.effects import lora_adapters as lora_io
-from nxdi.shell.exceptions import unwrap_or_raise
+from nxdi.shell.exceptions import unwrap
 
 _SUB_SPECS: dict[str, type] = sub_spec_fields(NeuronSpec)
 
@@ -82,7 +82,7 @@ class _SubConfig:
     def __setattr__(self, name: str, value: Any) -> None:
         field = _field_of(self._spec_cls)
         data = {**to_json(self._spec), name: value}
-        new = unwrap_or_raise(parse_sub(self._spec_cls, data, prefix=field))
+        new = unwrap(parse_sub(self._spec_cls, data, prefix=field))
         if self._owner is not None:
             self._owner._replace_sub(field, new)
         object.__setattr__(self, "_spec", new)
@@ -112,7 +112,7 @@ class OnDeviceSamplingConfig(_SubConfig):
     _spec_cls = OnDeviceSamplingSpec
 
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__(unwrap_or_raise(neuron_parse.parse_on_device_sampling(kwargs, platform=_platform())))
+        super().__init__(unwrap(neuron_parse.parse_on_device_sampling(kwargs, platform=_platform())))
 
 
 class ChunkedPrefillConfig(_SubConfig):
@@ -121,7 +121,7 @@ class ChunkedPrefillConfig(_SubConfig):
     _spec_cls = ChunkedPrefillSpec
 
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__(unwrap_or_raise(parse_sub(ChunkedPrefillSpec, kwargs, prefix=_field_of(ChunkedPrefillSpec))))
+        super().__init__(unwrap(parse_sub(ChunkedPrefillSpec, kwargs, prefix=_field_of(ChunkedPrefillSpec))))
 
 
 class LoraServingConfig(_SubConfig):
@@ -141,7 +141,7 @@ class LoraServingConfig(_SubConfig):
         if raw.get("lora_ckpt_json"):
             for key, value in lora_io.read_paths_json(raw["lora_ckpt_json"]).items():
                 raw.setdefault(key, value)
-        parsed = unwrap_or_raise(neuron_parse.parse_neuron_spec({"lora_config": raw})).spec.lora_config
+        parsed = unwrap(neuron_parse.parse_neuron_spec({"lora_config": raw})).spec.lora_config
         assert parsed is not None
         infos = []
         for key in ("lora_ckpt_paths", "lora_ckpt_paths_cpu"):
@@ -194,7 +194,7 @@ class NeuronConfig:
         result = neuron_parse.parse_neuron_spec(
             given, env_lnc=env.logical_nc_config, platform=env.platform_target or Platform.TRN1, moe=self._moe
         )
-        return unwrap_or_raise(result, f"Invalid {type(self).__name__}")
+        return unwrap(result, f"Invalid {type(self).__name__}")
 
     def _install(self, given: dict[str, Any], parsed: neuron_parse.ParsedNeuronSpec) -> None:
         object.__setattr__(self, "_given", given)

@@ -1,4 +1,4 @@
-"""The documented exceptions, and the one place core Failures become them."""
+"""The documented exceptions, and the one place core Failures become them (`unwrap`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import TypeVar
 
 from returns.result import Failure, Result, Success
 
-from nxdi.core.errors import CheckpointError, ConfigError
+from nxdi.core.errors import ArtifactError, CheckpointError, ConfigError
 
 T = TypeVar("T")
 
@@ -32,23 +32,37 @@ class CheckpointValidationError(ValueError):
         self.error = error
 
 
-def unwrap_or_raise(result: Result[T, ConfigError], title: str = "Invalid configuration") -> T:
-    """The success value, or IncompatibleConfigError listing every problem."""
+class ArtifactIntegrityError(RuntimeError):
+    """A compiled-model folder is corrupt, incomplete, or was made by another nxdi, backend or configuration."""
+
+    def __init__(self, message: str, error: ArtifactError | None = None) -> None:
+        super().__init__(message)
+        self.error = error
+
+
+def exception_for(error: ConfigError | CheckpointError | ArtifactError, title: str | None = None) -> Exception:
+    """The documented exception for a core error value, its message listing every problem:
+    IncompatibleConfigError (a ValueError) for a configuration, CheckpointValidationError (a
+    ValueError) for a checkpoint, FileNotFoundError when nothing is compiled or its weights are
+    gone, else ArtifactIntegrityError for a compiled folder."""
+    match error:
+        case ConfigError():
+            return IncompatibleConfigError(error.render(title or "Invalid configuration"), error)
+        case CheckpointError():
+            return CheckpointValidationError(error.render(title or "Invalid checkpoint"), error)
+        case ArtifactError(not_found=True):
+            return FileNotFoundError(error.render(title or "Nothing to load"))
+        case ArtifactError():
+            return ArtifactIntegrityError(error.render(title or "Invalid compiled model"), error)
+
+
+def unwrap(result: Result[T, ConfigError | CheckpointError | ArtifactError], title: str | None = None) -> T:
+    """The success value, or the documented exception for the failure (see `exception_for`)."""
     match result:
         case Success(value):
             return value
         case Failure(error):
-            raise IncompatibleConfigError(error.render(title), error) from None
-    raise AssertionError("unreachable")
-
-
-def unwrap_checkpoint(result: Result[T, CheckpointError], title: str = "Invalid checkpoint") -> T:
-    """The success value, or CheckpointValidationError listing every problem."""
-    match result:
-        case Success(value):
-            return value
-        case Failure(error):
-            raise CheckpointValidationError(error.render(title), error) from None
+            raise exception_for(error, title) from None
     raise AssertionError("unreachable")
 
 

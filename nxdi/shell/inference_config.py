@@ -25,7 +25,7 @@ from nxdi.core.platform import Platform
 from nxdi.effects import env as env_mod
 from nxdi.effects.files import write_text_atomic
 from nxdi.shell.config import MoENeuronConfig, NeuronConfig, _is_torch_dtype
-from nxdi.shell.exceptions import MissingAttributesError, unwrap_or_raise
+from nxdi.shell.exceptions import MissingAttributesError, unwrap
 
 CONFIG_FILE = "neuron_config.json"
 
@@ -183,9 +183,7 @@ class InferenceConfig:
                 "load_config=load_pretrained_config(model_path)"
             )
         attributes = {k: v for k, v in vars(self).items() if k != "neuron_config"}
-        unwrap_or_raise(
-            neuron_checks.check_attention_chunking(self.neuron_config.spec, attributes), "Invalid InferenceConfig"
-        )
+        unwrap(neuron_checks.check_attention_chunking(self.neuron_config.spec, attributes), "Invalid InferenceConfig")
         if self._family is not None:
             self.model_spec()
 
@@ -200,7 +198,7 @@ class InferenceConfig:
 
     def model_spec(self) -> ModelSpec:
         """The architecture these attributes describe (IncompatibleConfigError listing every problem)."""
-        return unwrap_or_raise(parse_model_spec(self.hf_dict()), "Invalid model configuration")
+        return unwrap(parse_model_spec(self.hf_dict()), "Invalid model configuration")
 
     # --- serialization -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -235,7 +233,7 @@ class InferenceConfig:
 
     @classmethod
     def from_json_string(cls, json_string: str, source: str = CONFIG_FILE, **kwargs: Any) -> InferenceConfig:
-        data = unwrap_or_raise(codec.loads(json_string, source=source), f"Cannot read {source}")
+        data = unwrap(codec.loads(json_string, source=source), f"Cannot read {source}")
         return cls.from_dict({**data, **kwargs})
 
     @classmethod
@@ -266,7 +264,7 @@ def _neuron_config_from_dict(cls: type[InferenceConfig], data: Mapping[str, Any]
         case Success(p):
             return neuron_cls.from_spec(p.spec)
         case Failure(_):
-            unwrap_or_raise(parsed, "Invalid neuron_config in configuration file")
+            unwrap(parsed, "Invalid neuron_config in configuration file")
     raise AssertionError("unreachable")
 
 

@@ -14,7 +14,7 @@ import torch
 from transformers import GenerationConfig
 
 from nxdi import NeuronConfig, OnDeviceSamplingConfig, load_pretrained_config
-from nxdi.effects.artifacts import ArtifactIntegrityError
+from nxdi.shell.exceptions import ArtifactIntegrityError
 from nxdi.shell.generation import HuggingFaceGenerationAdapter
 from nxdi.shell.models import LlamaInferenceConfig, NeuronLlamaForCausalLM
 from nxdi.testing import checkpoints
@@ -150,3 +150,37 @@ def test_interrupted_compile_leaves_nothing_loadable(
     assert not (tmp_path / "manifest.json").exists()
     with pytest.raises(FileNotFoundError):
         NeuronLlamaForCausalLM(tmp_path).load(tmp_path)
+
+
+def test_a_folder_compiled_by_an_older_nxdi_is_refused(compiled: Path, tmp_path: Path) -> None:
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(compiled, old)
+    doc = json.loads((old / "manifest.json").read_text())
+    for program in doc["programs"]:  # format 1 named its programs instead of recording phase and bucket
+        program["name"] = f"{program.pop('phase')}_{program.pop('bucket')}"
+    (old / "manifest.json").write_text(json.dumps(doc | {"format": 1}))
+    with pytest.raises(
+        ArtifactIntegrityError, match=r"older nxdi \(manifest format 1; this nxdi reads 2\).*compile again"
+    ):
+        NeuronLlamaForCausalLM(old).load(old)
+
+
+def test_load_weights_alone_brings_a_model_up(compiled: Path, llama: tuple[Path, object]) -> None:
+    model = NeuronLlamaForCausalLM(compiled)
+    model.load_weights(compiled)  # no load() first: it reads the programs itself
+    out = HuggingFaceGenerationAdapter(model).generate(IDS, attention_mask=MASK, generation_config=GEN)
+    assert torch.equal(out, llama[1].generate(IDS, attention_mask=MASK, generation_config=GEN))
+
+
+def test_a_missing_original_checkpoint_is_file_not_found(llama: tuple[Path, object], tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "checkpoint"
+    shutil.copytree(llama[0], copy)
+    compiled = tmp_path / "compiled"
+    NeuronLlamaForCausalLM(copy, _config(copy)).compile(compiled)
+    (copy / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"holds no checkpoint.*save_sharded_checkpoint=True"):
+        NeuronLlamaForCausalLM(compiled).load(compiled)

@@ -13,9 +13,11 @@ import pytest
 import torch
 from returns.pipeline import is_successful
 
+from nxdi.core.config.neuron_spec import Phase
 from nxdi.effects import artifacts
 from nxdi.effects.backends.base import FlatProgram, WeightSet
 from nxdi.effects.backends.cpu import CpuBackend
+from nxdi.shell.exceptions import ArtifactIntegrityError, unwrap
 from tests.unit import cpu_programs as cp
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,7 +27,7 @@ BACKEND = CpuBackend()
 def requests(fn: FlatProgram = cp.step, buckets: tuple[int, ...] = (1, 4)) -> list[artifacts.ProgramRequest]:
     return [
         artifacts.ProgramRequest(
-            name=f"token_generation_{s}", fn=fn, signature=cp.SIGNATURE, example=lambda s=s: cp.example(s)
+            phase=Phase.TOKEN, bucket=s, fn=fn, signature=cp.SIGNATURE, example=lambda s=s: cp.example(s)
         )
         for s in buckets
     ]
@@ -52,13 +54,14 @@ def test_load_in_a_fresh_process_gives_identical_outputs_without_tracing(compile
         def refuse(*args, **kwargs):
             raise AssertionError("load traced or compiled again")
         torch.export.export = torch.compile = torch.jit.trace = refuse
+        from nxdi.core.config.neuron_spec import Phase
         from nxdi.effects import artifacts
         from nxdi.effects.backends.base import WeightSet
         from nxdi.effects.backends.cpu import CpuBackend
         from tests.unit import cpu_programs as cp
         backend = CpuBackend()
-        programs = artifacts.unwrap_artifacts(artifacts.load_programs({str(compiled)!r}, backend, graph_key="key-a"))
-        loaded = backend.bind(programs["token_generation_4"], WeightSet(tensors=cp.weights(0))).unwrap()
+        programs = artifacts.load_programs({str(compiled)!r}, backend, graph_key="key-a").unwrap()
+        loaded = backend.bind(programs[(Phase.TOKEN, 4)], WeightSet(tensors=cp.weights(0))).unwrap()
         (y,), (cache,) = backend.run(loaded, [torch.zeros(cp.B, cp.T, cp.E)], cp.inputs(1, 4, 0))
         assert cp.CALLS["n"] == 0, "the program body ran"
         torch.save({{"y": y, "cache": cache}}, {str(out)!r})
@@ -115,7 +118,8 @@ def test_program_files_hold_no_weight_bytes(compiled: Path) -> None:
     w = torch.randn(512, 512)  # 1 MiB of weights: far larger than the program files
     big = [
         artifacts.ProgramRequest(
-            name=f"big_{s}",
+            phase=Phase.CONTEXT,
+            bucket=s,
             fn=cp.step,
             signature=cp.SIGNATURE,
             example=lambda s=s: (
@@ -136,7 +140,7 @@ def test_program_files_hold_no_weight_bytes(compiled: Path) -> None:
 
 
 def test_rebinding_new_weights_uses_them(compiled: Path) -> None:
-    program = artifacts.unwrap_artifacts(artifacts.load_programs(compiled, BACKEND))["token_generation_1"]
+    program = unwrap(artifacts.load_programs(compiled, BACKEND))[(Phase.TOKEN, 1)]
     for seed in (3, 4):
         w = cp.weights(seed)
         (y,), _ = BACKEND.run(
@@ -152,8 +156,8 @@ def test_a_flipped_byte_is_reported_naming_the_file(compiled: Path) -> None:
     path.write_bytes(bytes(data))
     result = artifacts.load_programs(compiled, BACKEND)
     assert not is_successful(result)
-    with pytest.raises(artifacts.ArtifactIntegrityError, match=r"token_generation_4\.pt2") as info:
-        artifacts.unwrap_artifacts(result)
+    with pytest.raises(ArtifactIntegrityError, match=r"token_generation_4\.pt2") as info:
+        unwrap(result)
     assert [p.field for p in info.value.error.problems] == [str(path)]
 
 
@@ -168,13 +172,13 @@ def test_every_missing_or_truncated_file_is_named(compiled: Path) -> None:
 
 def test_a_folder_with_nothing_compiled_raises_file_not_found(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"manifest\.json"):
-        artifacts.unwrap_artifacts(artifacts.load_programs(tmp_path, BACKEND))
+        unwrap(artifacts.load_programs(tmp_path, BACKEND))
 
 
 def test_a_malformed_manifest_is_named(compiled: Path) -> None:
     (compiled / "manifest.json").write_text("{not json")
-    with pytest.raises(artifacts.ArtifactIntegrityError, match=r"manifest\.json"):
-        artifacts.unwrap_artifacts(artifacts.load_programs(compiled, BACKEND))
+    with pytest.raises(ArtifactIntegrityError, match=r"manifest\.json"):
+        unwrap(artifacts.load_programs(compiled, BACKEND))
 
 
 def test_another_torch_version_or_graph_key_is_refused(compiled: Path) -> None:
@@ -192,7 +196,7 @@ def test_an_interrupted_compile_leaves_no_manifest_and_no_temporaries(compiled: 
     assert not (compiled / "manifest.json").exists()
     assert not [p for p in (compiled / "programs").iterdir() if p.name.startswith(".tmp-")]
     with pytest.raises(FileNotFoundError):
-        artifacts.unwrap_artifacts(artifacts.load_programs(compiled, BACKEND))
+        unwrap(artifacts.load_programs(compiled, BACKEND))
 
 
 def test_a_failed_save_leaves_no_partial_program_file(tmp_path: Path) -> None:
@@ -211,12 +215,22 @@ def test_recorded_files_are_verified_too(tmp_path: Path) -> None:
     (tmp_path / "neuron_config.json").write_text('{"batch_size": 1}')
     artifacts.compile_programs(tmp_path, requests(), graph_key="k", backend=BACKEND, record=["neuron_config.json"])
     (tmp_path / "neuron_config.json").write_text('{"batch_size": 2}')
-    with pytest.raises(artifacts.ArtifactIntegrityError, match=r"neuron_config\.json"):
-        artifacts.unwrap_artifacts(artifacts.load_programs(tmp_path, BACKEND))
+    with pytest.raises(ArtifactIntegrityError, match=r"neuron_config\.json"):
+        unwrap(artifacts.load_programs(tmp_path, BACKEND))
 
 
-def test_program_names_must_be_file_safe_and_unique(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="must match"):
-        artifacts.ProgramRequest(name="../escape", fn=cp.step, signature=cp.SIGNATURE, example=lambda: ())
-    with pytest.raises(ValueError, match="duplicate"):
+def test_each_sub_model_and_bucket_is_compiled_once(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="must be > 0"):
+        artifacts.ProgramRequest(phase=Phase.TOKEN, bucket=0, fn=cp.step, signature=cp.SIGNATURE, example=lambda: ())
+    with pytest.raises(ValueError, match="two requests for one sub-model and bucket"):
         artifacts.compile_programs(tmp_path, requests(buckets=(1, 1)), graph_key="k", backend=BACKEND)
+
+
+def test_the_manifest_records_phase_and_bucket_and_an_older_format_is_refused(compiled: Path) -> None:
+    manifest = artifacts.read_manifest(compiled).unwrap()
+    assert {(p.phase, p.bucket) for p in manifest.programs} == {(Phase.TOKEN, 1), (Phase.TOKEN, 4)}
+    doc = json.loads((compiled / "manifest.json").read_text())
+    assert [(p["phase"], p["bucket"]) for p in doc["programs"]] == [("token_generation", 1), ("token_generation", 4)]
+    (compiled / "manifest.json").write_text(json.dumps(doc | {"format": 1}))
+    with pytest.raises(ArtifactIntegrityError, match=r"older nxdi \(manifest format 1.*compile again"):
+        unwrap(artifacts.load_programs(compiled, BACKEND))

@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from nxdi.core.model_spec import ModelSpec
@@ -63,3 +64,22 @@ def step(
     last = logits[:, -1]  # [B, V]
     tokens = sampling.select(last, params, uniforms, do_sample=spec.do_sample, global_topk=spec.global_topk)
     return (logits if spec.output_logits else None), tokens, cache
+
+
+def example_inputs(*, batch: int, tokens: int) -> tuple[StepInputs, Tensor, Tensor]:
+    """Inputs of one step's shapes: what tracing and warm-up run (values are arbitrary but valid).
+
+    Args:
+        batch: B rows.
+        tokens: S, the context bucket in context encoding and 1 in token generation.
+
+    Returns:
+        StepInputs [B, S] (token 0, positions 0..S-1, last index S-1), params [B, 3] of greedy rows
+        (1, 1, 1), and uniforms [B] of 0.5.
+    """
+    x = StepInputs(
+        input_ids=torch.zeros(batch, tokens, dtype=torch.int64),
+        position_ids=torch.arange(tokens, dtype=torch.int64)[None, :].expand(batch, tokens).contiguous(),
+        last_index=torch.full((batch,), tokens - 1, dtype=torch.int64),
+    )
+    return x, torch.ones(batch, 3, dtype=torch.float32), torch.full((batch,), 0.5, dtype=torch.float32)

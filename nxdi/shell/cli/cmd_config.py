@@ -11,7 +11,7 @@ from nxdi.core.config import codec
 from nxdi.core.families import parse_model_spec
 from nxdi.shell.cli import reference
 from nxdi.shell.cli.flags import add_neuron_config_flags, neuron_config_kwargs
-from nxdi.shell.exceptions import IncompatibleConfigError, unwrap_or_raise
+from nxdi.shell.exceptions import IncompatibleConfigError, unwrap
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -37,7 +37,7 @@ def _hf_config(model_path: str | None) -> dict[str, object]:
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"--model-path: no config.json at {str(file)!r}")
-    return unwrap_or_raise(codec.loads(file.read_text(), source=str(file)))
+    return unwrap(codec.loads(file.read_text(), source=str(file)))
 
 
 def run(args: argparse.Namespace) -> int:
