@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 
 # Fixture modules shared by every test directory.
 pytest_plugins = [
-    "tests.checkpoint_fixtures",  # session-scoped tiny Hugging Face checkpoints: tiny_model, tiny_checkpoint
+    "tests.support.checkpoint_fixtures",  # session-scoped tiny Hugging Face checkpoints: tiny_model, tiny_checkpoint
 ]
 
 settings.register_profile("dev", max_examples=25, deadline=1000)

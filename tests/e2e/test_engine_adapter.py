@@ -12,7 +12,7 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 
 from nxdi.shell.exceptions import IncompatibleConfigError
 from nxdi.shell.generation import HuggingFaceGenerationAdapter
-from tests.e2e.engine_fixtures import PAD, PROMPTS, hf_generate, nxdi_generate, padded
+from tests.support.engine_fixtures import PAD, PROMPTS, hf_generate, nxdi_generate, padded
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

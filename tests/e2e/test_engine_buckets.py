@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nxdi.core.config.neuron_spec import Phase
-from tests.e2e.engine_fixtures import PROMPTS, bucket_calls, nxdi_generate, runtime_of
+from tests.support.engine_fixtures import PROMPTS, bucket_calls, nxdi_generate, runtime_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -15,7 +15,7 @@ import torch
 from nxdi.effects.checkpoint import CorruptCheckpointError, UnsafeShardPathError
 from nxdi.shell.exceptions import CheckpointValidationError, IncompatibleConfigError
 from nxdi.testing.checkpoints import write_checkpoint_file
-from tests.e2e.engine_fixtures import (
+from tests.support.engine_fixtures import (
     PAD,
     PROMPTS,
     bucket_calls,

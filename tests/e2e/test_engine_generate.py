@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nxdi.testing.checkpoints import SaveFormat
-from tests.e2e.engine_fixtures import FAMILIES, NEW_TOKENS, PROMPTS, hf_logits, nxdi_generate, padded
+from tests.support.engine_fixtures import FAMILIES, NEW_TOKENS, PROMPTS, hf_logits, nxdi_generate, padded
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -114,7 +114,7 @@ def test_a_batch_larger_than_compiled_is_split(
 ) -> None:
     """6 rows on a batch-4 program: two calls, the second padded; every cache row is in use, so
     the padding rows must not write anywhere (with 6 cache rows there is no spare row)."""
-    from tests.e2e.engine_fixtures import bucket_calls
+    from tests.support.engine_fixtures import bucket_calls
 
     six = [*PROMPTS, (20, 21, 22), (30,)]
     model = loaded_model("llama", **config)
@@ -132,7 +132,7 @@ def test_a_context_batch_of_one_splits_prefill_into_single_rows(
 ) -> None:
     """ctx_batch_size=1 (continuous-batching style): prefill runs row by row, decoding batched."""
     from nxdi.core.config.neuron_spec import Phase
-    from tests.e2e.engine_fixtures import bucket_calls
+    from tests.support.engine_fixtures import bucket_calls
 
     model = loaded_model("llama", batch_size=4, ctx_batch_size=1)
     with bucket_calls(model) as calls:

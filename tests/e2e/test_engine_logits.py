@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nxdi.core.host.logit_validation import DEFAULT_TOL_MAP, compare_position, max_relative_logit_error
-from tests.e2e.engine_fixtures import FAMILIES, NEW_TOKENS, PROMPTS, hf_logits, nxdi_generate, padded, runtime_of
+from tests.support.engine_fixtures import FAMILIES, NEW_TOKENS, PROMPTS, hf_logits, nxdi_generate, padded, runtime_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -155,7 +155,7 @@ def test_bf16_greedy_tokens_agree_with_transformers_bf16_until_a_near_tie(
     few rows."""
     ours = nxdi_generate(loaded_model(variant, batch_size=4, torch_dtype="bfloat16"), PROMPTS)
     hf16 = copy.deepcopy(tiny_model(variant)).to(torch.bfloat16)
-    from tests.e2e.engine_fixtures import hf_generate
+    from tests.support.engine_fixtures import hf_generate
 
     theirs = hf_generate(hf16, PROMPTS, max_new_tokens=NEW_TOKENS)
     assert torch.equal(ours[:, :6], theirs[:, :6])

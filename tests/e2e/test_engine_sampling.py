@@ -16,7 +16,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from nxdi.shell.causal_lm import prepare_sampling_params
 from nxdi.shell.generation import HuggingFaceGenerationAdapter
-from tests.e2e.engine_fixtures import PAD, PROMPTS, nxdi_generate, padded, runtime_of
+from tests.support.engine_fixtures import PAD, PROMPTS, nxdi_generate, padded, runtime_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

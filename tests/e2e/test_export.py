@@ -13,7 +13,7 @@ from nxdi.core import families
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.programs import catalog, inputs, kv_cache
 from nxdi.effects import weight_loader as weight_io
-from tests.properties.strategies.programs import plan_of, program_of
+from nxdi.testing.strategies.decoders import plan_of, program_of
 
 
 class BoundStep(torch.nn.Module):

@@ -22,8 +22,8 @@ from nxdi.core import weight_plan as weights
 from nxdi.core.families.record import FamilyRecord
 from nxdi.core.host import weight_ops
 from nxdi.shell import models
-from tests.e2e.engine_fixtures import hf_logits, nxdi_generate, padded
-from tests.properties.strategies.programs import plan_of
+from nxdi.testing.strategies.decoders import plan_of
+from tests.support.engine_fixtures import hf_logits, nxdi_generate, padded
 
 RECORDS = families.runnable()
 PROMPTS = ((1, 5, 7, 9, 11, 3, 4, 5, 6, 7, 8, 9), (3, 4))

@@ -21,7 +21,7 @@ from nxdi.core.model_spec import ModelSpec
 from nxdi.core.programs import catalog, inputs, kv_cache, sampling
 from nxdi.effects import weight_loader as weight_io
 from nxdi.testing.checkpoints import VARIANTS, SaveFormat
-from tests.properties.strategies.programs import plan_of, program_of
+from nxdi.testing.strategies.decoders import plan_of, program_of
 
 PROMPTS = [[1, 5, 7, 9, 11, 3, 4, 5, 6, 7], [3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [9, 8]]
 NEW_TOKENS = 32

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from returns.result import Failure, Success
 
 from nxdi.core.planning import buckets, padding
-from tests.properties.strategies.planners import bucket_tables
+from nxdi.testing.strategies.plans import bucket_tables
 
 
 @given(st.integers(min_value=1, max_value=1 << 20))

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from nxdi.core.config.neuron_spec import DTYPE_BYTES
 from nxdi.core.planning import gqa, kv_layout
-from tests.properties.strategies.planners import head_configs
+from nxdi.testing.strategies.plans import head_configs
 
 DTYPES = ["float32", "float16", "bfloat16"]
 

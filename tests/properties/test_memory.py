@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import memory, sharding
 from nxdi.core.platform import Platform
-from tests.properties.strategies.planners import model_specs
+from nxdi.testing.strategies.plans import model_specs
 
 
 @st.composite

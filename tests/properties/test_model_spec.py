@@ -11,7 +11,7 @@ from returns.result import Failure, Success
 
 from nxdi.core.families import parse_model_spec
 from nxdi.core.model_spec import ModelSpec
-from tests.properties.strategies.model_spec import broken_configs, llama_like_cases, model_specs
+from nxdi.testing.strategies.hf_configs import broken_configs, llama_like_cases, model_specs
 
 
 @given(llama_like_cases())

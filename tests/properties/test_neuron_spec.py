@@ -13,7 +13,7 @@ from nxdi.core import graph_key
 from nxdi.core.config import codec, neuron_parse
 from nxdi.core.config.fields import info_of
 from nxdi.core.config.neuron_spec import NeuronSpec
-from nxdi.testing.strategies import invalid_neuron_kwargs, neuron_kwargs, neuron_specs
+from nxdi.testing.strategies.neuron_configs import invalid_neuron_kwargs, neuron_kwargs, neuron_specs
 
 
 @given(neuron_specs())

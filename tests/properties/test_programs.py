@@ -19,7 +19,7 @@ from nxdi.core import families
 from nxdi.core.model_spec import ModelSpec, NormKind
 from nxdi.core.programs import catalog, inputs, kv_cache
 from nxdi.core.programs import decoder as llama
-from tests.properties.strategies.programs import dense_specs, program_of, random_weights
+from nxdi.testing.strategies.decoders import dense_specs, program_of, random_weights
 
 SEEDS = st.integers(0, 2**31 - 1)
 

@@ -11,7 +11,7 @@ from returns.result import Failure, Success
 
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import gqa, sharding
-from tests.properties.strategies.planners import head_configs, model_specs
+from nxdi.testing.strategies.plans import head_configs, model_specs
 
 
 def _counts(tp: int, q: int, kv: int, desired: gqa.GQAStrategy | None = None) -> gqa.HeadCounts:

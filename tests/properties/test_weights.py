@@ -12,8 +12,8 @@ from nxdi.core import weight_plan as weights
 from nxdi.core.families.llama import LLAMA_WEIGHTS
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
-from tests.properties.strategies.model_spec import model_specs
-from tests.properties.strategies.programs import checkpoint_shapes, dense_specs, plan_of, random_state_dict
+from nxdi.testing.strategies.decoders import checkpoint_shapes, dense_specs, plan_of, random_state_dict
+from nxdi.testing.strategies.hf_configs import model_specs
 
 DENSE = ("llama", "mistral", "qwen2", "qwen3")
 SEEDS = st.integers(0, 2**31 - 1)

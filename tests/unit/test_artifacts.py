@@ -18,7 +18,7 @@ from nxdi.effects import artifacts
 from nxdi.effects.backends.base import FlatProgram, WeightSet
 from nxdi.effects.backends.cpu import CpuBackend
 from nxdi.shell.exceptions import ArtifactIntegrityError, unwrap
-from tests.unit import cpu_programs as cp
+from tests.support import cpu_programs as cp
 
 REPO = Path(__file__).resolve().parents[2]
 BACKEND = CpuBackend()
@@ -58,7 +58,7 @@ def test_load_in_a_fresh_process_gives_identical_outputs_without_tracing(compile
         from nxdi.effects import artifacts
         from nxdi.effects.backends.base import WeightSet
         from nxdi.effects.backends.cpu import CpuBackend
-        from tests.unit import cpu_programs as cp
+        from tests.support import cpu_programs as cp
         backend = CpuBackend()
         programs = artifacts.load_programs({str(compiled)!r}, backend, graph_key="key-a").unwrap()
         loaded = backend.bind(programs[(Phase.TOKEN, 4)], WeightSet(tensors=cp.weights(0))).unwrap()

@@ -13,7 +13,7 @@ import pytest
 from nxdi.shell.cli import bench_plan
 from nxdi.shell.cli.bench_timing import Timings
 from nxdi.shell.cli.main import main
-from tests.unit.planner_configs import LLAMA_31_8B, LLAMA_31_70B, OPT_13B, PLAN_JSON_KEYS
+from tests.support.planner_configs import LLAMA_31_8B, LLAMA_31_70B, OPT_13B, PLAN_JSON_KEYS
 
 JSON_KEYS = PLAN_JSON_KEYS
 L8_TRN1 = ["--instance", "trn1.32xlarge", "--tp-degree", "32"]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from nxdi.effects.backends import cpu_passes
 from nxdi.effects.backends.base import FlatProgram, LoadedProgram, WeightSet
 from nxdi.effects.backends.cpu import CpuBackend
-from tests.unit import cpu_programs as cp
+from tests.support import cpu_programs as cp
 
 FAST, PURE = CpuBackend(), CpuBackend(pack_weights=False, in_place_cache=False)
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.bfloat16 in cpu_passes.packable_dtypes() else [])

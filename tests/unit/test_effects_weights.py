@@ -18,7 +18,7 @@ from nxdi.core.model_spec import ModelSpec
 from nxdi.effects import checkpoint
 from nxdi.effects import weight_loader as weight_io
 from nxdi.testing.checkpoints import SaveFormat, write_checkpoint_file
-from tests.properties.strategies.programs import plan_of
+from nxdi.testing.strategies.decoders import plan_of
 
 
 def _spec(path: Path) -> ModelSpec:

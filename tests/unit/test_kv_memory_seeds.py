@@ -17,7 +17,7 @@ from nxdi.core.config.neuron_parse import parse_neuron_spec
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import gqa, kv_layout, memory
 from nxdi.core.platform import Platform
-from tests.unit.planner_configs import GPT2_XL, LLAMA_3_8B, LLAMA_31_8B, LLAMA_31_70B, OPT_13B, OPT_30B, spec
+from tests.support.planner_configs import GPT2_XL, LLAMA_3_8B, LLAMA_31_8B, LLAMA_31_70B, OPT_13B, OPT_30B, spec
 
 GB = 10**9
 MIB = 1 << 20

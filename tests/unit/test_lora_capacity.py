@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from nxdi.core.planning import lora
-from tests.unit.planner_configs import LLAMA_31_8B, LLAMA_31_70B, spec
+from tests.support.planner_configs import LLAMA_31_8B, LLAMA_31_70B, spec
 
 MB, GB = 10**6, 10**9
 

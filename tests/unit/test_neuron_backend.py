@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from nxdi.effects.backends import neuron
-from tests.unit import cpu_programs as cp
+from tests.support import cpu_programs as cp
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from nxdi.core.config.neuron_parse import parse_neuron_spec
 from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.planning import plan
 from nxdi.core.platform import Platform
-from tests.unit.planner_configs import LLAMA_3_8B, LLAMA_31_70B, LLAMA_31_405B, PLAN_JSON_KEYS, spec
+from tests.support.planner_configs import LLAMA_3_8B, LLAMA_31_70B, LLAMA_31_405B, PLAN_JSON_KEYS, spec
 
 KEYS = PLAN_JSON_KEYS
 

@@ -7,7 +7,7 @@ from returns.result import Failure, Success
 
 from nxdi.core.planning import gqa, sharding
 from nxdi.core.platform import Platform
-from tests.unit.planner_configs import LLAMA_3_8B, LLAMA_31_70B, OPT_13B, spec
+from tests.support.planner_configs import LLAMA_3_8B, LLAMA_31_70B, OPT_13B, spec
 
 R, M = gqa.GQAStrategy.REPLICATE_TO_TP_DEGREE, gqa.GQAStrategy.CONVERT_TO_MHA
 
