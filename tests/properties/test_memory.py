@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import memory, sharding
 from nxdi.core.platform import Platform
-from nxdi.testing.strategies.plans import model_specs
+from nxdi.testing.strategies.plans import small_model_specs
 
 
 @st.composite
@@ -37,13 +37,13 @@ def _per_core(model: ModelSpec, req: memory.MemoryRequest) -> int:
     return memory.memory_plan(model, req).unwrap().per_core_bytes
 
 
-@given(model_specs(), requests(), st.integers(1, 4))
+@given(small_model_specs(), requests(), st.integers(1, 4))
 def test_memory_grows_with_batch(model: ModelSpec, req: memory.MemoryRequest, more: int) -> None:
     bigger = attrs.evolve(req, batch_size=req.batch_size + more, kv_cache_batch_size=req.kv_cache_batch_size + more)
     assert _per_core(model, bigger) >= _per_core(model, req)
 
 
-@given(model_specs(), requests(), st.integers(1, 2048), st.integers(0, 2048))
+@given(small_model_specs(), requests(), st.integers(1, 2048), st.integers(0, 2048))
 def test_memory_grows_with_sequence_length(model: ModelSpec, req: memory.MemoryRequest, more: int, ctx: int) -> None:
     longer = attrs.evolve(
         req,
@@ -59,7 +59,7 @@ def _no_mha_conversion(model: ModelSpec, tp: int) -> bool:
     return q == kv or kv % tp == 0 or tp % kv == 0
 
 
-@given(model_specs(), requests(), st.sampled_from([1, 2, 3, 4, 8, 16, 24, 32]), st.sampled_from([2, 3, 4, 8, 16]))
+@given(small_model_specs(), requests(), st.sampled_from([1, 2, 3, 4, 8, 16, 24, 32]), st.sampled_from([2, 3, 4, 8, 16]))
 def test_memory_per_core_does_not_grow_with_tp(model: ModelSpec, req: memory.MemoryRequest, tp: int, k: int) -> None:
     """More ranks never cost more per core, unless the larger tp forces CONVERT_TO_MHA (see the unit tests)."""
     small, large = tp, tp * k
@@ -68,7 +68,7 @@ def test_memory_per_core_does_not_grow_with_tp(model: ModelSpec, req: memory.Mem
     assert _per_core(model, attrs.evolve(req, tp_degree=large)) <= at_small
 
 
-@given(model_specs(), requests(), st.sampled_from([1, 64, 4096, 1 << 16, 1 << 20]))
+@given(small_model_specs(), requests(), st.sampled_from([1, 64, 4096, 1 << 16, 1 << 20]))
 def test_verdict_and_min_tp_are_consistent(model: ModelSpec, req: memory.MemoryRequest, scale: int) -> None:
     # tiny specs fit anywhere; scaling the batch up makes some plans fit only at larger tp and some never
     req = attrs.evolve(req, batch_size=req.batch_size * scale, kv_cache_batch_size=req.kv_cache_batch_size * scale)

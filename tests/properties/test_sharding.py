@@ -11,7 +11,7 @@ from returns.result import Failure, Success
 
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import gqa, sharding
-from nxdi.testing.strategies.plans import head_configs, model_specs
+from nxdi.testing.strategies.plans import head_configs, small_model_specs
 
 
 def _counts(tp: int, q: int, kv: int, desired: gqa.GQAStrategy | None = None) -> gqa.HeadCounts:
@@ -102,7 +102,7 @@ def _segments(w: sharding.WeightShard, q_rows: int) -> list[range]:
     return [range(q_rows), range(q_rows, q_rows + kv_rows), range(q_rows + kv_rows, size)]
 
 
-@given(model_specs(), st.sampled_from([1, 2, 3, 4, 8, 16, 32]), st.booleans(), st.booleans())
+@given(small_model_specs(), st.sampled_from([1, 2, 3, 4, 8, 16, 32]), st.booleans(), st.booleans())
 def test_per_rank_slices_partition_every_weight(model: ModelSpec, tp: int, fused: bool, vocab_parallel: bool) -> None:
     plan = sharding.shard_plan(model, tp=tp, fused_qkv=fused, vocab_parallel=vocab_parallel).unwrap()
     names = [w.name for w in plan.weights]
@@ -112,7 +112,7 @@ def test_per_rank_slices_partition_every_weight(model: ModelSpec, tp: int, fused
         _check_partition(w, tp, model.q_size)
 
 
-@given(model_specs(), st.sampled_from([1, 2, 4, 8]))
+@given(small_model_specs(), st.sampled_from([1, 2, 4, 8]))
 def test_unpadded_plan_holds_the_checkpoint_once(model: ModelSpec, tp: int) -> None:
     """At tp=1 nothing is padded or replicated: ranks hold exactly the checkpoint (lm_head kept separately)."""
     plan = sharding.shard_plan(model, tp=1).unwrap()

@@ -3,6 +3,7 @@
 - `llama_like_cases()`: a valid llama/mistral/qwen2/qwen3/mixtral `config.json` dict, in any of the
   RoPE layouts Hugging Face writes, together with the `ModelSpec` it must parse to.
 - `model_specs()`: valid `ModelSpec`s (for strategies of other concepts that need a model).
+- `llama_configs()`: just the config dicts of `llama_like_cases()`.
 - `broken_configs()`: a valid dict with one or more fields broken, and the names of exactly the
   fields the parser must report.
 """
@@ -140,6 +141,11 @@ def llama_like_cases(draw: Draw, families: tuple[str, ...] = LLAMA_LIKE) -> tupl
         **_tokens(draw, raw, vocab),
     )
     return raw, spec
+
+
+def llama_configs(families: tuple[str, ...] = LLAMA_LIKE) -> st.SearchStrategy[dict[str, Any]]:
+    """Valid Hugging Face config dicts of the llama-like families."""
+    return llama_like_cases(families).map(lambda case: case[0])
 
 
 def model_specs(families: tuple[str, ...] = LLAMA_LIKE) -> st.SearchStrategy[ModelSpec]:

@@ -1,12 +1,9 @@
-"""Hypothesis strategies for nxdi specs, so users can property-test their own configurations.
+"""Strategies for NeuronConfig kwargs and the NeuronSpecs they parse to.
 
 - `neuron_kwargs()` draws NeuronConfig kwargs that are valid (dependent draws keep them so).
 - `neuron_specs()` draws parsed `NeuronSpec` values.
 - `invalid_neuron_kwargs()` draws `(kwargs, field)` where exactly one thing is wrong and the
   resulting `ConfigError` must name `field`.
-- `llama_configs()` draws Hugging Face config dicts of Llama-family models.
-
-Requires the `hypothesis` package (the `dev` extra).
 """
 
 from __future__ import annotations
@@ -16,7 +13,6 @@ from typing import Any
 from hypothesis import strategies as st
 from returns.result import Success
 
-from nxdi.core import families
 from nxdi.core.config.neuron_parse import parse_neuron_spec
 from nxdi.core.config.neuron_spec import NeuronSpec
 
@@ -131,26 +127,3 @@ def invalid_neuron_kwargs(draw: st.DrawFn) -> tuple[dict[str, Any], str]:
     base = draw(neuron_kwargs())
     base.pop("context_encoding_buckets", None)
     return _break(base, draw(st.sampled_from(INVALID_KINDS)))
-
-
-@st.composite
-def llama_configs(draw: st.DrawFn) -> dict[str, Any]:
-    """Hugging Face config dicts of small models of the families the engine runs (valid for parse_model_spec)."""
-    kv = draw(st.sampled_from([1, 2, 4]))
-    heads = kv * draw(st.sampled_from([1, 2, 4]))
-    head_dim = draw(st.sampled_from([8, 16, 32]))
-    return {
-        "model_type": draw(st.sampled_from([r.model_type for r in families.runnable()])),
-        "hidden_size": heads * head_dim,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv,
-        "head_dim": head_dim,
-        "num_hidden_layers": draw(st.integers(min_value=1, max_value=4)),
-        "vocab_size": draw(st.integers(min_value=16, max_value=512)),
-        "intermediate_size": draw(st.integers(min_value=8, max_value=256)),
-        "max_position_embeddings": draw(st.sampled_from([128, 512, 2048])),
-        "rms_norm_eps": 1e-6,
-        "hidden_act": "silu",
-        "rope_theta": draw(st.sampled_from([10000.0, 500000.0])),
-        "tie_word_embeddings": draw(st.booleans()),
-    }

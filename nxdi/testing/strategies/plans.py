@@ -1,4 +1,4 @@
-"""Hypothesis strategies for the planners: bucket tables, head configurations, small model specs."""
+"""Strategies for the planners: bucket tables, head configurations, small model specs of any kind."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def head_configs(draw: st.DrawFn) -> tuple[int, int, int]:
 
 
 @st.composite
-def model_specs(draw: st.DrawFn, *, max_layers: int = 4) -> ModelSpec:
+def small_model_specs(draw: st.DrawFn, *, max_layers: int = 4) -> ModelSpec:
     """Small dense (and sometimes MoE) decoder specs with varied head shapes, biases and norms."""
     _, q, kv = draw(head_configs())
     head_dim = draw(st.sampled_from([2, 4, 8]))
