@@ -83,10 +83,14 @@ class Weight:
     def exists(self, spec: ModelSpec) -> bool:
         return self.when is None or bool(getattr(spec, self.when))
 
+    def source_shapes(self, spec: ModelSpec) -> tuple[Shape, ...]:
+        """The sources' shapes in sizes."""
+        sizes = dims(spec)
+        return tuple(tuple(sizes[d] for d in s.shape) for s in self.sources)
+
     def shape(self, spec: ModelSpec) -> Shape:
         """The produced shape: the source's, or the sources' concatenated along dim 0."""
-        sizes = dims(spec)
-        shapes = [tuple(sizes[d] for d in s.shape) for s in self.sources]
+        shapes = self.source_shapes(spec)
         return (sum(s[0] for s in shapes), *shapes[0][1:])
 
 
@@ -240,13 +244,11 @@ def rename_key(key: str, *, model_prefix: str = STATE_DICT_MODEL_PREFIX, new_pre
 
 def _step(name: str, weight: Weight, *, prefix: str, spec: ModelSpec, casts: tuple[Transform, ...]) -> WeightStep:
     """The step for one weight (`prefix` is its layer prefix); names ending in `scale` keep their dtype."""
-    sizes = dims(spec)
-    shapes = tuple(tuple(sizes[d] for d in s.shape) for s in weight.sources)
     combine = Combine.CONCAT if len(weight.sources) > 1 else Combine.COPY
     return WeightStep(
         name=name,
         sources=tuple(prefix + s.name for s in weight.sources),
-        source_shapes=shapes,
+        source_shapes=weight.source_shapes(spec),
         combine=combine,
         transforms=() if name.endswith("scale") else casts,
     )

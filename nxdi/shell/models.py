@@ -25,8 +25,8 @@ from nxdi.shell.inference_config import InferenceConfig
 _built: dict[str, Any] = {}
 
 
-def _make(name: str, base: type, doc: str, **attrs: Any) -> type:
-    cls = type(name, (base,), {"__module__": __name__, "__qualname__": name, "__doc__": doc, **attrs})
+def _make(name: str, base: type, doc: str, **namespace: Any) -> type:
+    cls = type(name, (base,), {"__module__": __name__, "__qualname__": name, "__doc__": doc, **namespace})
     _built[name] = cls
     return cls
 
@@ -46,8 +46,7 @@ def _build(record: FamilyRecord) -> None:
         _neuron_config_cls=base,
     )
     if names.causal_lm is not None:
-        doc = f"{record.name} causal LM (the {record.program.value if record.program else ''} program)."
-        _make(names.causal_lm, NeuronBaseForCausalLM, doc, _config_cls=config)
+        _make(names.causal_lm, NeuronBaseForCausalLM, f"{record.name} causal LM.", _config_cls=config)
 
 
 def model_types() -> dict[str, dict[str, type]]:

@@ -366,6 +366,24 @@ def test_documented_classes_importable_from_nxdi_and_shell() -> None:
         assert getattr(nxdi, name) is not None
 
 
+def test_family_classes_are_ordinary_classes_that_serialize_by_reference() -> None:
+    import pickle
+
+    from nxdi.shell import models
+    from nxdi.shell.inference_config import FusedSpecNeuronConfig
+
+    cls = nxdi.NeuronLlamaForCausalLM
+    assert (cls.__module__, cls.__qualname__) == ("nxdi.shell.models", "NeuronLlamaForCausalLM")
+    assert pickle.loads(pickle.dumps(cls)) is cls and models.NeuronLlamaForCausalLM is cls
+    assert cls.__mro__[1] is nxdi.NeuronBaseForCausalLM  # one level below the documented base
+    assert (
+        issubclass(nxdi.MixtralNeuronConfig, nxdi.MoENeuronConfig) and nxdi.LlamaNeuronConfig.__mro__[1] is NeuronConfig
+    )
+    ref = FusedSpecNeuronConfig(cls, draft_model_cls=cls).to_dict()["draft_model_cls"]
+    assert ref == {"__module__": "nxdi.shell.models", "__name__": "NeuronLlamaForCausalLM"}
+    assert FusedSpecNeuronConfig.from_dict({"worker_cls": ref}, nxdi.InferenceConfig).worker_cls is cls
+
+
 def test_settings_without_effect_on_the_cpu_are_found_from_their_declarations() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")

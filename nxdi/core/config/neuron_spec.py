@@ -193,12 +193,12 @@ class NeuronSpec:
     qk_layernorm: bool = _attention(
         False,
         "Apply layer normalization to the query and key projections.",
-        cpu="q/k norms follow the model's config (Qwen3)",
+        cpu="q/k norms follow the model's config (qk_norm)",
     )
     pre_rope_rmsnorm: bool = _attention(
         False,
         "Apply QK RMS normalization after the QKV projection and before RoPE.",
-        cpu="q/k norms follow the model's config (Qwen3)",
+        cpu="q/k norms follow the model's config (qk_norm)",
     )
     flash_decoding_enabled: bool = _attention(
         False,
