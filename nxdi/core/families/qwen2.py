@@ -23,8 +23,8 @@ def read_windows(r: ConfigReader) -> dict[str, Any]:
     """`sliding_window` and `full_attention_layers` of a Qwen-style config (no window unless enabled)."""
     window = r.opt_int("sliding_window") if r.bool_("use_sliding_window", False) else None
     layers = r.raw.get("num_hidden_layers")
-    if window is None or not isinstance(layers, int):
-        return {"sliding_window": None}
+    if window is None or isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        return {"sliding_window": None}  # a bad layer count is reported once, by the model reader
     types = r.raw.get("layer_types")
     if types is None:
         first = r.opt_int("max_window_layers")
