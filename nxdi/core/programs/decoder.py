@@ -25,7 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nxdi.core.model_spec import MlpKind, ModelSpec
+from nxdi.core.planning.partition import Partition
 from nxdi.core.programs import inputs, kv_cache, layers
+from nxdi.core.programs.collectives import SINGLE, Collectives
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 
@@ -133,11 +135,16 @@ def _attention(
     mask: Tensor,
     slots: Tensor,
     spec: ModelSpec,
+    part: Partition,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Self-attention of normed x [N, E] (N = B*S): returns [N, E] and the written k/v caches [B, K, T, D]."""
+    """Self-attention over this rank's heads of normed x [N, E] (N = B*S).
+
+    Returns this rank's partial output [N, E] (summed over ranks, plus the o_proj bias when there
+    are several, it is the attention output) and the written k/v caches [B, K_r, T, D].
+    """
     b, s = slots.shape
-    h, kh, d = spec.num_attention_heads, spec.num_kv_heads, spec.head_dim
-    q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    h, kh, d = part.q_heads, part.kv_heads, spec.head_dim
+    q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([h * d, kh * d, kh * d], dim=-1)
     q, k, v = q.view(b, s, h, d), k.view(b, s, kh, d), v.view(b, s, kh, d)
     if spec.qk_norm:
         assert w.q_norm is not None and w.k_norm is not None, "qk_norm needs q_norm and k_norm weights"
@@ -145,21 +152,27 @@ def _attention(
     q, k = layers.apply_rope(q, *rope), layers.apply_rope(k, *rope)
     k_cache = kv_cache.write(k_cache, k.transpose(1, 2), slots)
     v_cache = kv_cache.write(v_cache, v.transpose(1, 2), slots)
-    o = layers.attend(q, k_cache, v_cache, mask)  # [B, S, H*D]
-    return F.linear(o.view(b * s, h * d), w.o, w.o_bias), k_cache, v_cache
+    o = layers.attend(q, k_cache, v_cache, mask)  # [B, S, H_r*D]
+    bias = w.o_bias if part.tp == 1 else None  # with ranks, the bias is added once, after the sum
+    return F.linear(o.view(b * s, h * d), w.o, bias), k_cache, v_cache  # this rank's share of [N, E]
 
 
-def _mlp(m: MLP, x: Tensor, spec: ModelSpec) -> Tensor:
-    """The feed-forward block of normed x [N, E] -> [N, E]."""
+def _mlp(m: MLP, x: Tensor, spec: ModelSpec, part: Partition) -> tuple[Tensor, Tensor | None]:
+    """The feed-forward block of normed x [N, E] on this rank's share of the intermediate width.
+
+    Returns the partial output [N, E] (to be summed over ranks) and the bias to add after the sum
+    (None with one rank, where it is applied inside the last linear, as transformers does).
+    """
     match m:
         case GatedMLP():
-            biases = (m.gate_bias, m.up_bias, m.down_bias)
-            return layers.gated_mlp(x, m.gate, m.up, m.down, activation=spec.activation, biases=biases)
+            after = m.down_bias if part.tp > 1 else None
+            biases = (m.gate_bias, m.up_bias, m.down_bias if part.tp == 1 else None)
+            return layers.gated_mlp(x, m.gate, m.up, m.down, activation=spec.activation, biases=biases), after
 
 
-def _masks(slots: Tensor, length: int, spec: ModelSpec) -> list[Tensor]:
+def _masks(slots: Tensor, length: int, spec: ModelSpec, part: Partition) -> list[Tensor]:
     """Each layer's attention mask [B, 1, G*S, T]; layers with the same window share one tensor."""
-    groups = spec.num_attention_heads // spec.num_kv_heads
+    groups = part.q_heads // part.kv_heads
     built: dict[int | None, Tensor] = {}
     out = []
     for i in range(spec.num_layers):
@@ -185,39 +198,85 @@ def _rope_tables(x: StepInputs, slots: Tensor, spec: ModelSpec, w: DecoderWeight
     return cos[:, :, None], sin[:, :, None]
 
 
+def _embed(w: DecoderWeights, ids: Tensor, spec: ModelSpec, part: Partition, coll: Collectives) -> Tensor:
+    """Token embeddings [N, E] of ids [N] from this rank's share of the table."""
+    if part.tp == 1:
+        return F.embedding(ids, w.embed)
+    if part.vocab_parallel:  # rows [V_r, E]: the owner of each id looks it up, the sum gathers them
+        local = ids - coll.rank() * part.vocab
+        owned = (local >= 0) & (local < part.vocab)
+        rows = F.embedding(local.clamp(0, part.vocab - 1), w.embed) * owned[:, None].to(w.embed.dtype)
+        return coll.all_reduce(rows)
+    columns = coll.all_gather(F.embedding(ids, w.embed), -1)  # [N, E_r] per rank -> [N, E padded]
+    return columns[:, : spec.hidden_size]
+
+
+def _reduce(partial: Tensor, bias: Tensor | None, coll: Collectives, *, b: int, sp: bool) -> Tensor:
+    """Sum the ranks' partial outputs [N, E] (into this rank's sequence shard with `sp`), then add the bias."""
+    if sp:
+        out = coll.reduce_scatter(partial.view(b, -1, partial.shape[-1]), 1).reshape(-1, partial.shape[-1])
+    else:
+        out = coll.all_reduce(partial)
+    return out if bias is None else out + bias
+
+
+def _gather_sequence(h: Tensor, coll: Collectives, *, b: int) -> Tensor:
+    """A sequence-sharded [B*S/tp, E] back to the whole [B*S, E]."""
+    return coll.all_gather(h.view(b, -1, h.shape[-1]), 1).reshape(-1, h.shape[-1])
+
+
 def forward(
-    w: DecoderWeights, cache: KVCache, x: StepInputs, *, spec: ModelSpec, all_logits: bool = False
+    w: DecoderWeights,
+    cache: KVCache,
+    x: StepInputs,
+    *,
+    spec: ModelSpec,
+    part: Partition | None = None,
+    coll: Collectives = SINGLE,
+    all_logits: bool = False,
 ) -> tuple[Tensor, KVCache]:
-    """One decoder step over the cache view `cache` (T slots).
+    """One decoder step over the cache view `cache` (T slots), on one rank's shard.
 
     Args:
-        w: the weights.
-        cache: L layers of [B, K, T, D]; T is the bucket length.
+        w: the weights (this rank's shard under tensor parallelism).
+        cache: L layers of [B, K_r, T, D]; T is the bucket length.
         x: input_ids/position_ids [B, S], last_index [B] (see `nxdi.core.programs.inputs`).
         spec: the architecture.
+        part: what this rank holds (`Partition.single(spec)` when None: one rank).
+        coll: the collectives connecting the ranks (`SINGLE` for one rank).
         all_logits: return logits of all S tokens instead of the last real one per row.
 
     Returns:
-        logits [B, 1, V] fp32 (or [B, S, V] with `all_logits`), and the cache with this step's keys
-        and values written at the tokens' slots; every other slot unchanged. Inputs are not mutated.
+        logits [B, 1, V] fp32 (or [B, S, V] with `all_logits`), the same on every rank, and the
+        cache with this step's keys and values written at the tokens' slots; every other slot
+        unchanged. Inputs are not mutated.
     """
+    part = Partition.single(spec) if part is None else part
     b, s = x.input_ids.shape
+    sp = part.sequence_parallel and s > 1  # context encoding only: a decode step has one token
     slots = inputs.write_slots(x)  # [B, S]
     rope = _rope_tables(x, slots, spec, w)
-    masks = _masks(slots, cache.length, spec)
-    h = F.embedding(x.input_ids, w.embed).view(b * s, -1)  # [B*S, E]
+    masks = _masks(slots, cache.length, spec, part)
+    h = _embed(w, x.input_ids.reshape(-1), spec, part, coll)  # [B*S, E]
+    if sp:
+        h = coll.scatter(h.view(b, s, -1), 1).reshape(-1, h.shape[-1])  # [B*S/tp, E]
     ks, vs = [], []
     for lw, mask, k_cache, v_cache in zip(w.layers, masks, cache.k, cache.v, strict=True):
         normed = layers.rms_norm(h, lw.input_norm, spec.norm_eps)
+        normed = _gather_sequence(normed, coll, b=b) if sp else normed
         a, k_cache, v_cache = _attention(
-            lw.attn, normed, k_cache, v_cache, rope=rope, mask=mask, slots=slots, spec=spec
+            lw.attn, normed, k_cache, v_cache, rope=rope, mask=mask, slots=slots, spec=spec, part=part
         )
-        h = h + a
-        h = h + _mlp(lw.mlp, layers.rms_norm(h, lw.post_norm, spec.norm_eps), spec)
+        h = h + _reduce(a, lw.attn.o_bias if part.tp > 1 else None, coll, b=b, sp=sp)
+        normed = layers.rms_norm(h, lw.post_norm, spec.norm_eps)
+        partial, bias = _mlp(lw.mlp, _gather_sequence(normed, coll, b=b) if sp else normed, spec, part)
+        h = h + _reduce(partial, bias, coll, b=b, sp=sp)
         ks.append(k_cache)
         vs.append(v_cache)
-    h = h.view(b, s, -1)
+    h = (_gather_sequence(h, coll, b=b) if sp else h).view(b, s, -1)
     if not all_logits:
         h = h.gather(1, x.last_index[:, None, None].expand(b, 1, h.shape[-1]))  # [B, 1, E]
-    logits = F.linear(layers.rms_norm(h, w.norm, spec.norm_eps), w.lm_head).float()
-    return logits, KVCache(k=tuple(ks), v=tuple(vs))
+    logits = F.linear(layers.rms_norm(h, w.norm, spec.norm_eps), w.lm_head)  # [B, S', V_r]
+    if part.tp > 1:
+        logits = coll.all_gather(logits, -1)[..., : spec.vocab_size]  # [B, S', V] on every rank
+    return logits.float(), KVCache(k=tuple(ks), v=tuple(vs))

@@ -21,7 +21,9 @@ import torch
 from torch import Tensor
 
 from nxdi.core.model_spec import ModelSpec
+from nxdi.core.planning.partition import Partition
 from nxdi.core.programs import sampling
+from nxdi.core.programs.collectives import SINGLE, Collectives
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 
@@ -33,6 +35,8 @@ class StepSpec:
     """What is fixed when a step is traced."""
 
     model: ModelSpec
+    partition: Partition | None = None
+    """What one rank holds under tensor parallelism (None: one rank holds everything)."""
     on_device_sampling: bool = False
     """Return sampled tokens instead of (or with) logits."""
     do_sample: bool = False
@@ -51,14 +55,16 @@ def step(
     uniforms: Tensor,
     *,
     spec: StepSpec,
+    coll: Collectives = SINGLE,
 ) -> tuple[Tensor | None, Tensor | None, KVCache]:
-    """Run `forward` for one step and sample if the spec says so.
+    """Run `forward` for one step (on one rank's shard, meeting the others through `coll`) and sample
+    if the spec says so. Every rank gets the whole logits, so every rank samples the same tokens.
 
     Returns:
         logits [B, 1, V] fp32 (None when only tokens were asked for), tokens [B] int64 (None
         without on-device sampling), and the updated cache view.
     """
-    logits, cache = forward(weights, cache, x, spec=spec.model)
+    logits, cache = forward(weights, cache, x, spec=spec.model, part=spec.partition, coll=coll)
     if not spec.on_device_sampling:
         return logits, None, cache
     last = logits[:, -1]  # [B, V]
