@@ -23,7 +23,7 @@ head dim), KV = K*D (kv heads times head dim), X experts, 1 a dimension of size 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import attrs
 from returns.result import Failure, Result, Success
@@ -170,7 +170,28 @@ class CastFloat:
 
 
 Transform = CastFloat
-"""The transforms a step may apply, in order. GQA replication/padding and TP slicing join this union."""
+"""The transforms a step applies to its combined weight, in order."""
+
+
+def _indices(values: Iterable[int | None]) -> tuple[int | None, ...]:
+    return tuple(values)  # a typed converter: mypy cannot see element types through a bare `tuple`
+
+
+@attrs.frozen(kw_only=True)
+class Take:
+    """A rank's slice of one source: these indices along `dim`, in order; None stands for a zero row
+    (padding). GQA head replication and padding, and the rank's share, are all one Take."""
+
+    dim: int = attrs.field(validator=attrs.validators.ge(0))
+    indices: tuple[int | None, ...] = attrs.field(converter=_indices)
+
+    def bounds(self) -> tuple[int, int] | None:
+        """The contiguous range of source indices it reads (None when it reads none: all padding)."""
+        real = [i for i in self.indices if i is not None]
+        return (min(real), max(real) + 1) if real else None
+
+    def out_shape(self, shape: Shape) -> Shape:
+        return tuple(len(self.indices) if d == self.dim else n for d, n in enumerate(shape))
 
 
 @attrs.frozen(kw_only=True)
@@ -184,7 +205,13 @@ class WeightStep:
     source_shapes: tuple[Shape, ...]
     """Expected shape of each source, in order."""
     combine: Combine = Combine.COPY
+    takes: tuple[Take | None, ...] = ()
+    """Per source, the slice of it this rank holds (empty, or None for a source: all of it)."""
     transforms: tuple[Transform, ...] = ()
+
+    def take(self, i: int) -> Take | None:
+        """The slice of source `i` this step reads (None: all of it)."""
+        return self.takes[i] if self.takes else None
 
     def source_items(self) -> Iterator[tuple[str, Shape]]:
         """(renamed checkpoint key, shape) of every source."""
@@ -193,8 +220,8 @@ class WeightStep:
     @property
     def shape(self) -> Shape:
         """Shape of the produced weight."""
-        first = self.source_shapes[0]
-        shape = (sum(s[0] for s in self.source_shapes), *first[1:]) if self.combine is Combine.CONCAT else first
+        taken = [tk.out_shape(s) if (tk := self.take(i)) else s for i, s in enumerate(self.source_shapes)]
+        shape = (sum(s[0] for s in taken), *taken[0][1:]) if self.combine is Combine.CONCAT else taken[0]
         for t in self.transforms:
             shape = t.out_shape(shape)
         return shape

@@ -4,7 +4,8 @@ The plan (`nxdi.core.weight_plan`) is checked against the checkpoint's keys and 
 tensor data is read, so a bad checkpoint fails fast with every problem listed. Then each step reads
 its sources, combines and casts them (`nxdi.core.host.weight_ops`) and yields the result; only aliased
 outputs (the embedding of tied models) are held back, so the stream itself keeps about one weight
-in flight. The functions NxDI users know map as follows: `get_state_dict(path, config)` is
+in flight. A rank's plan (`nxdi.core.planning.rank_weights`) reads only the rows of each source it
+holds (a safetensors slice; a `.bin` file is memory-mapped, then sliced). The functions NxDI users know map as follows: `get_state_dict(path, config)` is
 `get_state_dict` here; `convert_hf_to_neuron_state_dict(sd, config)` is `weight_ops.convert(plan, sd)`;
 `_STATE_DICT_MODEL_PREFIX` is `WeightPlan.model_prefix`.
 """
@@ -36,10 +37,20 @@ def iter_weights(
         if step.combine is weights.Combine.ALIAS:
             out = held[step.sources[0]]
         else:
-            out = weight_ops.apply_step(step, [ckpt.read(keys[s]) for s in step.sources])
+            reads = [_read(ckpt, keys[s], step.take(i)) for i, s in enumerate(step.sources)]
+            out = weight_ops.apply_step(step, [t for t, _ in reads], [o for _, o in reads])
         if step.name in targets:
             held[step.name] = out
         yield step.name, out
+
+
+def _read(ckpt: checkpoint.Checkpoint, key: str, take: weights.Take | None) -> tuple[Tensor, int]:
+    """The tensor at `key`, or only the rows a rank's Take spans, and the index of its first row."""
+    if take is None:
+        return ckpt.read(key), 0
+    bounds = take.bounds()
+    start, stop = bounds if bounds is not None else (0, 1)  # all padding: one row for its dtype and shape
+    return ckpt.read_slice(key, dim=take.dim, start=start, stop=stop), start
 
 
 def load_weights(plan: weights.WeightPlan, ckpt: checkpoint.Checkpoint) -> Result[dict[str, Tensor], CheckpointError]:

@@ -41,13 +41,30 @@ def apply_transform(t: Tensor, transform: weights.Transform) -> Tensor:
     raise AssertionError(f"unknown transform {transform!r}")
 
 
-def apply_step(step: weights.WeightStep, sources: Sequence[Tensor]) -> Tensor:
+def take(t: Tensor, take: weights.Take, *, offset: int = 0) -> Tensor:
+    """`t`'s rows (along `take.dim`) at `take.indices`, zeros for None; `t` starts at source row `offset`
+    (the reader read only `take.bounds()`). A new tensor; `t` is not modified."""
+    rows = torch.tensor([0 if i is None else i - offset for i in take.indices], dtype=torch.int64)
+    out = t.index_select(take.dim, rows)
+    padding = [j for j, i in enumerate(take.indices) if i is None]
+    if padding:
+        out.index_fill_(take.dim, torch.tensor(padding, dtype=torch.int64), 0)
+    return out
+
+
+def apply_step(step: weights.WeightStep, sources: Sequence[Tensor], offsets: Sequence[int] = ()) -> Tensor:
     """The weight `step` makes from its source tensors (in `step.sources` order).
 
-    ALIAS steps are resolved by the caller, which already holds the aliased output.
+    `offsets[i]` is the first row of source i that `sources[i]` holds when the reader read only the
+    range its Take needs (default: whole tensors). ALIAS steps are resolved by the caller, which
+    already holds the aliased output.
     """
     assert step.combine is not weights.Combine.ALIAS, "an alias step reuses an earlier output"
-    out = sources[0] if step.combine is weights.Combine.COPY else torch.cat(tuple(sources), dim=0)
+    parts = [
+        take(t, tk, offset=offsets[i] if offsets else 0) if (tk := step.take(i)) is not None else t
+        for i, t in enumerate(sources)
+    ]
+    out = parts[0] if step.combine is weights.Combine.COPY else torch.cat(parts, dim=0)
     for t in step.transforms:
         out = apply_transform(out, t)
     return out

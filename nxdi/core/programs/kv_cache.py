@@ -62,10 +62,19 @@ class KVCache:
 
 
 def empty_cache(
-    spec: ModelSpec, *, batch: int, length: int, dtype: torch.dtype, device: torch.device | None = None
+    spec: ModelSpec,
+    *,
+    batch: int,
+    length: int,
+    dtype: torch.dtype,
+    heads: int | None = None,
+    device: torch.device | None = None,
 ) -> KVCache:
-    """A zero cache of `length` slots for `batch` rows: L layers of [B, K, T, D]."""
-    shape = (batch, spec.num_kv_heads, length, spec.head_dim)
+    """A zero cache of `length` slots for `batch` rows: L layers of [B, K, T, D].
+
+    `heads` is K, the kv heads one rank holds (default: the model's, i.e. one rank).
+    """
+    shape = (batch, spec.num_kv_heads if heads is None else heads, length, spec.head_dim)
     return KVCache(
         k=tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)),
         v=tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)),

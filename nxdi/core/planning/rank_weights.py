@@ -1,0 +1,95 @@
+"""Rank weight plans: the weight plan of one tensor-parallel rank, read slice by slice. Pure.
+
+Theory of operation. The sharding plan (`sharding.ShardPlan`) says, for every weight, along which
+dim it is split, how its padded layout is built from the original (GQA head replication and zero
+padding, a padded intermediate or vocabulary size), and which spans of that layout each rank holds.
+`rank_plan` turns this into a `Take` per source of every step of the model's weight plan: the
+original indices the rank needs, in order, None for a zero row. The checkpoint reader then reads
+only the range of rows a Take spans (`Take.bounds`), so a rank holds its shard and nothing more.
+
+- A fused step (Q, K and V concatenated) gets one Take per source: the rank's Q rows from q_proj,
+  its K rows from k_proj, its V rows from v_proj, which concatenate into its `[Q_r; K_r; V_r]`.
+- A tied lm_head stays an alias of the embedding only when both are split alike (vocab-parallel);
+  otherwise the rank reads the embedding again, sliced as an lm_head.
+- Replicated weights (norms, row-parallel biases) are read whole by every rank.
+"""
+
+from __future__ import annotations
+
+import re
+
+import attrs
+from returns.result import Failure, Result, Success
+
+from nxdi.core.errors import ConfigError, Problem
+from nxdi.core.planning.sharding import ShardPlan, WeightShard
+from nxdi.core.weight_plan import Combine, Take, WeightPlan, WeightStep
+
+_LAYER = re.compile(r"^layers\.\d+\.")
+
+
+def _pattern(name: str) -> str:
+    """`layers.3.mlp.up_proj.weight` -> `layers.{i}.mlp.up_proj.weight` (the sharding plan's names)."""
+    return _LAYER.sub("layers.{i}.", name)
+
+
+def _padded_indices(shard: WeightShard, rank: int) -> list[list[int | None]]:
+    """Per span of `rank`, the original index of every padded index it holds (None: zero)."""
+    assert shard.dim is not None
+    size = shard.shape[shard.dim]
+    layout = shard.remap.indices() if shard.remap is not None else tuple(range(size))
+    return [list(layout[start:stop]) for start, stop in shard.rank_spans[rank]]
+
+
+def _takes(step: WeightStep, shard: WeightShard, rank: int) -> tuple[Take, ...]:
+    """One Take per source of `step`: its rows (along the split dim) that `rank` holds."""
+    assert shard.dim is not None
+    spans = _padded_indices(shard, rank)
+    if len(step.sources) == 1:
+        return (Take(dim=shard.dim, indices=[i for span in spans for i in span]),)
+    # Fused: the shard's layout indexes the concatenation of the sources; span k lies in source k.
+    offsets = [sum(s[shard.dim] for s in step.source_shapes[:k]) for k in range(len(step.sources))]
+    takes = []
+    for k, span in enumerate(spans):
+        size = step.source_shapes[k][shard.dim]
+        local = [None if i is None else i - offsets[k] for i in span]
+        assert all(i is None or 0 <= i < size for i in local), "a fused span must lie in its own source"
+        takes.append(Take(dim=shard.dim, indices=local))
+    return tuple(takes)
+
+
+def _same_split(a: WeightShard, b: WeightShard) -> bool:
+    return (a.dim, a.rank_spans, a.remap) == (b.dim, b.rank_spans, b.remap)
+
+
+def rank_plan(plan: WeightPlan, shard: ShardPlan, rank: int) -> Result[WeightPlan, ConfigError]:
+    """The weight plan of `rank`: every step of `plan` reading only the rank's slice of its sources.
+
+    Returns:
+        `Success(WeightPlan)` whose step shapes are the rank's shapes, or `Failure` when `rank` is
+        out of range or a step has no entry in the sharding plan (the two describe different models).
+    """
+    if not 0 <= rank < shard.tp:
+        return Failure(ConfigError.of("rank", rank, f"must lie in 0..{shard.tp - 1}"))
+    table = {w.name: w for w in shard.weights}
+    missing = [s.name for s in plan.steps if _pattern(s.name) not in table]
+    if missing:
+        why = "has no entry in the sharding plan"
+        return Failure(ConfigError(problems=tuple(Problem.of(n, "<missing>", why) for n in missing)))
+    by_name = {s.name: s for s in plan.steps}
+    steps = []
+    for step in plan.steps:
+        entry = table[_pattern(step.name)]
+        if step.combine is Combine.ALIAS:
+            target = by_name[step.sources[0]]
+            if _same_split(entry, table[_pattern(target.name)]):
+                steps.append(step)
+                continue
+            # Split differently from the tensor it aliases: read that tensor's source again, as this weight.
+            step = attrs.evolve(step, sources=target.sources, combine=Combine.COPY, transforms=target.transforms)
+        if entry.dim is None:
+            steps.append(step)
+        else:
+            steps.append(attrs.evolve(step, takes=_takes(step, entry, rank)))
+    optional = plan.optional - {k for s in steps if s.combine is not Combine.ALIAS for k in s.sources}
+    return Success(attrs.evolve(plan, steps=tuple(steps), optional=optional))

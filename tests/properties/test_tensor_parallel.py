@@ -1,0 +1,112 @@
+"""Tensor parallelism in the programs, with ranks as threads (tests/support/thread_ranks.py).
+
+- every rank of a tp-way split gives the logits of one rank holding everything, through a prefill
+  and decode steps, whatever the head counts (GQA replication, zero-padded heads, MHA conversion),
+  with the embedding split along hidden or vocabulary, with and without sequence parallelism;
+- every rank holds exactly the per-rank shapes the sharding plan (what `nxdi plan` reports) says;
+- a rank plan reads every source row it needs and no other (its Takes cover the original rows).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nxdi.core.host import weight_ops
+from nxdi.core.model_spec import ModelSpec
+from nxdi.core.planning import sharding
+from nxdi.core.planning.partition import Partition, partition_of
+from nxdi.core.planning.rank_weights import rank_plan
+from nxdi.core.programs import inputs, kv_cache
+from nxdi.core.programs.collectives import SINGLE, Collectives
+from nxdi.testing.strategies.decoders import dense_specs, plan_of, program_of, random_state_dict, random_weights
+from tests.support.thread_ranks import run_ranks
+
+SEEDS = st.integers(0, 2**31 - 1)
+
+
+@st.composite
+def tp_cases(draw: st.DrawFn) -> tuple[ModelSpec, int, bool, bool]:
+    return draw(dense_specs()), draw(st.integers(2, 4)), draw(st.booleans()), draw(st.booleans())
+
+
+def _rank_weights(spec: ModelSpec, tp: int, vocab_parallel: bool, seed: int) -> tuple[sharding.ShardPlan, list[Any]]:
+    shard = sharding.shard_plan(spec, tp=tp, fused_qkv=True, vocab_parallel=vocab_parallel).unwrap()
+    state = random_state_dict(spec, seed)
+    program = program_of(spec)
+    weights = []
+    for rank in range(tp):
+        tensors = weight_ops.convert(rank_plan(plan_of(spec), shard, rank).unwrap(), state).unwrap()
+        weights.append(program.weights(tensors, spec=spec))
+    return shard, weights
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    scale = max(expected.abs().max().item(), 1e-6)
+    assert (actual - expected).abs().max().item() <= 1e-4 * scale, (actual - expected).abs().max()
+
+
+def _run(spec: ModelSpec, w: Any, part: Partition, coll: Collectives, toks: list[int], bucket: int) -> torch.Tensor:
+    """Prefill `toks[:m]` in a `bucket` (a multiple of tp), then decode the rest; logits [steps, V]."""
+    program = program_of(spec)
+    m = len(toks) // 2
+    cache = kv_cache.empty_cache(spec, batch=1, length=bucket + len(toks), dtype=torch.float32, heads=part.kv_heads)
+    logits, part_cache = program.forward(
+        w, cache.prefix(bucket), inputs.prompt_inputs([toks[:m]], length=bucket), spec=spec, part=part, coll=coll
+    )
+    cache = cache.splice(part_cache)
+    out = [logits[0, 0]]
+    for p in range(m, len(toks)):
+        x = inputs.token_inputs(torch.tensor([toks[p]]), torch.tensor([p]))
+        logits, cache = program.forward(w, cache, x, spec=spec, part=part, coll=coll)
+        out.append(logits[0, 0])
+    return torch.stack(out)
+
+
+@settings(deadline=None, max_examples=25)
+@given(case=tp_cases(), seed=SEEDS, n=st.integers(2, 8))
+def test_every_rank_gives_the_logits_of_one_rank(case: tuple[ModelSpec, int, bool, bool], seed: int, n: int) -> None:
+    spec, tp, vocab_parallel, sequence_parallel = case
+    toks = torch.randint(0, spec.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    bucket = -(-n // tp) * tp  # sequence parallelism splits the context bucket over the ranks
+    expected = _run(spec, random_weights(spec, seed), Partition.single(spec), SINGLE, toks, bucket)
+    shard, weights = _rank_weights(spec, tp, vocab_parallel, seed)
+    part = partition_of(shard, spec, vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel)
+    for got in run_ranks(tp, lambda rank, coll: _run(spec, weights[rank], part, coll, toks, bucket)):
+        _close(got, expected)
+
+
+@settings(deadline=None, max_examples=25)
+@given(case=tp_cases(), seed=SEEDS)
+def test_every_rank_holds_the_shapes_the_planner_reports(case: tuple[ModelSpec, int, bool, bool], seed: int) -> None:
+    spec, tp, vocab_parallel, _ = case
+    shard = sharding.shard_plan(spec, tp=tp, fused_qkv=True, vocab_parallel=vocab_parallel).unwrap()
+    entries = {w.name: w for w in shard.weights}
+    state = random_state_dict(spec, seed)
+    for rank in range(tp):
+        tensors = weight_ops.convert(rank_plan(plan_of(spec), shard, rank).unwrap(), state).unwrap()
+        for name, t in tensors.items():
+            pattern = name if not name.startswith("layers.") else "layers.{i}." + name.split(".", 2)[2]
+            assert tuple(t.shape) == entries[pattern].rank_shape(rank), name
+
+
+@given(case=tp_cases())
+def test_the_ranks_together_read_every_source_row_and_nothing_else(case: tuple[ModelSpec, int, bool, bool]) -> None:
+    spec, tp, vocab_parallel, _ = case
+    shard = sharding.shard_plan(spec, tp=tp, fused_qkv=True, vocab_parallel=vocab_parallel).unwrap()
+    read: dict[tuple[str, int], set[int]] = {}
+    for rank in range(tp):
+        for step in rank_plan(plan_of(spec), shard, rank).unwrap().steps:
+            for i, (key, shape) in enumerate(step.source_items()):
+                take = step.take(i)
+                if take is None:
+                    continue  # replicated: every rank reads it whole
+                rows = {r for r in take.indices if r is not None}
+                assert rows <= set(range(shape[take.dim])), f"{key}: reads rows outside the source"
+                read.setdefault((key, take.dim), set()).update(rows)
+    sources = plan_of(spec).source_shapes()
+    for (key, dim), rows in read.items():
+        assert rows == set(range(sources[key][dim])), f"{key}: some rows are read by no rank"
