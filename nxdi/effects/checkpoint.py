@@ -68,6 +68,22 @@ class CheckpointFormat(enum.Enum):
 
 
 SEARCH_ORDER: tuple[CheckpointFormat, ...] = tuple(CheckpointFormat)
+
+_SAFETENSORS_DTYPES: Mapping[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+"""safetensors header dtype names."""
 """File names looked for in a model directory, most preferred first."""
 
 
@@ -259,6 +275,14 @@ class Checkpoint:
     def dtypes(self) -> dict[str, str]:
         """Key -> stored dtype name (safetensors names such as `BF16`, or torch names for `.bin`)."""
         return dict(self._dtypes)
+
+    def torch_dtype(self, key: str) -> torch.dtype:
+        """The stored dtype of `key` as a torch dtype, from the file's header (no tensor data read)."""
+        name = self._dtypes[key]
+        dtype = _SAFETENSORS_DTYPES.get(name) or getattr(torch, name.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise CorruptCheckpointError(f"{self._where[key]}: tensor {key!r} has an unknown dtype {name!r}")
+        return dtype
 
     def read(self, key: str) -> Tensor:
         """One tensor.

@@ -1,19 +1,23 @@
-"""A model's life cycle on the engine: the one compile path, the one load path, and the eager path.
-Effects: traces programs through a backend, reads and writes the compiled-model folder and its
-weights, allocates the KV cache, runs warm-up steps.
+"""A model's life cycle on one rank: the one compile path, the one load path, and the eager path.
+Effects: traces programs through a backend, reads the checkpoint and the compiled-model folder,
+writes the folder and its weights, allocates the KV cache, runs warm-up steps.
 
-A model is an `EngineModel`: its family's program, its architecture and its NeuronSpec. From it:
+A model is an `EngineModel`: its family's program, its architecture, its NeuronSpec, and the rank
+this process runs (0 of 1 without tensor parallelism). Weights always come from a
+`CheckpointSource` (the original checkpoint and the model's weight plan), read through the rank's
+plan, so a rank reads only its slices. From it:
 
-- `compile_model(root, model, weights, ...)` traces one step program per sub-model and bucket
-  (reusing unchanged ones), writes the weights once when asked (`save_sharded_checkpoint`), and
-  the manifest last (`nxdi.effects.artifacts`).
-- `load_model(root, model, ...)` reads the programs back without tracing, binds them to the
-  weights (the folder's, else the original checkpoint's through the weight plan) and returns a
-  ready `Runtime`, warmed up when asked. Every expected failure is a Result.
-- `eager_runtime(model, weights)` runs the pure programs eagerly (`to_cpu()`).
+- `compile_model(root, model, source, ...)` traces one step program per sub-model and bucket
+  (reusing unchanged ones; the same program serves every rank, traced from the checkpoint's headers
+  alone), writes every rank's weights when asked (`save_sharded_checkpoint`), the manifest last.
+- `load_model(root, model, source, ...)` reads the programs back without tracing, binds them to
+  this rank's weights (its shard file in the folder, else its slices of the original checkpoint)
+  and returns a ready `Runtime`, warmed up when asked. Every expected failure is a Result.
+- `eager_runtime(model, source)` runs the pure programs eagerly (`to_cpu()`).
 
 Every program, eager or compiled, is called the same way, with its weights already bound:
-`program(cache, inputs, params, uniforms) -> (logits | None, tokens | None, cache)`.
+`program(cache, inputs, params, uniforms) -> (logits | None, tokens | None, cache)`. With several
+ranks, these run in every rank process (`nxdi.effects.distributed`), in lockstep.
 """
 
 from __future__ import annotations
@@ -33,39 +37,94 @@ from nxdi.core.config.neuron_spec import NeuronSpec, Phase
 from nxdi.core.errors import ArtifactError, CheckpointError, Problem
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.planning import buckets
+from nxdi.core.planning import buckets, sharding
+from nxdi.core.planning.partition import Partition, partition_of
+from nxdi.core.planning.rank_weights import rank_plan
 from nxdi.core.programs import catalog, kv_cache
+from nxdi.core.programs.collectives import SINGLE, Collectives
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 from nxdi.core.programs.step import StepSpec, example_inputs, step
-from nxdi.core.weight_plan import WeightPlan
+from nxdi.core.weight_plan import Combine, WeightPlan
 from nxdi.effects import artifacts, checkpoint, weight_loader
 from nxdi.effects.artifacts import CompileResult, ProgramRequest
 from nxdi.effects.backends.base import Backend, LoadedProgram, Signature, WeightSet
+from nxdi.effects.distributed import ops
 from nxdi.effects.runtime import Program, Runtime
 
-SHARDED_WEIGHTS = "weights/tp0_sharded_checkpoint.safetensors"
-"""Where `compile_model` writes the converted weights (NxDI's name for rank 0's shard)."""
 INPUTS = ("input_ids", "position_ids", "last_index", "sampling_params", "uniforms")
+
+
+def sharded_weights(rank: int) -> str:
+    """Where rank `rank`'s weights go in a compiled-model folder (NxDI's file name)."""
+    return f"weights/tp{rank}_sharded_checkpoint.safetensors"
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointSource:
+    """Where a model's weights come from: the original checkpoint, and how it converts."""
+
+    path: str
+    """The original Hugging Face checkpoint (a folder or a file)."""
+    plan: WeightPlan
+    """How it converts into the programs' weights (the whole model; each rank derives its share)."""
 
 
 @attrs.frozen(kw_only=True)
 class EngineModel:
-    """Everything static about one model on the engine."""
+    """Everything static about one model on the engine, seen from one rank."""
 
     program: catalog.Program
     """The family's program (forward pass, weight table)."""
     model: ModelSpec
     spec: NeuronSpec
+    rank: int = 0
+    """The tensor-parallel rank this process runs."""
+
+    @property
+    def tp(self) -> int:
+        return self.spec.tp_degree
+
+    def shard_plan(self) -> sharding.ShardPlan:
+        """The sharding of the program's layout (Q, K and V fused) over tp ranks."""
+        planned = sharding.shard_plan(self.model, tp=self.tp, fused_qkv=True, vocab_parallel=self.spec.vocab_parallel)
+        assert isinstance(planned, Success), f"a model that passed its checks shards: {planned}"
+        return planned.unwrap()
+
+    def partition(self) -> Partition:
+        """What every rank holds (one rank: everything, GQA kept native)."""
+        if self.tp == 1:
+            return Partition.single(self.model)
+        spec = self.spec
+        return partition_of(
+            self.shard_plan(),
+            self.model,
+            vocab_parallel=spec.vocab_parallel,
+            sequence_parallel=spec.sequence_parallel_enabled,
+        )
+
+    def collectives(self) -> Collectives:
+        """How this rank's programs meet the others (the identity with one rank)."""
+        return SINGLE if self.tp == 1 else ops.collectives(self.tp)
+
+    def weight_plan(self, plan: WeightPlan) -> WeightPlan:
+        """This rank's share of the model's weight plan."""
+        if self.tp == 1:
+            return plan
+        ranked = rank_plan(plan, self.shard_plan(), self.rank)
+        assert isinstance(ranked, Success), f"the weight plan and the sharding plan describe one model: {ranked}"
+        return ranked.unwrap()
 
     @property
     def step_spec(self) -> StepSpec:
         """The static part of every step program."""
         ods = self.spec.on_device_sampling_config
+        part = None if self.tp == 1 else self.partition()
         if ods is None:
-            return StepSpec(model=self.model)
+            return StepSpec(model=self.model, partition=part)
         return StepSpec(
             model=self.model,
+            partition=part,
             on_device_sampling=True,
             # dynamic sampling takes per-row parameters, so the program must be able to sample.
             do_sample=ods.do_sample or ods.dynamic,
@@ -86,19 +145,38 @@ class EngineModel:
         """Rows of the programs of `phase`."""
         return self.spec.ctx_batch_size if phase is Phase.CONTEXT else self.spec.tkg_batch_size
 
-    def weight_names(self) -> tuple[str, ...]:
-        """The weights a program binds, in order: the table's, a tied lm_head left out (it is the embedding)."""
-        tied, _ = self.program.table.tied
-        entries = self.program.table.entries(self.model)
-        return tuple(n for n, slot, _ in entries if not (self.model.tie_word_embeddings and slot == tied))
+    def weight_names(self, plan: WeightPlan) -> tuple[str, ...]:
+        """The weights a program binds, in order: the rank plan's own tensors (an alias is bound once)."""
+        return tuple(s.name for s in self.weight_plan(plan).steps if s.combine is not Combine.ALIAS)
 
     def cache_dtype(self) -> torch.dtype:
         return weight_ops.torch_dtype(self.spec.attention_dtype or self.spec.torch_dtype)
 
     def empty_cache(self, *, length: int, batch: int | None = None) -> KVCache:
-        """A zero KV cache: every cache row (garbage rows included) unless `batch` is given."""
+        """A zero KV cache of this rank's kv heads: every cache row (garbage rows too) unless `batch` is given."""
         rows = self.spec.kv_cache_batch_size + self.spec.kv_cache_padding_size if batch is None else batch
-        return kv_cache.empty_cache(self.model, batch=rows, length=length, dtype=self.cache_dtype())
+        heads = self.partition().kv_heads
+        return kv_cache.empty_cache(self.model, batch=rows, length=length, dtype=self.cache_dtype(), heads=heads)
+
+
+# --- weights --------------------------------------------------------------------------------------
+
+
+def read_weights(model: EngineModel, source: CheckpointSource) -> Result[dict[str, Tensor], CheckpointError]:
+    """This rank's converted weights, read slice by slice from the original checkpoint."""
+    return weight_loader.get_state_dict(source.path, model.weight_plan(source.plan))
+
+
+def write_weights(
+    root: str | os.PathLike[str], model: EngineModel, source: CheckpointSource
+) -> Result[Path, CheckpointError]:
+    """Read this rank's weights and write them (an alias once) to its shard file in the folder `root`."""
+    names = model.weight_names(source.plan)
+    return read_weights(model, source).map(
+        lambda tensors: checkpoint.write_safetensors(
+            Path(root) / sharded_weights(model.rank), {n: tensors[n] for n in names}
+        )
+    )
 
 
 # --- the step as a flat program -----------------------------------------------------------------
@@ -107,29 +185,29 @@ class EngineModel:
 class _FlatStep:
     """The step as `fn(*weights, *cache, *inputs) -> (*outputs, *cache)` (what a backend traces)."""
 
-    def __init__(self, model: EngineModel) -> None:
-        self.model, self.names = model, model.weight_names()
+    def __init__(self, model: EngineModel, names: Sequence[str]) -> None:
+        self.model, self.names = model, tuple(names)
 
     def __call__(self, *flat: Tensor) -> tuple[Tensor, ...]:
-        w, c = len(self.names), 2 * self.model.model.num_layers
-        weights = self.model.program.weights(dict(zip(self.names, flat[:w], strict=True)), spec=self.model.model)
+        m = self.model
+        w, c = len(self.names), 2 * m.model.num_layers
+        weights = m.program.weights(dict(zip(self.names, flat[:w], strict=True)), spec=m.model)
         ids, positions, last, params, uniforms = flat[w + c :]
         x = StepInputs(input_ids=ids, position_ids=positions, last_index=last)
-        forward, spec = self.model.program.forward, self.model.step_spec
-        logits, tokens, new = step(
-            forward, weights, KVCache.from_tensors(flat[w : w + c]), x, params, uniforms, spec=spec
-        )
+        cache = KVCache.from_tensors(flat[w : w + c])
+        spec, coll = m.step_spec, m.collectives()
+        logits, tokens, new = step(m.program.forward, weights, cache, x, params, uniforms, spec=spec, coll=coll)
         return (*(t for t in (logits, tokens) if t is not None), *new.to_tensors())
 
 
-def _signature(model: EngineModel) -> Signature:
+def _signature(model: EngineModel, names: Sequence[str]) -> Signature:
     spec = model.step_spec
     cache = tuple(f"layers.{i}.{kv}" for i in range(model.model.num_layers) for kv in ("k", "v"))
     if not spec.on_device_sampling:
         outputs: tuple[str, ...] = ("logits",)
     else:
         outputs = ("logits", "tokens") if spec.output_logits else ("tokens",)
-    return Signature(weights=model.weight_names(), cache=cache, inputs=INPUTS, outputs=outputs)
+    return Signature(weights=tuple(names), cache=cache, inputs=INPUTS, outputs=outputs)
 
 
 def _example(model: EngineModel, weights: Sequence[Tensor], phase: Phase, bucket: int) -> list[Tensor]:
@@ -172,36 +250,37 @@ def _warmup(runtime: Runtime, model: EngineModel) -> None:
 # --- the three paths ----------------------------------------------------------------------------
 
 
-def eager_runtime(model: EngineModel, weights: Mapping[str, Tensor]) -> Runtime:
-    """The pure step programs, run eagerly, bound to `weights` (named as the weight table names them)."""
-    value = model.program.weights(weights, spec=model.model)
-    program = functools.partial(step, model.program.forward, value, spec=model.step_spec)
-    programs = {(phase, b): program for phase, lengths in model.buckets().items() for b in lengths}
-    return _runtime(model, programs, value)
+def eager_runtime(model: EngineModel, source: CheckpointSource) -> Result[Runtime, CheckpointError]:
+    """This rank's pure step programs, run eagerly, bound to its weights from `source`."""
 
+    def build(tensors: Mapping[str, Tensor]) -> Runtime:
+        value = model.program.weights(tensors, spec=model.model)
+        program = functools.partial(step, model.program.forward, value, spec=model.step_spec, coll=model.collectives())
+        programs = {(phase, b): program for phase, lengths in model.buckets().items() for b in lengths}
+        return _runtime(model, programs, value)
 
-def write_weights(root: str | os.PathLike[str], model: EngineModel, weights: Mapping[str, Tensor]) -> Path:
-    """Write the weights the programs bind (a tied lm_head once, as the embedding) to the folder's shard file."""
-    return checkpoint.write_safetensors(Path(root) / SHARDED_WEIGHTS, {n: weights[n] for n in model.weight_names()})
+    return read_weights(model, source).map(build)
 
 
 def compile_model(
     root: str | os.PathLike[str],
     model: EngineModel,
-    weights: Mapping[str, Tensor],
+    source: CheckpointSource,
     *,
     backend: Backend,
     graph_key: str,
     save_weights: bool = False,
     cache_dir: str | os.PathLike[str] | None = None,
     record: Iterable[str] = (),
-) -> CompileResult:
+) -> Result[CompileResult, CheckpointError]:
     """Compile every program of `model` into the folder `root` (see `artifacts.compile_programs`).
 
-    Args:
-        weights: the converted weights (they give the traced shapes; saved when `save_weights`).
-        save_weights: write them once to `SHARDED_WEIGHTS`, so loading needs no checkpoint.
-        record: other files of the folder (e.g. `neuron_config.json`) the manifest should verify.
+    The programs are traced from the checkpoint's headers alone, once for every rank (all ranks
+    hold the same shapes). With `save_weights` every rank's weights are written, one rank at a
+    time, so loading needs no checkpoint (and memory holds one rank's shard at most).
+
+    Returns:
+        The compile result, or a CheckpointError when the checkpoint does not fit the model.
 
     Raises:
         Exceptions from tracing propagate; the folder then reads as not compiled.
@@ -210,44 +289,45 @@ def compile_model(
     folder.mkdir(parents=True, exist_ok=True)
     files = list(record)
     if save_weights:
-        write_weights(folder, model, weights)
-        files.append(SHARDED_WEIGHTS)
-    flat, signature, tensors = _FlatStep(model), _signature(model), [weights[n] for n in model.weight_names()]
-    requests = [
-        ProgramRequest(
-            phase=phase,
-            bucket=bucket,
-            fn=flat,
-            signature=signature,
-            example=functools.partial(_example, model, tensors, phase, bucket),
+        for rank in range(model.tp):
+            written = write_weights(folder, attrs.evolve(model, rank=rank), source)
+            if isinstance(written, Failure):
+                return Failure(written.failure())
+            files.append(sharded_weights(rank))
+    names = model.weight_names(source.plan)
+    signature, flat = _signature(model, names), _FlatStep(model, names)
+    ops.register()  # collectives trace as nxdi:: ops
+
+    def requests(example: Sequence[Tensor]) -> list[ProgramRequest]:
+        return [
+            ProgramRequest(
+                phase=phase,
+                bucket=bucket,
+                fn=flat,
+                signature=signature,
+                example=functools.partial(_example, model, example, phase, bucket),
+            )
+            for phase, lengths in model.buckets().items()
+            for bucket in lengths
+        ]
+
+    return weight_loader.example_weights(model.weight_plan(source.plan), source.path).map(
+        lambda example: artifacts.compile_programs(
+            folder, requests(example), graph_key=graph_key, backend=backend, cache_dir=cache_dir, record=files
         )
-        for phase, lengths in model.buckets().items()
-        for bucket in lengths
-    ]
-    return artifacts.compile_programs(
-        folder, requests, graph_key=graph_key, backend=backend, cache_dir=cache_dir, record=files
     )
 
 
-@attrs.frozen(kw_only=True)
-class CheckpointSource:
-    """Where a compiled model's weights come from when its folder holds none."""
-
-    path: str
-    """The original Hugging Face checkpoint."""
-    plan: WeightPlan
-    """How it converts into the programs' weights."""
-
-
 def _weights(root: Path, model: EngineModel, source: CheckpointSource) -> Result[dict[str, Tensor], Any]:
-    """The folder's weights file, else the original checkpoint converted by the plan."""
-    if (root / SHARDED_WEIGHTS).is_file():
-        with checkpoint.open_checkpoint(root / SHARDED_WEIGHTS) as ckpt:
+    """This rank's shard file in the folder, else its slices of the original checkpoint."""
+    shard = root / sharded_weights(model.rank)
+    if shard.is_file():
+        with checkpoint.open_checkpoint(shard) as ckpt:
             tensors = dict(ckpt.iter_tensors())
-        missing = [n for n in model.weight_names() if n not in tensors]
+        missing = [n for n in model.weight_names(source.plan) if n not in tensors]
         if missing:
             why = f"lacks the weights {missing}"
-            return Failure(ArtifactError(problems=(Problem.of(str(root / SHARDED_WEIGHTS), len(tensors), why),)))
+            return Failure(ArtifactError(problems=(Problem.of(str(shard), len(tensors), why),)))
         return Success(tensors)
     try:
         checkpoint.find_checkpoint(source.path)
@@ -257,13 +337,16 @@ def _weights(root: Path, model: EngineModel, source: CheckpointSource) -> Result
         )
         fix = "restore the checkpoint, or compile with save_sharded_checkpoint=True"
         return Failure(ArtifactError(problems=(Problem.of(source.path, "<missing>", why, fix),), not_found=True))
-    return weight_loader.get_state_dict(source.path, source.plan)
+    return read_weights(model, source)
 
 
 def _bind(
-    backend: Backend, programs: Mapping[tuple[Phase, int], Any], model: EngineModel, tensors: Mapping[str, Tensor]
+    backend: Backend,
+    programs: Mapping[tuple[Phase, int], Any],
+    names: Sequence[str],
+    tensors: Mapping[str, Tensor],
 ) -> Result[dict[tuple[Phase, int], Program], CheckpointError]:
-    weight_set = WeightSet(tensors=tuple(tensors[n] for n in model.weight_names()))
+    weight_set = WeightSet(tensors=tuple(tensors[n] for n in names))
     bound: dict[tuple[Phase, int], Program] = {}
     problems: list[Problem] = []
     for key, compiled in programs.items():
@@ -278,13 +361,14 @@ def _bind(
 def load_model(
     root: str | os.PathLike[str],
     model: EngineModel,
+    source: CheckpointSource,
     *,
     backend: Backend,
     graph_key: str,
-    checkpoint_source: CheckpointSource,
     warmup: bool = True,
 ) -> Result[Runtime, ArtifactError | CheckpointError]:
-    """A runtime from the compiled folder `root`: programs read back (no tracing), bound to the weights.
+    """This rank's runtime from the compiled folder `root`: programs read back (no tracing), bound to
+    its weights.
 
     Returns:
         `Success(Runtime)` (warmed up when `warmup`), or a Failure: `ArtifactError` when nothing is
@@ -293,11 +377,13 @@ def load_model(
         not fit the plan or the weights do not fit the programs (every problem listed).
     """
     folder = Path(root)
+    ops.register()  # before reading programs that call nxdi:: collectives
+    names = model.weight_names(source.plan)
     loaded: Result[Runtime, ArtifactError | CheckpointError] = artifacts.load_programs(
         folder, backend, graph_key=graph_key
     ).bind(
-        lambda programs: _weights(folder, model, checkpoint_source).bind(
-            lambda tensors: _bind(backend, programs, model, tensors).map(
+        lambda programs: _weights(folder, model, source).bind(
+            lambda tensors: _bind(backend, programs, names, tensors).map(
                 lambda bound: _runtime(model, bound, model.program.weights(tensors, spec=model.model))
             )
         )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping
 
+import torch
 from returns.result import Failure, Result, Success
 from torch import Tensor
 
@@ -79,3 +80,26 @@ def get_state_dict(
     """
     with checkpoint.open_checkpoint(path) as ckpt:
         return load_weights(plan, ckpt)
+
+
+def example_weights(plan: weights.WeightPlan, path: str | os.PathLike[str]) -> Result[list[Tensor], CheckpointError]:
+    """Zeros of the shapes and dtypes `plan` gives (its own steps, aliases left out), from the
+    checkpoint's headers alone (no tensor data is read): all that tracing a program needs.
+
+    Returns:
+        The tensors in plan order, or the CheckpointError `get_state_dict` would give.
+    """
+    own = [s for s in plan.steps if s.combine is not weights.Combine.ALIAS]
+    with checkpoint.open_checkpoint(path) as ckpt:
+        checked = weights.check_checkpoint(plan, ckpt.shapes())
+        if isinstance(checked, Failure):
+            return Failure(checked.failure())
+        keys = checked.unwrap()
+        stored = [ckpt.torch_dtype(keys[s.sources[0]]) for s in own]
+    out = []
+    for s, dtype in zip(own, stored, strict=True):
+        like = torch.empty(0, dtype=dtype)
+        for t in s.transforms:  # the dtype the step's casts give
+            like = weight_ops.apply_transform(like, t)
+        out.append(torch.zeros(s.shape, dtype=like.dtype))
+    return Success(out)

@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
+import attrs
 import torch
 
 from nxdi.core import families, graph_key
@@ -150,9 +151,17 @@ class NeuronApplicationBase:
     def _backend(self) -> Backend:
         return CpuBackend()
 
+    def _source(self, path: str | os.PathLike[str]) -> engine.CheckpointSource:
+        """The checkpoint at `path`, converted by this model's weight plan."""
+        return engine.CheckpointSource(path=str(path), plan=self._weight_plan(self.config))
+
     def to_cpu(self) -> None:
-        """Load the weights and run the pure programs eagerly on the CPU, writing no artifacts."""
-        self._runtime = engine.eager_runtime(self._engine_model(), self.get_state_dict(self.model_path, self.config))
+        """Load the weights and run the pure programs eagerly on the CPU, writing no artifacts.
+
+        Raises:
+            CheckpointValidationError: missing, unexpected or misshapen tensors (all listed).
+        """
+        self._runtime = unwrap(engine.eager_runtime(self._engine_model(), self._source(self.model_path)))
         self.is_loaded_to_neuron = True
 
     def compile(self, compiled_model_path: str | os.PathLike[str], debug: bool = False) -> None:
@@ -168,22 +177,25 @@ class NeuronApplicationBase:
         """
         root = Path(compiled_model_path)
         self.config.save(root)
-        self._last_compile = engine.compile_model(
+        compiled = engine.compile_model(
             root,
             self._engine_model(),
-            self.get_state_dict(self.model_path, self.config),
+            self._source(self.model_path),
             backend=self._backend(),
             graph_key=self._graph_key(),
             save_weights=self.spec.save_sharded_checkpoint,
             cache_dir=env_mod.read_env().compile_cache_dir,
             record=[CONFIG_FILE],
         )
+        self._last_compile = unwrap(compiled)
         self.is_compiled = True
 
     def shard_weights(self, compiled_model_path: str | os.PathLike[str]) -> None:
-        """Write the converted weights to `compiled_model_path/weights/` (tp rank 0 on the CPU)."""
-        weights = self.get_state_dict(self.model_path, self.config)
-        engine.write_weights(compiled_model_path, self._engine_model(), weights)
+        """Write every rank's converted weights to `compiled_model_path/weights/tp{rank}_sharded_checkpoint.safetensors`,
+        one rank at a time (each reads only its slices of the checkpoint)."""
+        model, source = self._engine_model(), self._source(self.model_path)
+        for rank in range(model.tp):
+            unwrap(engine.write_weights(compiled_model_path, attrs.evolve(model, rank=rank), source))
 
     def load(self, compiled_model_path: str | os.PathLike[str]) -> None:
         """Load the compiled programs and the weights, without tracing; warm up unless skip_warmup.
@@ -205,13 +217,12 @@ class NeuronApplicationBase:
         self._load(compiled_model_path, warmup=False)
 
     def _load(self, compiled_model_path: str | os.PathLike[str], *, warmup: bool) -> None:
-        source = engine.CheckpointSource(path=self.checkpoint_path, plan=self._weight_plan(self.config))
         loaded = engine.load_model(
             compiled_model_path,
             self._engine_model(),
+            self._source(self.checkpoint_path),
             backend=self._backend(),
             graph_key=self._graph_key(),
-            checkpoint_source=source,
             warmup=warmup,
         )
         self._runtime = unwrap(loaded)

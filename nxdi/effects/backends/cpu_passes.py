@@ -257,9 +257,16 @@ def _key(node: fx.Node) -> tuple[object, ...] | None:
     return key
 
 
+COMMUNICATING = frozenset({"nxdi"})
+"""Namespaces of ops that talk to other ranks (`nxdi.effects.distributed.ops`): never folded or
+merged, since every rank must call every collective, in the same order."""
+
+
 def _pure(node: fx.Node) -> bool:
-    """A deterministic op that writes nothing and allocates no uninitialized memory."""
+    """A deterministic op that writes nothing, allocates no uninitialized memory and talks to no rank."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    if node.target.namespace in COMMUNICATING:
         return False
     schema = node.target._schema
     return not (schema.is_mutable or "empty" in schema.name or torch.Tag.nondeterministic_seeded in node.target.tags)
