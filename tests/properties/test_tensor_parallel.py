@@ -2,7 +2,8 @@
 
 - every rank of a tp-way split gives the logits of one rank holding everything, through a prefill
   and decode steps, whatever the head counts (GQA replication, zero-padded heads, MHA conversion),
-  with the embedding split along hidden or vocabulary, with and without sequence parallelism;
+  with the embedding split along hidden or vocabulary, with and without sequence parallelism, and
+  with flash decoding (each rank caching 1/g of the sequence) wherever the layout allows it;
 - every rank holds exactly the per-rank shapes the sharding plan (what `nxdi plan` reports) says;
 - a rank plan reads every source row it needs and no other (its Takes cover the original rows).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -53,9 +55,11 @@ def _run(spec: ModelSpec, w: Any, part: Partition, coll: Collectives, toks: list
     """Prefill `toks[:m]` in a `bucket` (a multiple of tp), then decode the rest; logits [steps, V]."""
     program = program_of(spec)
     m = len(toks) // 2
-    cache = kv_cache.empty_cache(spec, batch=1, length=bucket + len(toks), dtype=torch.float32, heads=part.kv_heads)
+    length = part.cache_slots(bucket + len(toks))
+    cache = kv_cache.empty_cache(spec, batch=1, length=length, dtype=torch.float32, heads=part.kv_heads)
+    prompt = inputs.prompt_inputs([toks[:m]], length=bucket)
     logits, part_cache = program.forward(
-        w, cache.prefix(bucket), inputs.prompt_inputs([toks[:m]], length=bucket), spec=spec, part=part, coll=coll
+        w, cache.prefix(part.cache_slots(bucket)), prompt, spec=spec, part=part, coll=coll
     )
     cache = cache.splice(part_cache)
     out = [logits[0, 0]]
@@ -75,6 +79,30 @@ def test_every_rank_gives_the_logits_of_one_rank(case: tuple[ModelSpec, int, boo
     expected = _run(spec, random_weights(spec, seed), Partition.single(spec), SINGLE, toks, bucket)
     shard, weights = _rank_weights(spec, tp, vocab_parallel, seed)
     part = partition_of(shard, spec, vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel)
+    for got in run_ranks(tp, lambda rank, coll: _run(spec, weights[rank], part, coll, toks, bucket)):
+        _close(got, expected)
+
+
+@st.composite
+def flash_decoding_cases(draw: st.DrawFn) -> tuple[ModelSpec, int]:
+    """A spec and a tp where flash decoding applies: groups of g >= 2 ranks share each KV head."""
+    kv = draw(st.integers(1, 2))
+    tp = kv * draw(st.integers(2, 4 // kv))
+    heads = kv * draw(st.integers(-(-tp // kv), 4))  # at least tp query heads
+    spec = draw(dense_specs())
+    return attrs.evolve(spec, num_kv_heads=kv, num_attention_heads=heads, hidden_size=heads * spec.head_dim), tp
+
+
+@settings(deadline=None, max_examples=20)
+@given(case=flash_decoding_cases(), seed=SEEDS, n=st.integers(3, 10))
+def test_flash_decoding_gives_the_logits_of_one_rank(case: tuple[ModelSpec, int], seed: int, n: int) -> None:
+    spec, tp = case
+    toks = torch.randint(0, spec.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    bucket = n + 1  # any length: the ranks of a group hold ceil(T / g) slots each
+    expected = _run(spec, random_weights(spec, seed), Partition.single(spec), SINGLE, toks, bucket)
+    shard, weights = _rank_weights(spec, tp, False, seed)
+    part = partition_of(shard, spec, kv_group=tp // spec.num_kv_heads)
+    assert shard.counts.kv_per_rank == 1
     for got in run_ranks(tp, lambda rank, coll: _run(spec, weights[rank], part, coll, toks, bucket)):
         _close(got, expected)
 

@@ -9,12 +9,13 @@ sequence parallel. Every rank holds the same shapes, so one traced program serve
 from __future__ import annotations
 
 import attrs
-from returns.result import Result
+from returns.result import Result, Success
 
 from nxdi.core.config.neuron_spec import NeuronSpec
-from nxdi.core.errors import ConfigError
+from nxdi.core.errors import ConfigError, Problem, problems_of, problems_result
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.planning.sharding import ShardPlan, round_up, shard_plan_for
+from nxdi.core.planning import buckets, gqa
+from nxdi.core.planning.sharding import ShardPlan, check_sequence_parallel, round_up, shard_plan, shard_plan_for
 
 
 @attrs.frozen(kw_only=True)
@@ -37,6 +38,15 @@ class Partition:
     vocab_parallel: bool = False
     sequence_parallel: bool = False
     """Context encoding keeps norms and residuals on sequence shards (reduce-scatter / all-gather)."""
+    reduce_dtype: str | None = None
+    """The dtype the ranks' partial sums are reduced in (`rpl_reduce_dtype`; None: their own)."""
+    kv_group: int = attrs.field(default=1, validator=attrs.validators.gt(0))
+    """Flash decoding: g contiguous ranks share one KV head and each caches 1/g of the sequence
+    (`nxdi.core.programs.flash_decoding`); 1 without."""
+
+    def cache_slots(self, positions: int) -> int:
+        """KV-cache slots a rank holds for `positions` positions: ceil(positions / kv_group)."""
+        return -(-positions // self.kv_group)
 
     @classmethod
     def single(cls, model: ModelSpec) -> Partition:
@@ -51,7 +61,13 @@ class Partition:
 
 
 def partition_of(
-    plan: ShardPlan, model: ModelSpec, *, vocab_parallel: bool = False, sequence_parallel: bool = False
+    plan: ShardPlan,
+    model: ModelSpec,
+    *,
+    vocab_parallel: bool = False,
+    sequence_parallel: bool = False,
+    reduce_dtype: str | None = None,
+    kv_group: int = 1,
 ) -> Partition:
     """The per-rank shapes `plan` gives every rank (tp 1 gives `Partition.single`)."""
     if plan.tp == 1:
@@ -66,6 +82,8 @@ def partition_of(
         vocab=round_up(model.vocab_size, tp) // tp,
         vocab_parallel=vocab_parallel,
         sequence_parallel=sequence_parallel,
+        reduce_dtype=reduce_dtype,
+        kv_group=kv_group,
     )
 
 
@@ -74,5 +92,59 @@ def partition_for(model: ModelSpec, spec: NeuronSpec) -> Result[Partition, Confi
     return shard_plan_for(model, spec).map(
         lambda plan: partition_of(
             plan, model, vocab_parallel=spec.vocab_parallel, sequence_parallel=spec.sequence_parallel_enabled
+        )
+    )
+
+
+def _flash_decoding_group(plan: ShardPlan, model: ModelSpec) -> Result[int, ConfigError]:
+    """g, the ranks flash decoding splits each KV head's sequence over (the reference's
+    num_cores_per_group), when the layout allows it on the CPU engine."""
+    tp, q, kv = plan.tp, model.num_attention_heads, model.num_kv_heads
+
+    def fits(g: int) -> Result[int, ConfigError]:
+        if g * kv != tp or plan.counts.kv_per_rank != 1:
+            why = (
+                f"needs every rank to hold one replica of a KV head, shared by a group of {g} ranks: "
+                f"tp_degree={tp} must be a multiple of num_key_value_heads={kv} and at most num_attention_heads={q}"
+            )
+            return problems_result(g, [Problem.of("flash_decoding_enabled", True, why, "disable flash decoding")])
+        if g == 1:
+            why = f"has nothing to split: each of the {tp} ranks holds its own KV head (num_key_value_heads={kv})"
+            fix = "disable flash decoding, or use a tp_degree that is a multiple of num_key_value_heads"
+            return problems_result(g, [Problem.of("flash_decoding_enabled", True, why, fix)])
+        return Success(g)
+
+    return gqa.flash_decoding_group(tp, q, kv).bind(fits)
+
+
+def check_partition(model: ModelSpec, spec: NeuronSpec) -> Result[Partition, ConfigError]:
+    """The per-rank shapes the engine runs `model` with under `spec` (Q, K and V fused).
+
+    Returns:
+        `Failure` listing every reason the ranks cannot be laid out: head counts that do not shard
+        over tp_degree, context buckets that sequence parallelism cannot split, and a flash-decoding
+        group the layout does not give.
+    """
+    tp = spec.tp_degree
+    plan = shard_plan(model, tp=tp, fused_qkv=True, vocab_parallel=spec.vocab_parallel)
+    sequence = (
+        buckets.context_table_for(spec).bind(lambda t: check_sequence_parallel(tp, t.lengths))
+        if spec.sequence_parallel_enabled and tp > 1
+        else Success(0)
+    )
+    group = (
+        plan.bind(lambda p: _flash_decoding_group(p, model)) if spec.flash_decoding_enabled and tp > 1 else Success(1)
+    )
+    problems = problems_of(plan, sequence, group)
+    if problems:
+        return problems_result(Partition.single(model), problems)
+    return Success(
+        partition_of(
+            plan.unwrap(),
+            model,
+            vocab_parallel=spec.vocab_parallel,
+            sequence_parallel=spec.sequence_parallel_enabled,
+            reduce_dtype=spec.rpl_reduce_dtype,
+            kv_group=group.unwrap(),
         )
     )

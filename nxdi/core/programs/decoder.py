@@ -21,12 +21,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from nxdi.core.model_spec import MlpKind, ModelSpec
 from nxdi.core.planning.partition import Partition
-from nxdi.core.programs import inputs, kv_cache, layers
+from nxdi.core.programs import flash_decoding, inputs, kv_cache, layers
 from nxdi.core.programs.collectives import SINGLE, Collectives
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
@@ -132,15 +133,18 @@ def _attention(
     v_cache: Tensor,
     *,
     rope: tuple[Tensor, Tensor],
-    mask: Tensor,
+    mask: Tensor | None,
+    window: int | None,
     slots: Tensor,
     spec: ModelSpec,
     part: Partition,
+    coll: Collectives,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Self-attention over this rank's heads of normed x [N, E] (N = B*S).
 
     Returns this rank's partial output [N, E] (summed over ranks, plus the o_proj bias when there
-    are several, it is the attention output) and the written k/v caches [B, K_r, T, D].
+    are several, it is the attention output) and the written k/v caches [B, K_r, T, D] (with flash
+    decoding, this rank's share of the sequence: [B, 1, T_l, D]).
     """
     b, s = slots.shape
     h, kh, d = part.q_heads, part.kv_heads, spec.head_dim
@@ -150,9 +154,15 @@ def _attention(
         assert w.q_norm is not None and w.k_norm is not None, "qk_norm needs q_norm and k_norm weights"
         q, k = layers.rms_norm(q, w.q_norm, spec.norm_eps), layers.rms_norm(k, w.k_norm, spec.norm_eps)
     q, k = layers.apply_rope(q, *rope), layers.apply_rope(k, *rope)
-    k_cache = kv_cache.write(k_cache, k.transpose(1, 2), slots)
-    v_cache = kv_cache.write(v_cache, v.transpose(1, 2), slots)
-    o = layers.attend(q, k_cache, v_cache, mask)  # [B, S, H_r*D]
+    if part.kv_group > 1:
+        o, k_cache, v_cache = flash_decoding.attend(
+            q, k, v, k_cache, v_cache, slots=slots, window=window, group=part.kv_group, coll=coll
+        )
+    else:
+        assert mask is not None, "without flash decoding every layer has a mask"
+        k_cache = kv_cache.write(k_cache, k.transpose(1, 2), slots)
+        v_cache = kv_cache.write(v_cache, v.transpose(1, 2), slots)
+        o = layers.attend(q, k_cache, v_cache, mask)  # [B, S, H_r*D]
     bias = w.o_bias if part.tp == 1 else None  # with ranks, the bias is added once, after the sum
     return F.linear(o.view(b * s, h * d), w.o, bias), k_cache, v_cache  # this rank's share of [N, E]
 
@@ -170,11 +180,14 @@ def _mlp(m: MLP, x: Tensor, spec: ModelSpec, part: Partition) -> tuple[Tensor, T
             return layers.gated_mlp(x, m.gate, m.up, m.down, activation=spec.activation, biases=biases), after
 
 
-def _masks(slots: Tensor, length: int, spec: ModelSpec, part: Partition) -> list[Tensor]:
-    """Each layer's attention mask [B, 1, G*S, T]; layers with the same window share one tensor."""
+def _masks(slots: Tensor, length: int, spec: ModelSpec, part: Partition) -> list[Tensor | None]:
+    """Each layer's attention mask [B, 1, G*S, T]; layers with the same window share one tensor.
+    None with flash decoding, which masks by the positions each rank holds."""
+    if part.kv_group > 1:
+        return [None] * spec.num_layers
     groups = part.q_heads // part.kv_heads
     built: dict[int | None, Tensor] = {}
-    out = []
+    out: list[Tensor | None] = []
     for i in range(spec.num_layers):
         window = spec.layer_window(i)
         if window not in built:
@@ -211,12 +224,17 @@ def _embed(w: DecoderWeights, ids: Tensor, spec: ModelSpec, part: Partition, col
     return columns[:, : spec.hidden_size]
 
 
-def _reduce(partial: Tensor, bias: Tensor | None, coll: Collectives, *, b: int, sp: bool) -> Tensor:
-    """Sum the ranks' partial outputs [N, E] (into this rank's sequence shard with `sp`), then add the bias."""
+def _reduce(partial: Tensor, bias: Tensor | None, coll: Collectives, part: Partition, *, b: int, sp: bool) -> Tensor:
+    """Sum the ranks' partial outputs [N, E] (into this rank's sequence shard with `sp`), in
+    `part.reduce_dtype` when set, then add the bias."""
+    dtype = partial.dtype
+    if part.reduce_dtype is not None:
+        partial = partial.to(getattr(torch, part.reduce_dtype))
     if sp:
         out = coll.reduce_scatter(partial.view(b, -1, partial.shape[-1]), 1).reshape(-1, partial.shape[-1])
     else:
         out = coll.all_reduce(partial)
+    out = out.to(dtype)
     return out if bias is None else out + bias
 
 
@@ -261,16 +279,26 @@ def forward(
     if sp:
         h = coll.scatter(h.view(b, s, -1), 1).reshape(-1, h.shape[-1])  # [B*S/tp, E]
     ks, vs = [], []
-    for lw, mask, k_cache, v_cache in zip(w.layers, masks, cache.k, cache.v, strict=True):
+    for i, (lw, mask, k_cache, v_cache) in enumerate(zip(w.layers, masks, cache.k, cache.v, strict=True)):
         normed = layers.rms_norm(h, lw.input_norm, spec.norm_eps)
         normed = _gather_sequence(normed, coll, b=b) if sp else normed
         a, k_cache, v_cache = _attention(
-            lw.attn, normed, k_cache, v_cache, rope=rope, mask=mask, slots=slots, spec=spec, part=part
+            lw.attn,
+            normed,
+            k_cache,
+            v_cache,
+            rope=rope,
+            mask=mask,
+            window=spec.layer_window(i),
+            slots=slots,
+            spec=spec,
+            part=part,
+            coll=coll,
         )
-        h = h + _reduce(a, lw.attn.o_bias if part.tp > 1 else None, coll, b=b, sp=sp)
+        h = h + _reduce(a, lw.attn.o_bias if part.tp > 1 else None, coll, part, b=b, sp=sp)
         normed = layers.rms_norm(h, lw.post_norm, spec.norm_eps)
         partial, bias = _mlp(lw.mlp, _gather_sequence(normed, coll, b=b) if sp else normed, spec, part)
-        h = h + _reduce(partial, bias, coll, b=b, sp=sp)
+        h = h + _reduce(partial, bias, coll, part, b=b, sp=sp)
         ks.append(k_cache)
         vs.append(v_cache)
     h = (_gather_sequence(h, coll, b=b) if sp else h).view(b, s, -1)
