@@ -38,7 +38,7 @@ from nxdi.core.errors import ArtifactError, CheckpointError, Problem
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import buckets, sharding
-from nxdi.core.planning.partition import Partition, partition_of
+from nxdi.core.planning.partition import Partition, check_partition
 from nxdi.core.planning.rank_weights import rank_plan
 from nxdi.core.programs import catalog, kv_cache
 from nxdi.core.programs.collectives import SINGLE, Collectives
@@ -95,13 +95,9 @@ class EngineModel:
         """What every rank holds (one rank: everything, GQA kept native)."""
         if self.tp == 1:
             return Partition.single(self.model)
-        spec = self.spec
-        return partition_of(
-            self.shard_plan(),
-            self.model,
-            vocab_parallel=spec.vocab_parallel,
-            sequence_parallel=spec.sequence_parallel_enabled,
-        )
+        checked = check_partition(self.model, self.spec)
+        assert isinstance(checked, Success), f"a model that passed its checks shards: {checked}"
+        return checked.unwrap()
 
     def collectives(self) -> Collectives:
         """How this rank's programs meet the others (the identity with one rank)."""
@@ -153,10 +149,12 @@ class EngineModel:
         return weight_ops.torch_dtype(self.spec.attention_dtype or self.spec.torch_dtype)
 
     def empty_cache(self, *, length: int, batch: int | None = None) -> KVCache:
-        """A zero KV cache of this rank's kv heads: every cache row (garbage rows too) unless `batch` is given."""
+        """A zero KV cache of this rank's kv heads and its share of `length` positions (all of them
+        unless flash decoding splits them): every cache row (garbage rows too) unless `batch` is given."""
         rows = self.spec.kv_cache_batch_size + self.spec.kv_cache_padding_size if batch is None else batch
-        heads = self.partition().kv_heads
-        return kv_cache.empty_cache(self.model, batch=rows, length=length, dtype=self.cache_dtype(), heads=heads)
+        part = self.partition()
+        slots = part.cache_slots(length)
+        return kv_cache.empty_cache(self.model, batch=rows, length=slots, dtype=self.cache_dtype(), heads=part.kv_heads)
 
 
 # --- weights --------------------------------------------------------------------------------------
@@ -236,6 +234,7 @@ def _runtime(model: EngineModel, programs: Mapping[tuple[Phase, int], Program], 
         programs=programs,
         weights=weights,
         deterministic=ods is not None and ods.deterministic,
+        kv_group=model.partition().kv_group,
     )
 
 

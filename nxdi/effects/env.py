@@ -15,6 +15,20 @@ from nxdi.core.platform import Platform
 
 
 @attrs.frozen(kw_only=True)
+class Torchrun:
+    """What `torchrun` tells the process it started: this process is one rank of a world."""
+
+    rank: int
+    """RANK: this process's global rank."""
+    world_size: int
+    """WORLD_SIZE: ranks over every node."""
+    local_rank: int
+    """LOCAL_RANK: its rank on this node."""
+    master_addr: str
+    master_port: int
+
+
+@attrs.frozen(kw_only=True)
 class Env:
     """The environment as nxdi sees it."""
 
@@ -27,7 +41,12 @@ class Env:
     compile_cache_dir: str | None = None
     """NXDI_COMPILE_CACHE: where compiled programs are cached across model folders."""
     num_threads: int | None = None
-    """NXDI_NUM_THREADS: torch intra-op threads for the CPU backend."""
+    """NXDI_NUM_THREADS: torch intra-op threads for the CPU backend (per rank process)."""
+    rank_timeout: int | None = None
+    """NXDI_RANK_TIMEOUT: seconds a rank may take for one step before it is declared hung."""
+    torchrun: Torchrun | None = None
+    """Set when torchrun (or another launcher) started this process as one rank (RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR and MASTER_PORT all set)."""
     problems: tuple[str, ...] = ()
     """Variables that were set but could not be understood (the shell warns)."""
 
@@ -43,6 +62,23 @@ def _int(environ: Mapping[str, str], name: str, problems: list[str]) -> int | No
         return None
 
 
+def _torchrun(environ: Mapping[str, str], problems: list[str]) -> Torchrun | None:
+    names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if not all(environ.get(n) for n in names):
+        return None
+    rank, world, port = (_int(environ, n, problems) for n in ("RANK", "WORLD_SIZE", "MASTER_PORT"))
+    local = _int(environ, "LOCAL_RANK", problems)
+    if rank is None or world is None or port is None:
+        return None
+    return Torchrun(
+        rank=rank,
+        world_size=world,
+        local_rank=rank if local is None else local,
+        master_addr=environ["MASTER_ADDR"],
+        master_port=port,
+    )
+
+
 def read_env(environ: Mapping[str, str] | None = None) -> Env:
     """Read the variables nxdi honours from `environ` (default: the process environment)."""
     env = os.environ if environ is None else environ
@@ -55,6 +91,8 @@ def read_env(environ: Mapping[str, str] | None = None) -> Env:
         except ValueError:
             problems.append(f"NEURON_PLATFORM_TARGET_OVERRIDE={target_raw!r} is not one of trn1, trn2, inf2; ignored")
     return Env(
+        torchrun=_torchrun(env, problems),
+        rank_timeout=_int(env, "NXDI_RANK_TIMEOUT", problems),
         logical_nc_config=_int(env, "NEURON_LOGICAL_NC_CONFIG", problems),
         platform_target=target,
         rt_visible_cores=env.get("NEURON_RT_VISIBLE_CORES"),

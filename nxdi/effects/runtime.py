@@ -11,7 +11,7 @@ long as they keep one calling convention, with their weights already bound (see 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -25,6 +25,47 @@ Program = Callable[[KVCache, StepInputs, Tensor, Tensor], tuple[Tensor | None, T
 its weights bound already."""
 
 
+class RandomStream:
+    """The random draws of on-device sampling: one per row and step, from a seeded generator."""
+
+    def __init__(self, *, seed: int = 0, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def set_seed(self, seed: int) -> None:
+        """Restart the stream (same seed, same draws)."""
+        self.generator.manual_seed(seed)
+
+    def draw(self, rows: int) -> Tensor:
+        """One draw in [0, 1) per row (0.5 each when deterministic)."""
+        if self.deterministic:
+            return torch.full((rows,), 0.5)
+        return torch.rand(rows, generator=self.generator)
+
+
+class StepRuntime(Protocol):
+    """What the shell drives: a `Runtime` here, or a runtime whose ranks run in other processes."""
+
+    def buckets(self, phase: Phase) -> tuple[int, ...]: ...
+
+    def set_seed(self, seed: int) -> None: ...
+
+    def reset_cache(self) -> None: ...
+
+    def run(
+        self,
+        phase: Phase,
+        bucket: int,
+        x: StepInputs,
+        *,
+        rows: Tensor | None,
+        params: Tensor,
+        uniforms: Tensor | None = None,
+    ) -> tuple[Tensor | None, Tensor | None]: ...
+
+    def close(self) -> None: ...
+
+
 class Runtime:
     """The KV cache and the step programs of a loaded model."""
 
@@ -36,14 +77,17 @@ class Runtime:
         weights: Any = None,
         seed: int = 0,
         deterministic: bool = False,
+        kv_group: int = 1,
     ) -> None:
         self.weights = weights
         """The program's weights value the programs were built from (for inspection; a compiled
         program runs on the backend's bound copies)."""
         self.cache = cache
         self.programs = dict(programs)
-        self.deterministic = deterministic
-        self.generator = torch.Generator().manual_seed(seed)
+        self.random = RandomStream(seed=seed, deterministic=deterministic)
+        self.kv_group = kv_group
+        """With flash decoding, the ranks sharing a KV head: a bucket of T positions is the first
+        ceil(T / kv_group) cache slots of this rank."""
 
     def buckets(self, phase: Phase) -> tuple[int, ...]:
         """The buckets compiled for `phase`, ascending."""
@@ -51,21 +95,25 @@ class Runtime:
 
     def set_seed(self, seed: int) -> None:
         """Restart the sampling random stream (same seed, same draws)."""
-        self.generator.manual_seed(seed)
+        self.random.set_seed(seed)
 
     def reset_cache(self) -> None:
         """Zero every key and value (NxDI's reset_kv_cache)."""
         for t in (*self.cache.k, *self.cache.v):
             t.zero_()
 
-    def uniforms(self, rows: int) -> Tensor:
-        """One draw in [0, 1) per row from the model's generator (0.5 each when deterministic)."""
-        if self.deterministic:
-            return torch.full((rows,), 0.5)
-        return torch.rand(rows, generator=self.generator)
+    def close(self) -> None:
+        """Nothing to stop: the programs run in this process."""
 
     def run(
-        self, phase: Phase, bucket: int, x: StepInputs, *, rows: Tensor | None, params: Tensor
+        self,
+        phase: Phase,
+        bucket: int,
+        x: StepInputs,
+        *,
+        rows: Tensor | None,
+        params: Tensor,
+        uniforms: Tensor | None = None,
     ) -> tuple[Tensor | None, Tensor | None]:
         """Run the `(phase, bucket)` program on cache rows `rows` (None: rows 0..B-1 in order).
 
@@ -75,17 +123,21 @@ class Runtime:
                 it reads some row and writes nothing, so padding never clobbers another
                 sequence's cache (there may be no unused row to give it).
             params: [B, 3] sampling parameters.
+            uniforms: [B] random draws for sampling (default: drawn from this runtime's stream;
+                ranks of one model are all given the driver's, so they sample alike).
 
         Returns:
             logits [B, 1, V] fp32 or None, tokens [B] or None.
         """
         program = self.programs[(phase, bucket)]
         view = self._view(bucket, rows, x.input_ids.shape[0])
-        logits, tokens, updated = program(view, x, params, self.uniforms(x.input_ids.shape[0]))
+        draws = self.random.draw(x.input_ids.shape[0]) if uniforms is None else uniforms
+        logits, tokens, updated = program(view, x, params, draws)
         self._write_back(updated, bucket, rows)
         return logits, tokens
 
     def _view(self, bucket: int, rows: Tensor | None, batch: int) -> KVCache:
+        bucket = -(-bucket // self.kv_group)
         if rows is None:
             return KVCache(
                 k=tuple(t[:batch, :, :bucket] for t in self.cache.k),
@@ -98,6 +150,7 @@ class Runtime:
         )
 
     def _write_back(self, updated: KVCache, bucket: int, rows: Tensor | None) -> None:
+        bucket = -(-bucket // self.kv_group)
         for full, part in zip((*self.cache.k, *self.cache.v), (*updated.k, *updated.v), strict=True):
             if part.data_ptr() == full.data_ptr():
                 continue  # the program wrote the runtime's tensor in place

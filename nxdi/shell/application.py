@@ -1,7 +1,9 @@
 """NeuronApplicationBase: config, weights, and the compile / load / to_cpu life cycle.
 
 `to_cpu()` builds a runtime in memory; `compile(path)` writes the artifacts (configuration,
-programs, weights) and `load(path)` brings them back without tracing again.
+programs, weights) and `load(path)` brings them back without tracing again. With tp_degree > 1 the
+ranks run in rank processes this process starts (or, under torchrun, this process is one rank);
+`close()` stops them.
 """
 
 from __future__ import annotations
@@ -18,15 +20,18 @@ from nxdi.core import families, graph_key
 from nxdi.core import weight_plan as weight_plans
 from nxdi.core.config import neuron_checks
 from nxdi.core.config.neuron_spec import NeuronSpec
+from nxdi.core.errors import problems_of, problems_result
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
+from nxdi.core.planning import partition
 from nxdi.core.programs import catalog
 from nxdi.effects import engine
 from nxdi.effects import env as env_mod
 from nxdi.effects import weight_loader as weight_io
 from nxdi.effects.backends.base import Backend
 from nxdi.effects.backends.cpu import CpuBackend
-from nxdi.effects.runtime import Runtime
+from nxdi.effects.distributed import launch
+from nxdi.effects.runtime import StepRuntime
 from nxdi.shell.config import NeuronConfig
 from nxdi.shell.exceptions import IncompatibleConfigError, unwrap
 from nxdi.shell.inference_config import CONFIG_FILE, InferenceConfig
@@ -67,7 +72,7 @@ class NeuronApplicationBase:
         self.program = self._program_of(config)
         self.is_compiled = False
         self.is_loaded_to_neuron = False
-        self._runtime: Runtime | None = None
+        self._runtime: StepRuntime | None = None
         inert = self.neuron_config._without_effect_on_cpu()
         if inert:
             warnings.warn(
@@ -91,10 +96,15 @@ class NeuronApplicationBase:
 
     @classmethod
     def validate_config(cls, config: InferenceConfig) -> None:
-        """Require a neuron_config, and reject what the CPU engine cannot run yet (all listed)."""
+        """Require a neuron_config, and reject what the CPU engine cannot run (all listed): settings it
+        does not implement yet, and ranks it cannot lay out (heads over tp_degree, sequence-parallel buckets)."""
         if getattr(config, "neuron_config", None) is None:
             raise IncompatibleConfigError("neuron_config: is required but missing from the InferenceConfig")
-        unwrap(neuron_checks.check_cpu_support(config.neuron_config.spec), "Unsupported on the CPU backend")
+        spec = config.neuron_config.spec
+        problems = problems_of(
+            neuron_checks.check_cpu_support(spec), partition.check_partition(config.model_spec(), spec)
+        )
+        unwrap(problems_result(spec, problems), "Cannot run on the CPU backend")
 
     def get_compiler_args(self) -> str | None:
         """Extra neuronx-cc arguments; none by default."""
@@ -155,47 +165,89 @@ class NeuronApplicationBase:
         """The checkpoint at `path`, converted by this model's weight plan."""
         return engine.CheckpointSource(path=str(path), plan=self._weight_plan(self.config))
 
+    def _open(self, root: str | os.PathLike[str] | None, checkpoint: str, *, warmup: bool) -> None:
+        """Build the runtime (eager when `root` is None, else from the compiled folder), replacing
+        any runtime this model had (its rank processes are stopped first)."""
+        self.close()
+        opened = launch.open_runtime(
+            self._engine_model(),
+            self._source(checkpoint),
+            env_mod.read_env(),
+            root=root,
+            backend=self._backend(),
+            graph_key=self._graph_key(),
+            warmup=warmup,
+        )
+        self._runtime = unwrap(opened)
+
     def to_cpu(self) -> None:
         """Load the weights and run the pure programs eagerly on the CPU, writing no artifacts.
+        With tp_degree > 1 this starts the rank processes, each reading its slices of the checkpoint.
 
         Raises:
             CheckpointValidationError: missing, unexpected or misshapen tensors (all listed).
+            IncompatibleConfigError: start_rank_id / local_ranks_size contradict how the process was started.
+            RankError: a rank process died or hung while starting.
         """
-        self._runtime = unwrap(engine.eager_runtime(self._engine_model(), self._source(self.model_path)))
+        self._open(None, self.model_path, warmup=False)
         self.is_loaded_to_neuron = True
+
+    def close(self) -> None:
+        """Stop the rank processes (tp_degree > 1) and drop the runtime; `load()` or `to_cpu()` again
+        to run. Idempotent; garbage collection and interpreter exit do the same."""
+        runtime, self._runtime = self._runtime, None
+        if runtime is not None:
+            runtime.close()
+        self.is_loaded_to_neuron = False
+
+    def __enter__(self) -> NeuronApplicationBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def compile(self, compiled_model_path: str | os.PathLike[str], debug: bool = False) -> None:
         """Trace one program per sub-model and bucket and write the compiled-model folder.
 
-        Writes `neuron_config.json`, `programs/*.pt2` (graphs only, no weights), with
-        `save_sharded_checkpoint` the converted weights once in
-        `weights/tp0_sharded_checkpoint.safetensors`, and last `manifest.json` with the sub-model,
-        bucket and sha256 of every program. Programs whose graph key, sub-model, bucket and backend
-        version are unchanged are reused, not traced again. An interrupted compile leaves no
-        manifest, which reads as not compiled. `debug` is accepted for NxDI compatibility (the CPU
-        backend keeps no HLO to annotate).
+        Writes `neuron_config.json`, `programs/*.pt2` (graphs only, no weights; one program per
+        sub-model and bucket serves every rank), with `save_sharded_checkpoint` every rank's
+        converted weights in `weights/tp{rank}_sharded_checkpoint.safetensors`, and last
+        `manifest.json` with the sub-model, bucket and sha256 of every program. Programs whose graph
+        key, sub-model, bucket and backend version are unchanged are reused, not traced again. An
+        interrupted compile leaves no manifest, which reads as not compiled. Under torchrun, global
+        rank 0 compiles while the other ranks wait. `debug` is accepted for NxDI compatibility (the
+        CPU backend keeps no HLO to annotate).
         """
         root = Path(compiled_model_path)
-        self.config.save(root)
-        compiled = engine.compile_model(
-            root,
-            self._engine_model(),
-            self._source(self.model_path),
-            backend=self._backend(),
-            graph_key=self._graph_key(),
-            save_weights=self.spec.save_sharded_checkpoint,
-            cache_dir=env_mod.read_env().compile_cache_dir,
-            record=[CONFIG_FILE],
-        )
-        self._last_compile = unwrap(compiled)
+        env = env_mod.read_env()
+
+        def write() -> Any:
+            self.config.save(root)
+            compiled = engine.compile_model(
+                root,
+                self._engine_model(),
+                self._source(self.model_path),
+                backend=self._backend(),
+                graph_key=self._graph_key(),
+                save_weights=self.spec.save_sharded_checkpoint,
+                cache_dir=env.compile_cache_dir,
+                record=[CONFIG_FILE],
+            )
+            return unwrap(compiled)
+
+        self._last_compile = launch.once(self._engine_model(), env, write)
         self.is_compiled = True
 
     def shard_weights(self, compiled_model_path: str | os.PathLike[str]) -> None:
         """Write every rank's converted weights to `compiled_model_path/weights/tp{rank}_sharded_checkpoint.safetensors`,
-        one rank at a time (each reads only its slices of the checkpoint)."""
+        one rank at a time (each reads only its slices of the checkpoint; under torchrun, rank 0 writes)."""
         model, source = self._engine_model(), self._source(self.model_path)
-        for rank in range(model.tp):
-            unwrap(engine.write_weights(compiled_model_path, attrs.evolve(model, rank=rank), source))
+
+        def write() -> None:
+            for rank in range(model.tp):
+                unwrap(engine.write_weights(compiled_model_path, attrs.evolve(model, rank=rank), source))
+
+        launch.once(model, env_mod.read_env(), write)
 
     def load(self, compiled_model_path: str | os.PathLike[str]) -> None:
         """Load the compiled programs and the weights, without tracing; warm up unless skip_warmup.
@@ -206,6 +258,8 @@ class NeuronApplicationBase:
             ArtifactIntegrityError: a file is missing or altered, or the folder was compiled by
                 another nxdi, for another configuration or backend version (every problem named).
             CheckpointValidationError: the weights do not fit the compiled programs.
+            IncompatibleConfigError: start_rank_id / local_ranks_size contradict how the process was started.
+            RankError: a rank process died or hung while loading.
         """
         self._load(compiled_model_path, warmup=not self.spec.skip_warmup)
 
@@ -217,15 +271,7 @@ class NeuronApplicationBase:
         self._load(compiled_model_path, warmup=False)
 
     def _load(self, compiled_model_path: str | os.PathLike[str], *, warmup: bool) -> None:
-        loaded = engine.load_model(
-            compiled_model_path,
-            self._engine_model(),
-            self._source(self.checkpoint_path),
-            backend=self._backend(),
-            graph_key=self._graph_key(),
-            warmup=warmup,
-        )
-        self._runtime = unwrap(loaded)
+        self._open(compiled_model_path, self.checkpoint_path, warmup=warmup)
         self.is_compiled = self.is_loaded_to_neuron = True
 
     def set_seed(self, seed: int) -> None:
@@ -248,7 +294,7 @@ class NeuronApplicationBase:
         load_pretrained_config), else `model_path`."""
         return str(getattr(self.config, "_name_or_path", None) or self.model_path)
 
-    def _require_runtime(self) -> Runtime:
+    def _require_runtime(self) -> StepRuntime:
         if self._runtime is None:
             raise RuntimeError(f"{type(self).__name__} is not loaded: call load(compiled_model_path) or to_cpu() first")
         return self._runtime

@@ -22,7 +22,7 @@ from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.host import batching
 from nxdi.core.planning import buckets, padding
 from nxdi.core.programs.inputs import StepInputs
-from nxdi.effects.runtime import Runtime
+from nxdi.effects.runtime import StepRuntime
 from nxdi.shell.application import NeuronApplicationBase
 from nxdi.shell.exceptions import IncompatibleConfigError, unwrap
 
@@ -157,7 +157,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         return torch.tensor(sampling_params_core.infer_sampling_params(checked), dtype=torch.float32)
 
     def _context(
-        self, runtime: Runtime, ids: Tensor, mask: Tensor, rows: Tensor, params: Tensor
+        self, runtime: StepRuntime, ids: Tensor, mask: Tensor, rows: Tensor, params: Tensor
     ) -> tuple[Tensor | None, Tensor | None]:
         compacted, lengths = batching.compact(ids, mask)
         bucket = unwrap(
@@ -173,7 +173,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         return self._run_batched(runtime, Phase.CONTEXT, bucket, x, rows, params, self.spec.ctx_batch_size)
 
     def _token(
-        self, runtime: Runtime, ids: Tensor, positions: Tensor, rows: Tensor, params: Tensor
+        self, runtime: StepRuntime, ids: Tensor, positions: Tensor, rows: Tensor, params: Tensor
     ) -> tuple[Tensor | None, Tensor | None]:
         needed = int(positions.max()) + 1
         if needed > self.spec.max_length:
@@ -186,7 +186,14 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         return self._run_batched(runtime, Phase.TOKEN, bucket, x, rows, params, self.spec.tkg_batch_size)
 
     def _run_batched(
-        self, runtime: Runtime, phase: Phase, bucket: int, x: StepInputs, rows: Tensor, params: Tensor, compiled: int
+        self,
+        runtime: StepRuntime,
+        phase: Phase,
+        bucket: int,
+        x: StepInputs,
+        rows: Tensor,
+        params: Tensor,
+        compiled: int,
     ) -> tuple[Tensor | None, Tensor | None]:
         """Pad or split the batch to the compiled batch size, run, and restore the caller's order."""
         plan = unwrap(self._batch_plan(rows.tolist(), compiled), "Invalid seq_ids")

@@ -7,6 +7,18 @@ from typing import TypeVar
 from returns.result import Failure, Result, Success
 
 from nxdi.core.errors import ArtifactError, CheckpointError, ConfigError
+from nxdi.effects.distributed.errors import RankError
+
+__all__ = [
+    "ArtifactIntegrityError",
+    "CheckpointValidationError",
+    "IncompatibleConfigError",
+    "LogitMatchingValidationError",
+    "MissingAttributesError",
+    "RankError",
+    "exception_for",
+    "unwrap",
+]
 
 T = TypeVar("T")
 

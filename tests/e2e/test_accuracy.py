@@ -59,6 +59,16 @@ def test_bf16_passes_logit_matching(family: str, trained_bf16: dict[str, Path]) 
     assert max(report.worst().values()) > 0  # bf16 is not bit-exact: the check compared real numbers
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_passes_logit_matching_at_tp2(family: str, trained_bf16: dict[str, Path]) -> None:
+    model = _model(trained_bf16[family], family, tp_degree=2)
+    try:
+        report = check_accuracy_logits(model, inputs=INPUTS, num_tokens_to_check=32)
+    finally:
+        model.close()  # type: ignore[attr-defined]
+    assert report.passed and len(report.positions) == 2 * 32
+
+
 def test_bf16_with_on_device_sampling_and_output_logits(trained_bf16: dict[str, Path]) -> None:
     ods = OnDeviceSamplingConfig(top_k=1)
     model = _model(trained_bf16["llama"], "llama", on_device_sampling_config=ods, output_logits=True)

@@ -87,6 +87,17 @@ def test_run_compiles_generates_and_checks_logits(
     assert "compiling" not in out and "token matching against transformers: passed" in out and "TPOT" in out
 
 
+def test_run_with_tensor_parallel_ranks(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["run", "--model-path", str(tiny_llama), "--compiled-model-path", str(tmp_path / "c")]
+    argv += ["--input-ids", "1 5 7 9", "--input-ids", "3 4", "--batch-size", "2", "--seq-len", "64"]
+    argv += ["--max-context-length", "16", "--torch-dtype", "float32", "--tp-degree", "4", "--flash-decoding-enabled"]
+    argv += ["--sequence-parallel-enabled", "--check-accuracy-mode", "token-matching"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "token matching against transformers: passed" in out
+    assert sorted(p.name for p in (tmp_path / "c" / "programs").iterdir())  # one set of programs for every rank
+
+
 def test_run_reports_invalid_configuration(
     tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -127,19 +127,19 @@ def test_unsupported_features_are_all_listed(tiny_checkpoint: Callable[..., Path
         load_model(
             tiny_checkpoint("llama"),
             "llama",
-            tp_degree=2,
+            pp_degree=2,
             speculation_length=4,
             kv_cache_quant=True,
             lora_config={"max_loras": 2},
         )
     assert caught.value.error is not None
     assert {p.field for p in caught.value.error.problems} == {
-        "tp_degree",
+        "pp_degree",
         "speculation_length",
         "kv_cache_quant",
         "lora_config",
     }
-    assert "Unsupported on the CPU backend: 4 problems" in str(caught.value)
+    assert "Cannot run on the CPU backend: 4 problems" in str(caught.value)
 
 
 def test_forward_before_loading_says_how_to_load(tiny_checkpoint: Callable[..., Path]) -> None:

@@ -14,23 +14,20 @@ import pytest
 import torch
 
 from nxdi.core.host.logit_validation import DEFAULT_TOL_MAP, compare_position, max_relative_logit_error
-from tests.support.engine_fixtures import FAMILIES, NEW_TOKENS, PROMPTS, hf_logits, nxdi_generate, padded, runtime_of
+from tests.support.engine_fixtures import (
+    FAMILIES,
+    NEW_TOKENS,
+    PROMPTS,
+    hf_logits,
+    nxdi_generate,
+    padded,
+    runtime_of,
+    teacher_forced,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 DECODE_STEPS = 6
-
-
-def _teacher_forced(model: Any, prompts: Any, tokens: torch.Tensor) -> torch.Tensor:
-    """forward() logits [B, N, V]: the prefill of the right-padded prompts, then one decode step per
-    column of `tokens` [B, N-1] (the tokens fed back, at the positions after each prompt)."""
-    ids, mask = padded(prompts, "right")
-    model.reset()
-    out = [model.forward(ids, attention_mask=mask).logits[:, -1]]
-    positions = mask.sum(-1, keepdim=True)  # [B, 1]
-    for k in range(tokens.shape[1]):
-        out.append(model.forward(tokens[:, k : k + 1], position_ids=positions + k).logits[:, -1])
-    return torch.stack(out, dim=1)
 
 
 @pytest.mark.parametrize("variant", [*FAMILIES, "llama3-tied"])
@@ -41,7 +38,7 @@ def test_fp32_logits_match_transformers_in_prefill_and_decode(
     hf_greedy: Callable[..., torch.Tensor],
 ) -> None:
     tokens = hf_greedy(variant, PROMPTS)[:, : DECODE_STEPS - 1]
-    logits = _teacher_forced(loaded_model(variant, batch_size=4), PROMPTS, tokens)
+    logits = teacher_forced(loaded_model(variant, batch_size=4), PROMPTS, tokens)
     assert logits.shape == (4, DECODE_STEPS, 160) and logits.dtype == torch.float32
     for i, p in enumerate(PROMPTS):
         expected = hf_logits(tiny_model(variant), [*p, *tokens[i].tolist()])[len(p) - 1 :]  # [N, V]
@@ -126,7 +123,7 @@ def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(
     check_accuracy_logits on briefly trained checkpoints (tests/e2e/test_accuracy.py) covers them.
     """
     tokens = hf_greedy(variant, PROMPTS)
-    ours = _teacher_forced(loaded_model(variant, batch_size=4, torch_dtype="bfloat16"), PROMPTS, tokens[:, :-1])
+    ours = teacher_forced(loaded_model(variant, batch_size=4, torch_dtype="bfloat16"), PROMPTS, tokens[:, :-1])
     hf16 = copy.deepcopy(tiny_model(variant)).to(torch.bfloat16)
     all_tol = {None: DEFAULT_TOL_MAP[None]}
     mine, theirs = [], []

@@ -160,6 +160,18 @@ def nxdi_generate(model: Any, prompts: Sequence[Sequence[int]], *, side: str = "
     return out[:, ids.shape[1] :]
 
 
+def teacher_forced(model: Any, prompts: Sequence[Sequence[int]], tokens: Tensor) -> Tensor:
+    """forward() logits [B, N, V]: the prefill of the right-padded prompts, then one decode step per
+    column of `tokens` [B, N-1] (the tokens fed back, at the positions after each prompt)."""
+    ids, mask = padded(prompts, "right")
+    model.reset()
+    out = [model.forward(ids, attention_mask=mask).logits[:, -1]]
+    positions = mask.sum(-1, keepdim=True)  # [B, 1]
+    for k in range(tokens.shape[1]):
+        out.append(model.forward(tokens[:, k : k + 1], position_ids=positions + k).logits[:, -1])
+    return torch.stack(out, dim=1)
+
+
 def hf_logits(model: Any, sequence: Sequence[int]) -> Tensor:
     """transformers' logits [n, V] of one unpadded sequence."""
     with torch.no_grad():

@@ -397,3 +397,10 @@ def test_settings_without_effect_on_the_cpu_are_found_from_their_declarations() 
         "on_device_sampling_config.sampling_dp_degree",
         "on_device_sampling_config.top_k_kernel_enabled",
     )
+
+
+def test_tensor_parallel_settings_have_effect_only_with_several_ranks() -> None:
+    tp_only = {"vocab_parallel": True, "sequence_parallel_enabled": True, "rpl_reduce_dtype": "bfloat16"}
+    at_one = NeuronConfig(seq_len=64, flash_decoding_enabled=True, **tp_only)._without_effect_on_cpu()
+    assert set(at_one) == {*tp_only, "flash_decoding_enabled"}
+    assert NeuronConfig(seq_len=64, tp_degree=4, flash_decoding_enabled=True, **tp_only)._without_effect_on_cpu() == ()

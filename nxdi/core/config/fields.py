@@ -54,6 +54,8 @@ class OnCpu(enum.Enum):
     """Accepted and saved, but the CPU backend cannot honour it; a model warns when it is set."""
     REFUSED = "refused"
     """Not implemented on the CPU engine yet; a model refuses any value but the default."""
+    WITH_TP = "with tp_degree > 1"
+    """It takes effect when tp_degree > 1; with one rank it has none (a model warns, as for NO)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -317,10 +317,12 @@ def without_effect_on_cpu(
     platform: Platform = Platform.TRN1,
     moe: bool = False,
 ) -> tuple[str, ...]:
-    """The settings of `spec` declared `OnCpu.NO` that `given` (the kwargs `spec` was parsed from)
-    moves off the value they would have had if not given, their derived defaults included; sub-spec
-    fields are named `config.field`. The shell warns about them."""
-    no_effect = {n for n, i in infos(NeuronSpec).items() if i.cpu is OnCpu.NO}
+    """The settings of `spec` declared `OnCpu.NO` (and `OnCpu.WITH_TP` when tp_degree is 1) that
+    `given` (the kwargs `spec` was parsed from) moves off the value they would have had if not
+    given, their derived defaults included; sub-spec fields are named `config.field`. The shell
+    warns about them."""
+    inert = (OnCpu.NO, OnCpu.WITH_TP) if spec.tp_degree == 1 else (OnCpu.NO,)
+    no_effect = {n for n, i in infos(NeuronSpec).items() if i.cpu in inert}
     nested = {
         name: frozenset(n for n, i in infos(cls).items() if i.cpu is OnCpu.NO) for name, cls in _SUB_SPECS.items()
     }

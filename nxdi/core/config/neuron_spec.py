@@ -126,7 +126,7 @@ class NeuronSpec:
     rpl_reduce_dtype: DType | None = _general(
         None,
         "dtype for all-reduce in RowParallelLinear layers; default None (the input tensor's dtype).",
-        cpu="no row-parallel all-reduce at tp_degree 1",
+        cpu=OnCpu.WITH_TP,
         dtype=True,
     )
     attention_dtype: DType | None = _attention(
@@ -138,7 +138,7 @@ class NeuronSpec:
     vocab_parallel: bool = _distributed(
         False,
         "Shard the embedding along the vocabulary dim instead of the hidden dim.",
-        cpu="no vocabulary split at tp_degree 1",
+        cpu=OnCpu.WITH_TP,
     )
     enable_cte_modular_flow: bool = _debugging(
         False,
@@ -179,12 +179,12 @@ class NeuronSpec:
     sequence_parallel_enabled: bool = _distributed(
         False,
         "Split context-encoding activations along the sequence dim; max_context_length must divide by tp_degree.",
-        cpu="no sequence split at tp_degree 1",
+        cpu=OnCpu.WITH_TP,
     )
     weight_gather_seq_len_threshold: int = _attention(
         32768,
         "With sequence parallelism, sequence length in tokens from which weights are gathered instead of activations.",
-        cpu="no sequence parallelism at tp_degree 1",
+        cpu="the CPU programs always gather activations",
         validator=_pos,
     )
     attn_cls: str = _attention(
@@ -203,7 +203,7 @@ class NeuronSpec:
     flash_decoding_enabled: bool = _attention(
         False,
         "Flash decoding: shard each sequence's KV cache across a group of cores in token generation.",
-        cpu="no KV-head groups to split at tp_degree 1",
+        cpu=OnCpu.WITH_TP,
     )
     disable_kv_cache_tiling: bool = _attention(
         False,
@@ -441,8 +441,7 @@ class NeuronSpec:
     )
     tp_degree: int = _distributed(
         1,
-        "Tensor-parallel degree, in NeuronCores; attention heads should divide by it.",
-        cpu=OnCpu.REFUSED,
+        "Tensor-parallel degree, in NeuronCores (rank processes on the CPU); attention heads should divide by it.",
         validator=_pos,
     )
     cp_degree: int = _distributed(
@@ -466,12 +465,12 @@ class NeuronSpec:
         False, "Run the vision encoder data-parallel across world_size / tp_degree groups.", cpu="no vision encoder"
     )
     start_rank_id: int = _distributed(
-        0, "First global rank this process serves.", graph=False, cpu="one process runs the model"
+        0, "First global rank this process serves (with torchrun: this node's first rank).", graph=False
     )
     local_ranks_size: int = _distributed(
         1,
-        "Ranks this process serves; default tp_degree * pp_degree * ep_degree (the world size).",
-        cpu="one process runs the model",
+        "Ranks this process serves (with torchrun: this node's ranks); default tp_degree * pp_degree * ep_degree (the world size).",
+        graph=False,
         validator=_pos,
     )
     logical_nc_config: int = _distributed(

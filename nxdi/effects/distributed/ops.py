@@ -68,7 +68,7 @@ def register() -> None:
 
     @torch.library.custom_op(f"{lib}::scatter", mutates_args=())
     def scatter(x: Tensor, dim: int, world: int) -> Tensor:
-        return x.chunk(world, dim)[dist.get_rank()].contiguous()
+        return x.chunk(world, dim)[dist.get_rank()].clone()  # a custom op may not return a view of its input
 
     @scatter.register_fake
     def _(x: Tensor, dim: int, world: int) -> Tensor:

@@ -115,13 +115,31 @@ def _build(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nxdi.shell.exceptions import IncompatibleConfigError, RankError
+
+    try:
+        model = _build(args)
+    except (IncompatibleConfigError, FileNotFoundError, ValueError, KeyError) as exc:
+        print(f"nxdi run: {exc}", file=sys.stderr)
+        return 2
+    except RankError as exc:
+        print(f"nxdi run: {exc}", file=sys.stderr)
+        return 1
+    with model:  # stops the rank processes (tp_degree > 1) however the run ends
+        try:
+            return _generate(args, model)
+        except RankError as exc:
+            print(f"nxdi run: {exc}", file=sys.stderr)
+            return 1
+
+
+def _generate(args: argparse.Namespace, model: Any) -> int:
     from transformers import GenerationConfig
 
     from nxdi.shell.exceptions import IncompatibleConfigError
     from nxdi.shell.generation import HuggingFaceGenerationAdapter
 
     try:
-        model = _build(args)
         ids, mask, tokenizer = _inputs(args, model.spec.batch_size)
     except (IncompatibleConfigError, FileNotFoundError, ValueError, KeyError) as exc:
         print(f"nxdi run: {exc}", file=sys.stderr)

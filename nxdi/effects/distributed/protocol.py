@@ -1,0 +1,90 @@
+"""What the driver and a rank process say to each other: requests, replies, and how they travel.
+Effects: reads and writes pipes.
+
+The driver (the user's process) sends every rank the same request, in the same order; each rank
+answers with a `Reply`. Requests and replies are frozen values pickled whole (tensors included)
+and framed by `multiprocessing.connection` over the rank process's stdin and stdout.
+
+- `Build`: make this rank's runtime, eagerly (`to_cpu`) or from a compiled folder (`load`).
+- `Run`: one step of a sub-model and bucket; every rank runs it, rank 0 returns the outputs.
+- `ResetCache`, `Close`.
+
+A rank answers `Reply(ok=True, value=...)`, or `Reply(ok=False, ...)` carrying either an expected
+failure as its error value (a CheckpointError or ArtifactError the driver turns into the
+documented exception) or the traceback of an unexpected one.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Literal
+
+import attrs
+from torch import Tensor
+
+from nxdi.core.config.neuron_spec import NeuronSpec, Phase
+from nxdi.core.model_spec import ModelSpec
+from nxdi.effects.backends.cpu import CpuBackend
+
+
+@attrs.frozen(kw_only=True)
+class Build:
+    """Make this rank's runtime."""
+
+    kind: Literal["eager", "compiled"]
+    model: ModelSpec
+    spec: NeuronSpec
+    source: Any
+    """The `nxdi.effects.engine.CheckpointSource` of the weights."""
+    root: str | None = None
+    """The compiled-model folder (kind "compiled")."""
+    backend: CpuBackend = CpuBackend()  # noqa: RUF009 - a frozen value
+    graph_key: str = ""
+    warmup: bool = True
+
+
+@attrs.frozen(eq=False, kw_only=True)
+class Run:
+    """One step: every rank runs the program of (phase, bucket) on the same inputs."""
+
+    phase: Phase
+    bucket: int
+    inputs: tuple[Tensor, ...]
+    """input_ids, position_ids, last_index."""
+    rows: Tensor | None
+    params: Tensor
+    uniforms: Tensor
+    """The driver's random draws, so every rank samples alike."""
+
+
+@attrs.frozen(kw_only=True)
+class ResetCache:
+    """Zero the KV cache."""
+
+
+@attrs.frozen(kw_only=True)
+class Close:
+    """Leave the process group and exit."""
+
+
+Request = Build | Run | ResetCache | Close
+
+
+@attrs.frozen(eq=False, kw_only=True)
+class Reply:
+    """A rank's answer."""
+
+    ok: bool
+    value: Any = None
+    """The result (ok), or the expected failure's error value."""
+    traceback: str = ""
+    """An unexpected failure's traceback (then `value` is None)."""
+
+
+def send(conn: Any, message: object) -> None:
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def receive(conn: Any) -> Any:
+    """The next message (raises EOFError when the other side is gone)."""
+    return pickle.loads(conn.recv_bytes())

@@ -1,0 +1,250 @@
+"""Rank processes on this host, one per tensor-parallel rank, driven by the user's process.
+Effects: starts, watches and stops processes; talks to them over pipes; keeps their logs.
+
+Theory of operation:
+- `RankGroup(world)` starts `world` rank processes (`nxdi.effects.distributed.worker`), which form
+  a gloo process group on a free local port. The user's process is the driver: it sends every rank
+  the same request and collects their replies (`call`).
+- Nothing hangs: while waiting, the driver polls every rank process. A rank that exits (killed,
+  crashed) fails the call within a fraction of a second with a `RankError` naming it and quoting
+  the end of its log; a rank that does not answer within the timeout fails it the same way. Either
+  way every rank process is stopped first.
+- Nothing is left behind: `close()`, garbage collection of the group and the driver's exit stop
+  every rank (their pipes close, then any straggler is killed), and a rank dies with its driver
+  even when the driver is killed (see the worker).
+- `start(...)` builds a model's runtime in every rank and returns a `RemoteRuntime`: the Runtime
+  calls the shell makes (run a step, reset the cache, reseed), forwarded to every rank. The driver
+  draws the sampling randomness once, so every rank samples alike, and gets the outputs from rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+from returns.result import Failure, Result, Success
+from torch import Tensor
+
+from nxdi.core.config.neuron_spec import Phase
+from nxdi.core.programs.inputs import StepInputs
+from nxdi.effects.distributed import protocol
+from nxdi.effects.distributed.errors import RankError
+from nxdi.effects.runtime import RandomStream
+
+START_TIMEOUT = 900
+"""Seconds every rank may take to start and build its runtime (reading weights, loading programs)."""
+STEP_TIMEOUT = 300
+"""Seconds a step may take on every rank before the ranks that did not answer are declared hung."""
+_POLL = 0.05
+_LOG_TAIL = 3000
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], conns: list[Connection], logs: Path) -> None:
+    """Close the pipes (ranks exit at their end), wait briefly, kill stragglers, drop the logs."""
+    for conn in conns:
+        conn.close()
+    deadline = time.monotonic() + 5
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    shutil.rmtree(logs, ignore_errors=True)
+
+
+class RankGroup:
+    """`world` rank processes and the pipes to them."""
+
+    def __init__(self, world: int, *, threads: int | None = None, timeout: int | None = None) -> None:
+        self.world = world
+        self.timeout = STEP_TIMEOUT if timeout is None else timeout
+        self.logs = Path(tempfile.mkdtemp(prefix="nxdi-ranks-"))
+        per_rank = threads or max(1, (os.cpu_count() or 1) // world)
+        port = _free_port()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.writers: list[Connection] = []
+        self.readers: list[Connection] = []
+        for rank in range(world):
+            command = [sys.executable, "-m", "nxdi.effects.distributed.worker"]
+            command += ["--rank", str(rank), "--world", str(world), "--master-port", str(port)]
+            command += [
+                "--threads",
+                str(per_rank),
+                "--timeout",
+                str(max(self.timeout, 60)),
+                "--parent",
+                str(os.getpid()),
+            ]
+            with open(self.logs / f"rank{rank}.log", "wb") as log:
+                proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+            assert proc.stdin is not None and proc.stdout is not None
+            self.writers.append(Connection(os.dup(proc.stdin.fileno()), readable=False))
+            self.readers.append(Connection(os.dup(proc.stdout.fileno()), writable=False))
+            proc.stdin.close()
+            proc.stdout.close()
+            self.procs.append(proc)
+        self._finalizer = weakref.finalize(self, _stop, self.procs, [*self.writers, *self.readers], self.logs)
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Stop every rank process (idempotent)."""
+        self._finalizer()
+
+    def _log_tail(self, rank: int) -> str:
+        try:
+            text = (self.logs / f"rank{rank}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return text[-_LOG_TAIL:].strip()
+
+    def _fail(self, rank: int, why: str) -> RankError:
+        tail = self._log_tail(rank)
+        for proc in self.procs:  # the others may be stuck in a collective with the lost rank
+            if proc.poll() is None:
+                proc.kill()
+        self.close()
+        quoted = "\n".join(f"    {line}" for line in tail.splitlines()) if tail else "    (empty)"
+        message = (
+            f"tensor-parallel rank {rank} of {self.world} {why}; every rank process was stopped. "
+            f"Fix: load() or to_cpu() the model again. The end of rank {rank}'s log:\n{quoted}"
+        )
+        return RankError(message, rank)
+
+    def call(self, request: protocol.Request, *, timeout: float | None = None) -> list[protocol.Reply]:
+        """Send `request` to every rank and return their replies in rank order.
+
+        Raises:
+            RankError: the group is closed, a rank process exited, or a rank did not answer within
+                `timeout` seconds (default: the group's); every rank process is then stopped.
+        """
+        if self.closed:
+            raise RankError("the tensor-parallel ranks were stopped; load() or to_cpu() the model again", -1)
+        for rank, writer in enumerate(self.writers):
+            try:
+                protocol.send(writer, request)
+            except OSError:
+                raise self._fail(rank, f"is gone (exit code {self.procs[rank].poll()})") from None
+        replies: list[Any] = [None] * self.world
+        pending = set(range(self.world))
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while pending:
+            for conn in wait([self.readers[r] for r in pending], timeout=_POLL):
+                rank = self.readers.index(conn)  # type: ignore[arg-type]
+                try:
+                    replies[rank] = protocol.receive(conn)
+                except EOFError:
+                    continue  # it exited: reported below with its exit code
+                pending.discard(rank)
+            dead = [r for r, p in enumerate(self.procs) if r in pending and p.poll() is not None]
+            if dead:
+                raise self._fail(dead[0], f"exited with code {self.procs[dead[0]].returncode}")
+            if time.monotonic() > deadline:
+                late = min(pending)
+                raise self._fail(late, f"did not answer within {timeout or self.timeout:.0f} s (hung)")
+        return replies
+
+
+def _unexpected(group: RankGroup, replies: list[protocol.Reply]) -> RankError | None:
+    for rank, reply in enumerate(replies):
+        if not reply.ok and reply.value is None:
+            group.close()
+            return RankError(f"tensor-parallel rank {rank} failed:\n{reply.traceback}", rank)
+    return None
+
+
+class RemoteRuntime:
+    """A model's runtime whose ranks run in rank processes (the `Runtime` calls the shell makes)."""
+
+    def __init__(
+        self, group: RankGroup, *, buckets: dict[Phase, tuple[int, ...]], seed: int = 0, deterministic: bool = False
+    ) -> None:
+        self.group = group
+        self.random = RandomStream(seed=seed, deterministic=deterministic)
+        self.programs = {(phase, b): None for phase, lengths in buckets.items() for b in lengths}
+        """The compiled (sub-model, bucket) pairs; the programs themselves live in the rank processes."""
+
+    def buckets(self, phase: Phase) -> tuple[int, ...]:
+        return tuple(sorted(b for p, b in self.programs if p is phase))
+
+    def set_seed(self, seed: int) -> None:
+        self.random.set_seed(seed)
+
+    def _call(self, request: protocol.Request) -> Any:
+        replies = self.group.call(request)
+        error = _unexpected(self.group, replies)
+        if error is not None:
+            raise error
+        return replies[0].value
+
+    def run(
+        self,
+        phase: Phase,
+        bucket: int,
+        x: StepInputs,
+        *,
+        rows: Tensor | None,
+        params: Tensor,
+        uniforms: Tensor | None = None,
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """One step on every rank (see `Runtime.run`); the outputs come from rank 0."""
+        draws = self.random.draw(x.input_ids.shape[0]) if uniforms is None else uniforms
+        request = protocol.Run(
+            phase=phase, bucket=bucket, inputs=x.to_tensors(), rows=rows, params=params, uniforms=draws
+        )
+        outputs: tuple[Tensor | None, Tensor | None] = self._call(request)
+        return outputs
+
+    def reset_cache(self) -> None:
+        self._call(protocol.ResetCache())
+
+    def close(self) -> None:
+        """Stop the rank processes."""
+        self.group.close()
+
+
+def start(
+    build: protocol.Build,
+    *,
+    buckets: dict[Phase, tuple[int, ...]],
+    threads: int | None = None,
+    timeout: int | None = None,
+) -> Result[RemoteRuntime, Any]:
+    """Start `build.spec.tp_degree` rank processes and build the model's runtime in each.
+
+    Returns:
+        The remote runtime, or the expected failure a rank reported (a ConfigError, CheckpointError
+        or ArtifactError; every rank process is then stopped).
+
+    Raises:
+        RankError: a rank died, hung, or failed unexpectedly while starting.
+    """
+    group = RankGroup(build.spec.tp_degree, threads=threads, timeout=timeout)
+    replies = group.call(build, timeout=START_TIMEOUT)
+    error = _unexpected(group, replies)
+    if error is not None:
+        raise error
+    failed = next((r.value for r in replies if not r.ok), None)
+    if failed is not None:
+        group.close()
+        return Failure(failed)
+    ods = build.spec.on_device_sampling_config
+    return Success(RemoteRuntime(group, buckets=buckets, deterministic=ods is not None and ods.deterministic))

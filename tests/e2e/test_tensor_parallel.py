@@ -1,0 +1,349 @@
+"""Tensor parallelism end to end: rank processes (gloo) driven through the documented API, and torchrun.
+
+- Every family at tp 2 and 4 (with sequence parallelism, vocabulary-parallel embeddings and flash
+  decoding switched on in some of them): greedy tokens equal transformers' (batch 1 and a padded
+  batch of 4), logits within 1e-5 of the largest logit against tp 1.
+- GQA layouts: KV heads replicated (2 KV heads at tp 4), Q heads zero padded (6 Q heads at tp 4),
+  MHA conversion (3 KV heads at tp 4).
+- Weights: per-rank files hold exactly their shard; a presharded folder loads after the checkpoint
+  is deleted; shard_weights() then load_weights() do the same.
+- Processes: a killed rank fails the next call within seconds naming the rank, close(), garbage
+  collection and a killed driver leave no rank process (checked in the process table); rank
+  settings that contradict how the process was started are refused.
+- torchrun: two nodes of two ranks on localhost generate the tokens of tp 1.
+
+Models here are private (rank processes are not shared across tests) and closed after each test.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from nxdi.core.host.logit_validation import max_relative_logit_error
+from nxdi.shell.exceptions import IncompatibleConfigError, RankError
+from nxdi.testing import checkpoints
+from tests.support.engine_fixtures import PROMPTS, hf_generate, load_model, nxdi_generate, teacher_forced
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = "nxdi.effects.distributed.worker"
+LOGIT_STEPS = 6
+
+
+def rank_processes() -> list[int]:
+    """Live rank processes (any parent) in the process table; zombies are dead."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if WORKER in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def wait_until_gone(pids: list[int], seconds: float = 10.0) -> list[int]:
+    """The pids of `pids` still alive after up to `seconds`."""
+    deadline = time.monotonic() + seconds
+    alive = [p for p in pids if p in rank_processes()]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if p in rank_processes()]
+    return alive
+
+
+@pytest.fixture
+def tp_model(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """`tp_model(variant, path=None, **neuron_config)`: a private loaded model, closed after the test."""
+    made: list[Any] = []
+
+    def make(variant: str, path: Path | None = None, **kwargs: Any) -> Any:
+        model = load_model(path or tiny_checkpoint(variant), variant, workdir=tmp_path, **kwargs)
+        made.append(model)
+        return model
+
+    yield make
+    for model in made:
+        model.close()
+
+
+# --- numbers: every family -------------------------------------------------------------------
+
+CASES = [
+    ("llama", 2, {}),
+    ("llama", 4, {"sequence_parallel_enabled": True, "flash_decoding_enabled": True}),
+    ("mistral", 2, {"sequence_parallel_enabled": True}),
+    ("mistral", 4, {"vocab_parallel": True, "flash_decoding_enabled": True}),
+    ("qwen2", 2, {"vocab_parallel": True}),
+    ("qwen2", 4, {}),
+    ("qwen3", 2, {"sequence_parallel_enabled": True, "vocab_parallel": True}),
+    ("qwen3", 4, {"flash_decoding_enabled": True}),
+]
+
+
+@pytest.mark.parametrize(
+    ("variant", "tp", "extra"), CASES, ids=[f"{v}-tp{t}-{'-'.join(e) or 'plain'}" for v, t, e in CASES]
+)
+def test_tokens_equal_transformers_and_logits_equal_one_rank(
+    variant: str,
+    tp: int,
+    extra: dict[str, Any],
+    tp_model: Callable[..., Any],
+    loaded_model: Callable[..., Any],
+    hf_greedy: Callable[..., torch.Tensor],
+) -> None:
+    batch = 1 if tp == 2 else 4  # compiled batch 1, and 4 (prompts of different lengths, padded)
+    prompts = PROMPTS[:batch]
+    model = tp_model(variant, tp_degree=tp, batch_size=batch, **extra)
+    assert torch.equal(nxdi_generate(model, prompts), hf_greedy(variant, prompts))
+
+    tokens = hf_greedy(variant, prompts)[:, : LOGIT_STEPS - 1]
+    ours = teacher_forced(model, prompts, tokens)
+    one_rank = teacher_forced(loaded_model(variant, batch_size=batch), prompts, tokens)
+    for row in range(batch):
+        for step in range(LOGIT_STEPS):
+            err = max_relative_logit_error(one_rank[row, step], ours[row, step])
+            assert err <= 1e-5, f"row {row} step {step}: {err}"
+
+
+@pytest.fixture(scope="module")
+def gqa_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    """6 query heads over 2 KV heads (replicated and padded at tp 4) and over 3 (MHA at tp 4)."""
+    out = {}
+    for kv in (2, 3):
+        hf = checkpoints.build_model("llama", num_attention_heads=6, num_key_value_heads=kv, hidden_size=48)
+        path = checkpoints.save_checkpoint(hf, tmp_path_factory.mktemp(f"q6kv{kv}"), checkpoints.SaveFormat.SAFETENSORS)
+        out[f"kv{kv}"] = (path, hf)
+    return out
+
+
+@pytest.mark.parametrize("kv", ["kv2", "kv3"])
+def test_heads_that_do_not_divide_tp(
+    kv: str, gqa_checkpoints: dict[str, tuple[Path, Any]], tp_model: Callable[..., Any]
+) -> None:
+    path, hf = gqa_checkpoints[kv]
+    model = tp_model("llama", path, tp_degree=4, batch_size=4)
+    assert torch.equal(nxdi_generate(model, PROMPTS), hf_generate(hf, PROMPTS, max_new_tokens=32))
+
+
+# --- weights -------------------------------------------------------------------------------------
+
+
+def _model_class(variant: str) -> Any:
+    from nxdi.shell.models import MODEL_TYPES
+
+    return MODEL_TYPES[checkpoints.VARIANTS[variant][0]]["causal-lm"]
+
+
+def _config(path: Path, variant: str, **neuron: Any) -> Any:
+    from nxdi.shell.config import NeuronConfig
+    from nxdi.shell.inference_config import load_pretrained_config
+    from nxdi.shell.models import CONFIG_TYPES
+
+    model_type = checkpoints.VARIANTS[variant][0]
+    kwargs = {"seq_len": 64, "torch_dtype": "float32", "batch_size": 4, **neuron}
+    return CONFIG_TYPES[model_type](NeuronConfig(**kwargs), load_config=load_pretrained_config(path))
+
+
+def test_presharded_folder_holds_each_rank_shard_and_loads_without_the_checkpoint(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path, hf_greedy: Callable[..., torch.Tensor]
+) -> None:
+    from nxdi.core.planning import sharding
+
+    checkpoint = shutil.copytree(tiny_checkpoint("qwen3"), tmp_path / "checkpoint")
+    cls, folder = _model_class("qwen3"), tmp_path / "compiled"
+    compiler = cls(checkpoint, _config(checkpoint, "qwen3", tp_degree=4, save_sharded_checkpoint=True))
+    compiler.compile(folder)
+
+    plan = sharding.shard_plan(compiler.model_spec, tp=4, fused_qkv=True).unwrap()
+    by_pattern = {w.name: w for w in plan.weights}
+    whole = {k: v.shape for k, v in compiler.get_state_dict(checkpoint, compiler.config).items()}
+    for rank in range(4):
+        with safe_open(str(folder / f"weights/tp{rank}_sharded_checkpoint.safetensors"), "pt") as f:
+            assert set(f.keys()) == set(whole)
+            for name in f.keys():  # noqa: SIM118 (a safetensors handle)
+                pattern = name if not name.startswith("layers.") else "layers.{i}." + name.split(".", 2)[2]
+                assert tuple(f.get_slice(name).get_shape()) == by_pattern[pattern].rank_shape(rank), name
+    shutil.rmtree(checkpoint)
+
+    model = cls(folder)
+    try:
+        model.load(folder)
+        assert torch.equal(nxdi_generate(model, PROMPTS), hf_greedy("qwen3", PROMPTS))
+    finally:
+        model.close()
+
+
+def test_shard_weights_then_load_weights_without_the_checkpoint(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path, hf_greedy: Callable[..., torch.Tensor]
+) -> None:
+    checkpoint = shutil.copytree(tiny_checkpoint("llama"), tmp_path / "checkpoint")
+    cls, folder = _model_class("llama"), tmp_path / "compiled"
+    model = cls(checkpoint, _config(checkpoint, "llama", tp_degree=2))
+    model.compile(folder)
+    assert not (folder / "weights").exists()
+    model.shard_weights(folder)
+    assert sorted(p.name for p in (folder / "weights").iterdir()) == [
+        "tp0_sharded_checkpoint.safetensors",
+        "tp1_sharded_checkpoint.safetensors",
+    ]
+    shutil.rmtree(checkpoint)
+    try:
+        model.load_weights(folder)
+        assert torch.equal(nxdi_generate(model, PROMPTS), hf_greedy("llama", PROMPTS))
+    finally:
+        model.close()
+
+
+# --- processes -----------------------------------------------------------------------------------
+
+
+class _KillRankAt:
+    """A generate() streamer that kills one rank process when the `at`-th token batch arrives."""
+
+    def __init__(self, pid: int, at: int) -> None:
+        self.pid, self.at, self.calls = pid, at, 0
+        self.killed_at: float | None = None
+
+    def put(self, value: Any) -> None:
+        self.calls += 1
+        if self.calls == self.at:
+            os.kill(self.pid, signal.SIGKILL)
+            self.killed_at = time.monotonic()
+
+    def end(self) -> None:
+        pass
+
+
+def test_a_killed_rank_fails_the_next_call_naming_it_and_leaves_no_process(tp_model: Callable[..., Any]) -> None:
+    model = tp_model("llama", tp_degree=2, batch_size=1)
+    pids = [p.pid for p in model._runtime.group.procs]
+    assert sorted(pids) == sorted(p for p in rank_processes() if p in pids)
+    killer = _KillRankAt(pids[1], at=3)
+    with pytest.raises(RankError, match=r"rank 1 of 2 exited with code -9") as caught:
+        nxdi_generate(model, PROMPTS[:1], streamer=killer)
+    assert killer.killed_at is not None and time.monotonic() - killer.killed_at < 5
+    assert caught.value.rank == 1 and "load() or to_cpu() the model again" in str(caught.value)
+    assert wait_until_gone(pids) == []
+    with pytest.raises(RankError, match="were stopped"):
+        nxdi_generate(model, PROMPTS[:1])
+    model.to_cpu()  # starts afresh
+    assert nxdi_generate(model, PROMPTS[:1], max_new_tokens=2).shape == (1, 2)
+
+
+def test_close_and_garbage_collection_stop_the_ranks(tiny_checkpoint: Callable[..., Path]) -> None:
+    model = load_model(tiny_checkpoint("llama"), "llama", tp_degree=2, batch_size=1)
+    pids = [p.pid for p in model._runtime.group.procs]
+    model.close()
+    model.close()  # idempotent
+    assert wait_until_gone(pids, seconds=1) == []
+    with pytest.raises(RuntimeError, match="not loaded"):
+        nxdi_generate(model, PROMPTS[:1])
+
+    model.to_cpu()
+    pids = [p.pid for p in model._runtime.group.procs]
+    del model
+    gc.collect()
+    assert wait_until_gone(pids, seconds=1) == []
+
+
+def test_a_killed_driver_leaves_no_rank_process(tiny_checkpoint: Callable[..., Path]) -> None:
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.rank_scripts", "driver", str(tiny_checkpoint("llama"))],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert driver.stdout is not None
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert len(pids) == 2 and set(pids) <= set(rank_processes())
+    finally:
+        driver.kill()
+        driver.wait()
+    assert wait_until_gone(pids, seconds=5) == []
+
+
+def test_rank_settings_must_fit_how_the_process_was_started(tp_model: Callable[..., Any]) -> None:
+    before = rank_processes()
+    with pytest.raises(
+        IncompatibleConfigError, match=r"start_rank_id=2: with local_ranks_size=2 names ranks 2\.\.3 of 4"
+    ):
+        tp_model("llama", tp_degree=4, start_rank_id=2, local_ranks_size=2)
+    assert rank_processes() == before  # refused before any rank process started
+
+
+def test_settings_the_ranks_cannot_run_are_all_listed(tp_model: Callable[..., Any]) -> None:
+    with pytest.raises(IncompatibleConfigError) as caught:
+        tp_model(
+            "llama",
+            tp_degree=2,
+            enable_bucketing=True,
+            context_encoding_buckets=[15, 64],  # sequence parallelism cannot split 15 tokens over 2 ranks
+            sequence_parallel_enabled=True,
+            flash_decoding_enabled=True,
+            pp_degree=2,
+        )
+    fields = {p.field for p in caught.value.error.problems}
+    assert fields == {"sequence_parallel_enabled", "flash_decoding_enabled", "pp_degree"}
+
+
+# --- torchrun ------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_torchrun_two_nodes_of_two_ranks_generate_the_tokens_of_one_rank(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path, loaded_model: Callable[..., Any]
+) -> None:
+    from tests.support.rank_scripts import NEW_TOKENS
+
+    checkpoint, port = tiny_checkpoint("llama"), _free_port()
+    nodes = []
+    for node in (0, 1):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node)]
+        command += ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        command += ["-m", "tests.support.rank_scripts", "torchrun", str(checkpoint), str(tmp_path / "c"), str(node)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        nodes.append(
+            subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    try:
+        outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    except subprocess.TimeoutExpired:
+        for node in nodes:
+            node.kill()
+        outputs = [node.communicate()[0] for node in nodes]
+        pytest.fail(f"torchrun did not finish within 240 s:\n{outputs}")
+    assert [n.returncode for n in nodes] == [0, 0], outputs
+    lines = [line.split(" ", 2) for out in outputs for line in out.splitlines() if line.startswith("TOKENS ")]
+    assert sorted(int(rank) for _, rank, _ in lines) == [0, 1, 2, 3], outputs
+    expected = nxdi_generate(loaded_model("llama", batch_size=2), PROMPTS[:2], max_new_tokens=NEW_TOKENS)
+    for _, rank, tokens in lines:
+        assert torch.equal(torch.tensor(json.loads(tokens)), expected), f"rank {rank}"
+    assert len(list((tmp_path / "c" / "programs").iterdir())) > 0  # compiled once, by rank 0
