@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from safetensors import safe_open
@@ -146,6 +147,27 @@ def test_heads_that_do_not_divide_tp(
     assert torch.equal(nxdi_generate(model, PROMPTS), hf_generate(hf, PROMPTS, max_new_tokens=32))
 
 
+@pytest.mark.parametrize("flash_decoding", [False, True])
+def test_each_rank_caches_what_the_planner_says(tiny_checkpoint: Callable[..., Path], flash_decoding: bool) -> None:
+    """The KV cache one rank allocates is the planner's per-rank layout, except flash decoding's 128
+    reserved positions: the CPU programs write a token the rank does not own back in place instead
+    of into a reserved garbage slot."""
+    from nxdi.core.planning import kv_layout
+
+    path = tiny_checkpoint("llama")
+    model = _model_class("llama")(path, _config(path, "llama", tp_degree=4, flash_decoding_enabled=flash_decoding))
+    plan = kv_layout.kv_layout_for(model.model_spec, model.spec).unwrap()
+    b, heads, positions, d = plan.shape_per_rank
+    if flash_decoding:
+        assert plan.flash_decoding_group == 2
+        positions -= kv_layout.FLASH_DECODING_RESERVED
+    for rank in range(4):
+        engine_model = attrs.evolve(model._engine_model(), rank=rank)
+        cache = engine_model.empty_cache(length=model.spec.max_length)
+        assert all(tuple(t.shape) == (b, heads, positions, d) for t in (*cache.k, *cache.v))
+    assert positions == (32 if flash_decoding else 64)  # seq_len 64 split over groups of 2 ranks
+
+
 # --- weights -------------------------------------------------------------------------------------
 
 
@@ -249,6 +271,20 @@ def test_a_killed_rank_fails_the_next_call_naming_it_and_leaves_no_process(tp_mo
         nxdi_generate(model, PROMPTS[:1])
     model.to_cpu()  # starts afresh
     assert nxdi_generate(model, PROMPTS[:1], max_new_tokens=2).shape == (1, 2)
+
+
+def test_a_hung_rank_fails_the_call_after_the_timeout(
+    tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NXDI_RANK_TIMEOUT", "2")
+    model = load_model(tiny_checkpoint("llama"), "llama", tp_degree=2, batch_size=1)
+    pids = [p.pid for p in model._runtime.group.procs]
+    os.kill(pids[0], signal.SIGSTOP)  # alive, but never answers
+    started = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 0 of 2 did not answer within 2 s \(hung\)"):
+        nxdi_generate(model, PROMPTS[:1], max_new_tokens=2)
+    assert time.monotonic() - started < 10
+    assert wait_until_gone(pids) == []
 
 
 def test_close_and_garbage_collection_stop_the_ranks(tiny_checkpoint: Callable[..., Path]) -> None:
