@@ -2,7 +2,8 @@
 
 One table, used by config checks, the memory planner and `nxdi plan`. Figures are per *logical*
 NeuronCore at the platform's default logical-NC configuration (LNC), as the Neuron docs state them:
-trn2 cores have 24 GB each at LNC=2, trn1/inf2 cores 16 GB.
+trn2 cores have 24 GB each at LNC=2, trn3 cores 36 GiB at LNC=2 (a Trainium3 device holds eight
+NeuronCore-v4 and 144 GiB), trn1/inf2 cores 16 GB. trn2 and trn3 default to LNC=2, the others to 1.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ GIB = 1 << 30
 class Platform(enum.Enum):
     TRN1 = "trn1"
     TRN2 = "trn2"
+    TRN3 = "trn3"
     INF2 = "inf2"
 
 
@@ -52,6 +54,14 @@ PLATFORMS: Mapping[Platform, PlatformSpec] = {
         platform=Platform.TRN2,
         default_lnc=2,
         hbm_per_physical_core_bytes=12 * GIB,
+        valid_tp_degrees={2: (1, 2, 4, 8, 16, 32, 64), 1: (1, 2, 4, 8, 16, 32, 64, 128)},
+    ),
+    # Trainium3 devices, like Trainium2 ones, hold eight cores that pair into logical cores by default;
+    # the TP degrees are trn2's (the runtime's power-of-two groups of logical cores).
+    Platform.TRN3: PlatformSpec(
+        platform=Platform.TRN3,
+        default_lnc=2,
+        hbm_per_physical_core_bytes=18 * GIB,
         valid_tp_degrees={2: (1, 2, 4, 8, 16, 32, 64), 1: (1, 2, 4, 8, 16, 32, 64, 128)},
     ),
     Platform.INF2: PlatformSpec(

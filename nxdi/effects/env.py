@@ -35,7 +35,7 @@ class Env:
     logical_nc_config: int | None = None
     """NEURON_LOGICAL_NC_CONFIG, which overrides the logical_nc_config attribute."""
     platform_target: Platform | None = None
-    """NEURON_PLATFORM_TARGET_OVERRIDE (trn1, trn2, inf2)."""
+    """NEURON_PLATFORM_TARGET_OVERRIDE (trn1, trn2, trn3, inf2)."""
     rt_visible_cores: str | None = None
     """NEURON_RT_VISIBLE_CORES, for the Neuron runtime."""
     compile_cache_dir: str | None = None
@@ -89,7 +89,9 @@ def read_env(environ: Mapping[str, str] | None = None) -> Env:
         try:
             target = Platform(target_raw.strip().lower())
         except ValueError:
-            problems.append(f"NEURON_PLATFORM_TARGET_OVERRIDE={target_raw!r} is not one of trn1, trn2, inf2; ignored")
+            problems.append(
+                f"NEURON_PLATFORM_TARGET_OVERRIDE={target_raw!r} is not one of {', '.join(p.value for p in Platform)}; ignored"
+            )
     return Env(
         torchrun=_torchrun(env, problems),
         rank_timeout=_int(env, "NXDI_RANK_TIMEOUT", problems),

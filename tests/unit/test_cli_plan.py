@@ -142,6 +142,20 @@ def test_invalid_input_lists_every_problem(
     assert status == 2 and "flash_decoding_enabled=True" in err and "target='trn2'" in err
 
 
+def test_configuration_and_platform_problems_are_listed_in_one_pass(
+    models: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = ("--max-context-length", "999", "--seq-len", "128", "--tp-degree", "7", "--instance", "trn1.32xlarge")
+    status, out, err = _plan(capsys, models["llama-8b"], *flags)
+    assert status == 2 and out == "" and "2 problems" in err
+    assert "max_context_length=999" in err and "tp_degree=7: is not supported on trn1 at LNC=1" in err
+
+
+def test_trn3_target(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = _plan(capsys, models["llama-8b"], "--target", "trn3", "--tp-degree", "8", "--seq-len", "2048")
+    assert status == 0 and "Target     trn3, LNC 2: 36.00 GiB HBM per logical core" in out
+
+
 def test_unreadable_config_is_invalid_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "llama",')
     status, _, err = _plan(capsys, tmp_path)

@@ -475,7 +475,7 @@ class NeuronSpec:
     )
     logical_nc_config: int = _distributed(
         1,
-        "Physical NeuronCores per logical core (LNC); NEURON_LOGICAL_NC_CONFIG overrides it; default 2 on trn2, else 1.",
+        "Physical NeuronCores per logical core (LNC); NEURON_LOGICAL_NC_CONFIG overrides it; default 2 on trn2 and trn3, else 1.",
         cpu="Neuron cores only",
         validator=_pos,
     )
@@ -560,9 +560,9 @@ class NeuronSpec:
         cpu="Neuron collectives only",
         validator=_pos,
     )
-    target: Literal["trn1", "trn2", "inf2"] | None = _compiler(
+    target: Literal["trn1", "trn2", "trn3", "inf2"] | None = _compiler(
         None,
-        "Platform to compile for: trn1, trn2 or inf2; default None (the platform nxdi runs on).",
+        "Platform to compile for: trn1, trn2, trn3 or inf2; default None (the platform nxdi runs on).",
         cpu="chooses Neuron defaults (LNC, kernels); the CPU backend runs on the host",
     )
     enable_spill_reload_dge: bool = _compiler(

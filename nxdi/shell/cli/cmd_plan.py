@@ -29,8 +29,9 @@ from nxdi.core.config.neuron_parse import parse_neuron_spec
 from nxdi.core.config.neuron_spec import DTYPE_BYTES
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.families import parse_model_spec
-from nxdi.core.planning import plan
-from nxdi.core.platform import INSTANCES, Platform
+from nxdi.core.model_spec import ModelSpec
+from nxdi.core.planning import plan, sharding
+from nxdi.core.platform import INSTANCES, Platform, resolve_lnc
 from nxdi.shell.cli import plan_report
 from nxdi.shell.cli.flags import add_neuron_config_flags, neuron_config_kwargs
 
@@ -215,6 +216,23 @@ def _failures(*results: Result[Any, ConfigError]) -> list[Problem]:
     return [p for r in results if isinstance(r, Failure) for p in r.failure().problems]
 
 
+def _placement_problems(
+    kwargs: dict[str, Any], where: Platform, instance: str | None, model: Result[ModelSpec, ConfigError]
+) -> list[Problem]:
+    """What planning would also say about tp_degree when the flags do not parse as a whole (so one
+    run lists every problem): whether the platform and instance support it, and whether the model's
+    heads shard over it."""
+    tp = kwargs.get("tp_degree", 1)
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        return []  # the flag itself is wrong, and already reported
+    target = next((p for p in Platform if p.value == kwargs.get("target")), where)
+    requested = kwargs.get("logical_nc_config")
+    lnc, _ = resolve_lnc(env=None, requested=requested if isinstance(requested, int) else None, platform=target)
+    known = instance if instance in INSTANCES else None
+    heads = model.bind(lambda m: sharding.shard_plan(m, tp=tp))
+    return _failures(sharding.check_tp_degree(tp, platform=target, lnc=lnc, instance=known), heads)
+
+
 def make_plan(args: argparse.Namespace) -> Result[plan_report.PlanRun, ConfigError]:
     """Parse the model and the flags, then plan.
 
@@ -231,6 +249,7 @@ def make_plan(args: argparse.Namespace) -> Result[plan_report.PlanRun, ConfigErr
     parsed = parse_neuron_spec(kwargs, platform=where, moe=model.map(lambda m: m.is_moe).value_or(False))
     found += _failures(model, parsed)
     if found and (isinstance(model, Failure) or isinstance(parsed, Failure)):
+        found += _placement_problems(kwargs, where, args.instance, model)
         return Failure(ConfigError(problems=tuple(dict.fromkeys(found))))
     m, p = model.unwrap(), parsed.unwrap()
     instance = args.instance if args.instance in INSTANCES else None
