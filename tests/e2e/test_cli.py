@@ -155,3 +155,31 @@ def test_bench_generate_compares_with_transformers(
             and r["transformers"]["ttft_ms"] > 0
             and r["ratio_hf_over_nxdi"]["tpot_p50"] > 0
         )
+
+
+def test_bench_generate_reports_the_collectives_of_tensor_parallel_ranks(
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "generate", "--model-path", str(tiny_llama), "--dtype", "float32", "--tp-degree", "1", "2"]
+    argv += ["--prompt-len", "8", "--new-tokens", "5", "--repeat", "1", "--work-dir", str(tmp_path), "--json"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    one, two = json.loads(out[out.index("[\n") :])
+    assert (one["tp_degree"], two["tp_degree"]) == (1, 2) and "collectives" not in one["nxdi"]
+    # per decode step and rank: 2 layers x (attention + MLP) all-reduces, the embedding and lm_head gathers
+    assert two["nxdi"]["collectives"]["calls_per_step"] == {"all_gather": 2, "all_reduce": 4}
+    assert two["nxdi"]["collectives"]["total_ms_per_step"] > 0
+
+
+def test_bench_load_measures_every_phase(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "load", "--model-path", str(tiny_llama), "--dtype", "float32", "--work-dir", str(tmp_path)]
+    assert main([*argv, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["tp_degree"] == 2 and result["shard_mib"] > 0
+    assert result["bound_mib"] == pytest.approx(result["largest_tensor_mib"] + result["shard_mib"])
+    for phase in ("ranks_to_cpu", "ranks_load"):
+        assert [r["rank"] for r in result[phase]["ranks"]] == [0, 1]
+    assert sorted(p.name for p in (tmp_path / f"sharded-{tiny_llama.name}-tp2" / "weights").iterdir()) == [
+        "tp0_sharded_checkpoint.safetensors",
+        "tp1_sharded_checkpoint.safetensors",
+    ]

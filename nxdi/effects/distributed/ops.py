@@ -7,9 +7,16 @@ traced and run with. Each collective is an `nxdi::` custom op, so `torch.export`
 opaque node (its fake implementation gives the output shape; tracing needs no process group), a
 saved program carries it, and a rank process that loaded the program runs it with gloo. `register()`
 must run before a program using them is traced or loaded; it does nothing the second time.
+
+Every call is counted and timed per process (`collective_stats`), for `nxdi bench generate`: the
+time includes waiting for the slowest rank, which is what a step pays.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -19,6 +26,25 @@ from nxdi.core.programs.collectives import Collectives
 
 NAMESPACE = "nxdi"
 _registered: list[bool] = []
+_stats: dict[str, list[float]] = {}
+"""op name -> [calls, seconds] in this process since the last reset."""
+
+
+@contextmanager
+def _timed(name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    entry = _stats.setdefault(name, [0, 0.0])
+    entry[0] += 1
+    entry[1] += time.perf_counter() - start
+
+
+def collective_stats(*, reset: bool = False) -> dict[str, tuple[int, float]]:
+    """Calls and seconds of each collective this process ran (since the last reset)."""
+    out = {name: (int(calls), seconds) for name, (calls, seconds) in _stats.items()}
+    if reset:
+        _stats.clear()
+    return out
 
 
 def _chunk_shape(x: Tensor, dim: int, world: int) -> list[int]:
@@ -36,7 +62,8 @@ def register() -> None:
     @torch.library.custom_op(f"{lib}::all_reduce", mutates_args=())
     def all_reduce(x: Tensor) -> Tensor:
         out = x.clone()
-        dist.all_reduce(out)
+        with _timed("all_reduce"):
+            dist.all_reduce(out)
         return out
 
     @all_reduce.register_fake
@@ -46,7 +73,8 @@ def register() -> None:
     @torch.library.custom_op(f"{lib}::all_gather", mutates_args=())
     def all_gather(x: Tensor, dim: int, world: int) -> Tensor:
         parts = [torch.empty_like(x) for _ in range(world)]
-        dist.all_gather(parts, x.contiguous())
+        with _timed("all_gather"):
+            dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim)
 
     @all_gather.register_fake
@@ -59,7 +87,8 @@ def register() -> None:
     def reduce_scatter(x: Tensor, dim: int, world: int) -> Tensor:
         moved = x.movedim(dim, 0).contiguous()  # gloo scatters along dim 0
         out = moved.new_empty([moved.shape[0] // world, *moved.shape[1:]])
-        dist.reduce_scatter_tensor(out, moved)
+        with _timed("reduce_scatter"):
+            dist.reduce_scatter_tensor(out, moved)
         return out.movedim(0, dim).contiguous()
 
     @reduce_scatter.register_fake

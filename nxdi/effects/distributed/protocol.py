@@ -8,6 +8,7 @@ and framed by `multiprocessing.connection` over the rank process's stdin and std
 - `Build`: make this rank's runtime, eagerly (`to_cpu`) or from a compiled folder (`load`).
 - `Run`: one step of a sub-model and bucket; every rank runs it, rank 0 returns the outputs.
 - `ResetCache`, `Close`.
+- `Probe`: the rank's counters (collective calls and time, memory), for benchmarks.
 
 A rank answers `Reply(ok=True, value=...)`, or `Reply(ok=False, ...)` carrying either an expected
 failure as its error value (a CheckpointError or ArtifactError the driver turns into the
@@ -67,7 +68,27 @@ class Close:
     """Leave the process group and exit."""
 
 
-Request = Build | Run | ResetCache | Close
+@attrs.frozen(kw_only=True)
+class Probe:
+    """Report this rank's collective counters (then zero them when `reset`) and its memory."""
+
+    reset: bool = False
+
+
+Request = Build | Run | ResetCache | Close | Probe
+
+
+@attrs.frozen(kw_only=True)
+class RankProbe:
+    """What a rank reports to a `Probe`."""
+
+    rank: int
+    collectives: dict[str, tuple[int, float]]
+    """Collective name -> (calls, seconds, waiting included) since the last reset."""
+    anon_before_build: int = 0
+    """Anonymous resident bytes when its runtime started building (interpreter, torch, process group)."""
+    peak_anon_in_build: int = 0
+    """The most anonymous resident bytes seen while building (reading weights, loading programs)."""
 
 
 @attrs.frozen(eq=False, kw_only=True)

@@ -216,6 +216,14 @@ class RemoteRuntime:
     def reset_cache(self) -> None:
         self._call(protocol.ResetCache())
 
+    def probe(self, *, reset: bool = False) -> list[protocol.RankProbe]:
+        """Every rank's counters (collectives since the last reset, memory of its build), in rank order."""
+        replies = self.group.call(protocol.Probe(reset=reset))
+        error = _unexpected(self.group, replies)
+        if error is not None:
+            raise error
+        return [r.value for r in replies]
+
     def close(self) -> None:
         """Stop the rank processes."""
         self.group.close()

@@ -30,8 +30,9 @@ from returns.result import Failure, Success
 from nxdi.core import families
 from nxdi.core.programs import catalog
 from nxdi.core.programs.inputs import StepInputs
-from nxdi.effects import engine
+from nxdi.effects import engine, memory
 from nxdi.effects.distributed import ops, protocol
+from nxdi.effects.distributed.protocol import RankProbe
 from nxdi.effects.runtime import Runtime
 
 _WATCH_INTERVAL = 0.2
@@ -60,6 +61,8 @@ class _Rank:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.runtime: Runtime | None = None
+        self.memory: dict[str, int] = {}
+        """Anonymous resident bytes before the last build and at its peak."""
 
     def handle(self, request: protocol.Request) -> protocol.Reply:
         try:
@@ -90,6 +93,9 @@ class _Rank:
                 return protocol.Reply(ok=True)
             case protocol.Close():
                 return protocol.Reply(ok=True)
+            case protocol.Probe():
+                stats = ops.collective_stats(reset=request.reset)
+                return protocol.Reply(ok=True, value=RankProbe(rank=self.rank, collectives=stats, **self.memory))
         raise AssertionError(f"unknown request {request!r}")
 
     def _build(self, request: protocol.Build) -> protocol.Reply:
@@ -98,18 +104,20 @@ class _Rank:
         if isinstance(found, Failure):
             return protocol.Reply(ok=False, value=found.failure())
         setup = engine.EngineModel(program=found.unwrap(), model=model, spec=request.spec, rank=self.rank)
-        if request.kind == "eager":
-            built: Any = engine.eager_runtime(setup, request.source)
-        else:
-            assert request.root is not None
-            built = engine.load_model(
-                request.root,
-                setup,
-                request.source,
-                backend=request.backend,
-                graph_key=request.graph_key,
-                warmup=request.warmup,
-            )
+        with memory.PeakSampler() as sampler:
+            if request.kind == "eager":
+                built: Any = engine.eager_runtime(setup, request.source)
+            else:
+                assert request.root is not None
+                built = engine.load_model(
+                    request.root,
+                    setup,
+                    request.source,
+                    backend=request.backend,
+                    graph_key=request.graph_key,
+                    warmup=request.warmup,
+                )
+        self.memory = {"anon_before_build": sampler.start.anon, "peak_anon_in_build": sampler.peak_anon}
         match built:
             case Success(runtime):
                 self.runtime = runtime

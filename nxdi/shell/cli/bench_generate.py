@@ -1,7 +1,8 @@
 """`nxdi bench generate`: time to first token, time per output token and throughput, vs transformers.
 
     nxdi bench generate [--shape small|tiny | --model-path DIR] [--dtype bfloat16] [--batch-size 1 4]
-                        [--prompt-len 128] [--new-tokens 128] [--repeat 3] [--threads 2] [--compare-hf]
+                        [--tp-degree 1 2] [--prompt-len 128] [--new-tokens 128] [--repeat 3] [--threads 2]
+                        [--compare-hf]
 
 Method (the same for both sides, measured in one process, alternating runs, so machine noise
 hits both): greedy decoding of exactly `--new-tokens` tokens (EOS never stops it) from a random
@@ -13,6 +14,11 @@ hits both): greedy decoding of exactly `--new-tokens` tokens (EOS never stops it
   time of every step, so prefill = call start -> first logits and TPOT = the gaps between steps.
 Ratios are transformers / nxdi (above 1: nxdi is faster).
 
+`--tp-degree 1 2` measures each degree in turn in the same run (rank processes for tp > 1; the
+`--threads` are split between the ranks, so every degree uses the same cores). For tp > 1 it also
+reports the collectives of one token-generation step, per rank: calls, and time inside them (which
+includes waiting for the slowest rank, as the step does).
+
 `--shape small` is a ~120M Llama (hidden 768, 12 layers, 12 heads, 4 kv heads, vocab 32000),
 `--shape tiny` the TinyLlama-1.1B shape (hidden 2048, 22 layers, 32 heads, 4 kv heads); both
 get random weights, built once into the work dir (no download).
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -50,6 +57,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--model-path", default=None, help="benchmark this checkpoint instead of a random shape")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    p.add_argument("--tp-degree", type=int, nargs="+", default=[1], help="tensor-parallel degrees to compare")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeat", type=int, default=3, help="timed runs per side (after one warm-up)")
@@ -60,7 +68,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(run=run)
 
 
-def _checkpoint(args: argparse.Namespace) -> Path:
+def checkpoint_for(args: argparse.Namespace) -> Path:
+    """The checkpoint to benchmark: `--model-path`, else a random `--shape` built once into `--work-dir`."""
     if args.model_path:
         return Path(args.model_path)
     import torch
@@ -77,7 +86,7 @@ def _checkpoint(args: argparse.Namespace) -> Path:
     return path
 
 
-def _nxdi_model(path: Path, args: argparse.Namespace, batch: int) -> Any:
+def _nxdi_model(path: Path, args: argparse.Namespace, batch: int, tp: int = 1) -> Any:
     from nxdi.shell.config import NeuronConfig, OnDeviceSamplingConfig
     from nxdi.shell.inference_config import load_pretrained_config
     from nxdi.shell.models import MODEL_TYPES, model_type_of
@@ -90,13 +99,15 @@ def _nxdi_model(path: Path, args: argparse.Namespace, batch: int) -> Any:
         torch_dtype=args.dtype,
         on_device_sampling_config=OnDeviceSamplingConfig(top_k=1),
         save_sharded_checkpoint=True,
+        tp_degree=tp,
     )
     config = cls.get_config_cls()(neuron, load_config=load_pretrained_config(path))
-    compiled = Path(args.work_dir) / f"compiled-{path.name}-b{batch}-{args.prompt_len}-{args.new_tokens}"
+    compiled = Path(args.work_dir) / f"compiled-{path.name}-tp{tp}-b{batch}-{args.prompt_len}-{args.new_tokens}"
     t = time.perf_counter()
     cls(path, config).compile(compiled)
     print(f"[bench] compiled (or reused) {compiled} in {time.perf_counter() - t:.1f}s", flush=True)
     model = cls(compiled)
+    os.environ["NXDI_NUM_THREADS"] = str(max(1, args.threads // tp))  # per rank process
     model.load(compiled)
     return model
 
@@ -106,14 +117,22 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
+def _probe(model: Any, *, reset: bool) -> list[Any]:
+    """The rank processes' counters (none with one rank, which runs no collective)."""
+    runtime = model._require_runtime()
+    return runtime.probe(reset=reset) if hasattr(runtime, "probe") else []
+
+
 def _nxdi_once(model: Any, ids: Any, new_tokens: int) -> dict[str, Any]:
-    """One greedy generation through forward(): TTFT and every TPOT, in seconds."""
+    """One greedy generation through forward(): TTFT and every TPOT, in seconds, and the ranks'
+    collectives over the token-generation steps."""
     import torch
 
     model.reset()
     start = time.perf_counter()
     out = model(ids)
     ttft = time.perf_counter() - start
+    _probe(model, reset=True)
     tokens = out.tokens
     positions = torch.full((ids.shape[0], 1), ids.shape[1], dtype=torch.int64)
     steps = []
@@ -122,7 +141,7 @@ def _nxdi_once(model: Any, ids: Any, new_tokens: int) -> dict[str, Any]:
         out = model(tokens[:, None], position_ids=positions)
         steps.append(time.perf_counter() - t)
         tokens, positions = out.tokens, positions + 1
-    return {"ttft": ttft, "tpot": steps}
+    return {"ttft": ttft, "tpot": steps, "ranks": _probe(model, reset=True)}
 
 
 def _nxdi_generate(model: Any, ids: Any, new_tokens: int) -> float:
@@ -171,22 +190,43 @@ def _hf_once(model: Any, ids: Any, new_tokens: int) -> dict[str, Any]:
     }
 
 
+def _collectives(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Collective calls and milliseconds per token-generation step, averaged over steps and ranks."""
+    probes = [(len(r["tpot"]), p) for r in runs for p in r.get("ranks", [])]
+    if not probes:
+        return None
+    steps = sum(n for n, _ in probes)
+    names = sorted({name for _, p in probes for name in p.collectives})
+    calls = {name: sum(p.collectives.get(name, (0, 0.0))[0] for _, p in probes) / steps for name in names}
+    ms = {name: 1e3 * sum(p.collectives.get(name, (0, 0.0))[1] for _, p in probes) / steps for name in names}
+    return {"calls_per_step": calls, "ms_per_step": ms, "total_ms_per_step": sum(ms.values())}
+
+
 def _summary(runs: list[dict[str, Any]], batch: int, new_tokens: int) -> dict[str, Any]:
     tpots = [s for r in runs for s in r["tpot"]]
     totals = [r["total"] for r in runs]
-    return {
+    out = {
         "ttft_ms": 1e3 * statistics.median(r["ttft"] for r in runs),
         "tpot_ms": {q: 1e3 * _percentile(tpots, float(q[1:])) for q in ("p50", "p90", "p99")},
         "decode_tok_s_per_seq": 1.0 / statistics.median(tpots),
         "e2e_s": statistics.median(totals),
         "throughput_tok_s": batch * new_tokens / statistics.median(totals),
     }
+    collectives = _collectives(runs)
+    if collectives is not None:
+        out["collectives"] = collectives
+    return out
 
 
-def _bench_batch(path: Path, args: argparse.Namespace, batch: int, hf: Any) -> dict[str, Any]:
+def _bench_batch(path: Path, args: argparse.Namespace, batch: int, hf: Any, tp: int = 1) -> dict[str, Any]:
+
+    with _nxdi_model(path, args, batch, tp) as model:
+        return _bench_model(model, args, batch, hf, tp)
+
+
+def _bench_model(model: Any, args: argparse.Namespace, batch: int, hf: Any, tp: int) -> dict[str, Any]:
     import torch
 
-    model = _nxdi_model(path, args, batch)
     ids = torch.randint(
         3, model.model_spec.vocab_size, (batch, args.prompt_len), generator=torch.Generator().manual_seed(1)
     )
@@ -202,7 +242,7 @@ def _bench_batch(path: Path, args: argparse.Namespace, batch: int, hf: Any) -> d
             ours.append(run)
             if hf is not None:
                 theirs.append(_hf_once(hf, ids, args.new_tokens))
-    result: dict[str, Any] = {"batch_size": batch, "nxdi": _summary(ours, batch, args.new_tokens)}
+    result: dict[str, Any] = {"batch_size": batch, "tp_degree": tp, "nxdi": _summary(ours, batch, args.new_tokens)}
     if hf is not None:
         result["transformers"] = _summary(theirs, batch, args.new_tokens)
         n, h = result["nxdi"], result["transformers"]
@@ -218,7 +258,7 @@ def render(results: list[dict[str, Any]]) -> str:
     """A table of the results (one block per batch size)."""
     lines = []
     for r in results:
-        lines.append(f"batch {r['batch_size']}:")
+        lines.append(f"batch {r['batch_size']}, tp_degree {r.get('tp_degree', 1)}:")
         for side in ("nxdi", "transformers"):
             if side in r:
                 s = r[side]
@@ -227,6 +267,13 @@ def render(results: list[dict[str, Any]]) -> str:
                     f"  {side:<12} TTFT {s['ttft_ms']:8.1f} ms   TPOT p50/p90/p99 {t['p50']:7.2f}/{t['p90']:7.2f}/{t['p99']:7.2f} ms"
                     f"   decode {s['decode_tok_s_per_seq']:6.1f} tok/s/seq   generate() {s['throughput_tok_s']:7.1f} tok/s"
                 )
+        c = r["nxdi"].get("collectives")
+        if c is not None:
+            calls = ", ".join(f"{n} {v:g}" for n, v in c["calls_per_step"].items())
+            lines.append(
+                f"  collectives per decode step and rank: {calls} calls, {c['total_ms_per_step']:.2f} ms"
+                f" ({100 * c['total_ms_per_step'] / r['nxdi']['tpot_ms']['p50']:.0f}% of the p50 TPOT)"
+            )
         if "ratio_hf_over_nxdi" in r:
             q = r["ratio_hf_over_nxdi"]
             lines.append(
@@ -255,12 +302,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    path = _checkpoint(args)
+    path = checkpoint_for(args)
     hf = None
     if args.compare_hf:
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
-    results = [_bench_batch(path, args, b, hf) for b in args.batch_size]
+    results = [_bench_batch(path, args, b, hf, tp) for tp in args.tp_degree for b in args.batch_size]
     print(json.dumps(results, indent=2) if args.json else render(results))
     return 0

@@ -17,6 +17,7 @@ import importlib
 BENCHES: dict[str, str] = {
     "plan": "nxdi.shell.cli.bench_plan",
     "generate": "nxdi.shell.cli.bench_generate",
+    "load": "nxdi.shell.cli.bench_load",
 }
 
 DEFAULT_BENCHES: tuple[str, ...] = ("plan",)
