@@ -44,6 +44,9 @@ class Env:
     """NXDI_NUM_THREADS: torch intra-op threads for the CPU backend (per rank process)."""
     rank_timeout: int | None = None
     """NXDI_RANK_TIMEOUT: seconds a rank may take for one step before it is declared hung."""
+    host_collectives_kib: int | None = None
+    """NXDI_HOST_COLLECTIVES_KIB: the shared-memory slot of rank processes' collectives, in KiB
+    (0: gloo only); larger tensors go through gloo."""
     torchrun: Torchrun | None = None
     """Set when torchrun (or another launcher) started this process as one rank (RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR and MASTER_PORT all set)."""
@@ -95,6 +98,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> Env:
     return Env(
         torchrun=_torchrun(env, problems),
         rank_timeout=_int(env, "NXDI_RANK_TIMEOUT", problems),
+        host_collectives_kib=_int(env, "NXDI_HOST_COLLECTIVES_KIB", problems),
         logical_nc_config=_int(env, "NEURON_LOGICAL_NC_CONFIG", problems),
         platform_target=target,
         rt_visible_cores=env.get("NEURON_RT_VISIBLE_CORES"),

@@ -127,6 +127,18 @@ def test_tokens_equal_transformers_and_logits_equal_one_rank(
             assert err <= 1e-5, f"row {row} step {step}: {err}"
 
 
+@pytest.mark.parametrize("kib", ["0", "1"])
+def test_collectives_through_gloo_give_the_same_tokens(
+    kib: str, tp_model: Callable[..., Any], hf_greedy: Callable[..., torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rank processes' collectives go through shared memory when tensors fit its slots (above),
+    through gloo when there is none (0 KiB) or only for the tensors too large (1 KiB: decode steps
+    through shared memory, context encoding through gloo)."""
+    monkeypatch.setenv("NXDI_HOST_COLLECTIVES_KIB", kib)
+    model = tp_model("llama", tp_degree=2, batch_size=4, sequence_parallel_enabled=True)
+    assert torch.equal(nxdi_generate(model, PROMPTS), hf_greedy("llama", PROMPTS))
+
+
 @pytest.fixture(scope="module")
 def gqa_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
     """6 query heads over 2 KV heads (replicated and padded at tp 4) and over 3 (MHA at tp 4)."""

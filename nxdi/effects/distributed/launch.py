@@ -163,7 +163,13 @@ def open_runtime(
         graph_key=graph_key,
         warmup=warmup,
     )
-    return ranks.start(build, buckets=model.buckets(), threads=env.num_threads, timeout=env.rank_timeout)
+    return ranks.start(
+        build,
+        buckets=model.buckets(),
+        threads=env.num_threads,
+        timeout=env.rank_timeout,
+        host_kib=env.host_collectives_kib,
+    )
 
 
 def _here(

@@ -8,8 +8,10 @@ opaque node (its fake implementation gives the output shape; tracing needs no pr
 saved program carries it, and a rank process that loaded the program runs it with gloo. `register()`
 must run before a program using them is traced or loaded; it does nothing the second time.
 
-Every call is counted and timed per process (`collective_stats`), for `nxdi bench generate`: the
-time includes waiting for the slowest rank, which is what a step pays.
+In rank processes a driver started, tensors that fit go through the host's shared memory
+(`use_host_world`, see `host_world`) and only larger ones through gloo. Every call is counted and
+timed per process (`collective_stats`), for `nxdi bench generate`: the time includes waiting for
+the slowest rank, which is what a step pays.
 """
 
 from __future__ import annotations
@@ -23,11 +25,23 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nxdi.core.programs.collectives import Collectives
+from nxdi.effects.distributed.host_world import HostWorld
 
 NAMESPACE = "nxdi"
 _registered: list[bool] = []
 _stats: dict[str, list[float]] = {}
 """op name -> [calls, seconds] in this process since the last reset."""
+_host: list[HostWorld] = []
+"""The host world of this rank process, when it has one."""
+
+
+def use_host_world(world: HostWorld) -> None:
+    """Send the collectives that fit through `world` from now on (a rank process, once)."""
+    _host[:] = [world]
+
+
+def _on_host(x: Tensor) -> HostWorld | None:
+    return _host[0] if _host and _host[0].fits(x) else None
 
 
 @contextmanager
@@ -61,8 +75,11 @@ def register() -> None:
 
     @torch.library.custom_op(f"{lib}::all_reduce", mutates_args=())
     def all_reduce(x: Tensor) -> Tensor:
-        out = x.clone()
         with _timed("all_reduce"):
+            host = _on_host(x)
+            if host is not None:
+                return host.all_reduce(x)
+            out = x.clone()
             dist.all_reduce(out)
         return out
 
@@ -72,8 +89,11 @@ def register() -> None:
 
     @torch.library.custom_op(f"{lib}::all_gather", mutates_args=())
     def all_gather(x: Tensor, dim: int, world: int) -> Tensor:
-        parts = [torch.empty_like(x) for _ in range(world)]
         with _timed("all_gather"):
+            host = _on_host(x)
+            if host is not None:
+                return host.all_gather(x, dim)
+            parts = [torch.empty_like(x) for _ in range(world)]
             dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim)
 
@@ -85,9 +105,12 @@ def register() -> None:
 
     @torch.library.custom_op(f"{lib}::reduce_scatter", mutates_args=())
     def reduce_scatter(x: Tensor, dim: int, world: int) -> Tensor:
-        moved = x.movedim(dim, 0).contiguous()  # gloo scatters along dim 0
-        out = moved.new_empty([moved.shape[0] // world, *moved.shape[1:]])
         with _timed("reduce_scatter"):
+            host = _on_host(x)
+            if host is not None:
+                return host.reduce_scatter(x, dim)
+            moved = x.movedim(dim, 0).contiguous()  # gloo scatters along dim 0
+            out = moved.new_empty([moved.shape[0] // world, *moved.shape[1:]])
             dist.reduce_scatter_tensor(out, moved)
         return out.movedim(0, dim).contiguous()
 

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from nxdi.core.config.neuron_spec import Phase
 from nxdi.core.programs.inputs import StepInputs
-from nxdi.effects.distributed import protocol
+from nxdi.effects.distributed import host_world, protocol
 from nxdi.effects.distributed.errors import RankError
 from nxdi.effects.runtime import RandomStream
 
@@ -44,6 +44,8 @@ START_TIMEOUT = 900
 """Seconds every rank may take to start and build its runtime (reading weights, loading programs)."""
 STEP_TIMEOUT = 300
 """Seconds a step may take on every rank before the ranks that did not answer are declared hung."""
+HOST_KIB = 8192
+"""Default shared-memory slot of the ranks' collectives (NXDI_HOST_COLLECTIVES_KIB): larger tensors go through gloo."""
 _POLL = 0.05
 _LOG_TAIL = 3000
 
@@ -54,8 +56,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _stop(procs: list[subprocess.Popen[bytes]], conns: list[Connection], logs: Path) -> None:
-    """Close the pipes (ranks exit at their end), wait briefly, kill stragglers, drop the logs."""
+def _stop(
+    procs: list[subprocess.Popen[bytes]], conns: list[Connection], logs: Path, host: host_world.HostPlan | None
+) -> None:
+    """Close the pipes (ranks exit at their end), wait briefly, kill stragglers, drop the logs and
+    the shared-memory file."""
     for conn in conns:
         conn.close()
     deadline = time.monotonic() + 5
@@ -66,40 +71,54 @@ def _stop(procs: list[subprocess.Popen[bytes]], conns: list[Connection], logs: P
             proc.kill()
             proc.wait()
     shutil.rmtree(logs, ignore_errors=True)
+    if host is not None:
+        host.close()
 
 
 class RankGroup:
-    """`world` rank processes and the pipes to them."""
+    """`world` rank processes and the pipes to them.
 
-    def __init__(self, world: int, *, threads: int | None = None, timeout: int | None = None) -> None:
+    `host_kib` is the shared-memory slot of the ranks' collectives, in KiB (0: gloo only; see
+    `host_world`); `threads` the intra-op threads of each rank (default: this host's cores shared out).
+    """
+
+    def __init__(
+        self, world: int, *, threads: int | None = None, timeout: int | None = None, host_kib: int = HOST_KIB
+    ) -> None:
         self.world = world
         self.timeout = STEP_TIMEOUT if timeout is None else timeout
         self.logs = Path(tempfile.mkdtemp(prefix="nxdi-ranks-"))
         per_rank = threads or max(1, (os.cpu_count() or 1) // world)
         port = _free_port()
+        host = host_world.HostPlan(world, host_world.slot_bytes_for(host_kib)) if host_kib > 0 else None
         self.procs: list[subprocess.Popen[bytes]] = []
         self.writers: list[Connection] = []
         self.readers: list[Connection] = []
         for rank in range(world):
             command = [sys.executable, "-m", "nxdi.effects.distributed.worker"]
             command += ["--rank", str(rank), "--world", str(world), "--master-port", str(port)]
-            command += [
-                "--threads",
-                str(per_rank),
-                "--timeout",
-                str(max(self.timeout, 60)),
-                "--parent",
-                str(os.getpid()),
-            ]
+            command += ["--threads", str(per_rank), "--timeout", str(max(self.timeout, 60))]
+            command += ["--parent", str(os.getpid())]
+            if host is not None:
+                command += ["--host-world", host.spec(rank).to_arg()]
             with open(self.logs / f"rank{rank}.log", "wb") as log:
-                proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+                proc = subprocess.Popen(
+                    command,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    pass_fds=host.fds(rank) if host is not None else (),
+                )
             assert proc.stdin is not None and proc.stdout is not None
             self.writers.append(Connection(os.dup(proc.stdin.fileno()), readable=False))
             self.readers.append(Connection(os.dup(proc.stdout.fileno()), writable=False))
             proc.stdin.close()
             proc.stdout.close()
             self.procs.append(proc)
-        self._finalizer = weakref.finalize(self, _stop, self.procs, [*self.writers, *self.readers], self.logs)
+        if host is not None:
+            host.close_pipes()
+        conns = [*self.writers, *self.readers]
+        self._finalizer = weakref.finalize(self, _stop, self.procs, conns, self.logs, host)
 
     @property
     def closed(self) -> bool:
@@ -235,6 +254,7 @@ def start(
     buckets: dict[Phase, tuple[int, ...]],
     threads: int | None = None,
     timeout: int | None = None,
+    host_kib: int | None = None,
 ) -> Result[RemoteRuntime, Any]:
     """Start `build.spec.tp_degree` rank processes and build the model's runtime in each.
 
@@ -245,7 +265,8 @@ def start(
     Raises:
         RankError: a rank died, hung, or failed unexpectedly while starting.
     """
-    group = RankGroup(build.spec.tp_degree, threads=threads, timeout=timeout)
+    kib = HOST_KIB if host_kib is None else host_kib
+    group = RankGroup(build.spec.tp_degree, threads=threads, timeout=timeout, host_kib=kib)
     replies = group.call(build, timeout=START_TIMEOUT)
     error = _unexpected(group, replies)
     if error is not None:

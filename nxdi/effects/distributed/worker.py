@@ -32,6 +32,7 @@ from nxdi.core.programs import catalog
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.effects import engine, memory
 from nxdi.effects.distributed import ops, protocol
+from nxdi.effects.distributed.host_world import HostWorld, HostWorldSpec
 from nxdi.effects.distributed.protocol import RankProbe
 from nxdi.effects.runtime import Runtime
 
@@ -133,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for flag in ("--rank", "--world", "--master-port", "--threads", "--timeout", "--parent"):
         p.add_argument(flag, type=int, required=True)
     p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--host-world", default=None, help="shared-memory collectives (HostWorldSpec.to_arg)")
     args = p.parse_args(argv)
     _die_with_parent(args.parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -147,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout=datetime.timedelta(seconds=args.timeout),
     )
     ops.register()
+    if args.host_world is not None:
+        ops.use_host_world(HostWorld(args.rank, args.world, HostWorldSpec.from_arg(args.host_world)))
     rank = _Rank(args.rank)
     try:
         while True:
