@@ -199,6 +199,14 @@ def _config(path: Path, variant: str, **neuron: Any) -> Any:
     return CONFIG_TYPES[model_type](NeuronConfig(**kwargs), load_config=load_pretrained_config(path))
 
 
+def test_each_rank_slices_a_sharded_pickle_checkpoint(
+    tiny_checkpoint: Callable[..., Path], tp_model: Callable[..., Any], hf_greedy: Callable[..., torch.Tensor]
+) -> None:
+    path = tiny_checkpoint("mistral", checkpoints.SaveFormat.BIN_SHARDED)
+    model = tp_model("mistral", path, tp_degree=2, batch_size=4, vocab_parallel=True)
+    assert torch.equal(nxdi_generate(model, PROMPTS), hf_greedy("mistral", PROMPTS))
+
+
 def test_presharded_folder_holds_each_rank_shard_and_loads_without_the_checkpoint(
     tiny_checkpoint: Callable[..., Path], tmp_path: Path, hf_greedy: Callable[..., torch.Tensor]
 ) -> None:
