@@ -159,7 +159,7 @@ def open_runtime(
         spec=model.spec,
         source=source,
         root=None if root is None else str(Path(root).resolve()),
-        backend=backend or protocol.Build.__attrs_attrs__.backend.default,  # type: ignore[attr-defined]
+        backend=backend,
         graph_key=graph_key,
         warmup=warmup,
     )

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from nxdi.core.config.neuron_spec import NeuronSpec, Phase
 from nxdi.core.model_spec import ModelSpec
-from nxdi.effects.backends.cpu import CpuBackend
+from nxdi.effects.backends.base import Backend
 
 
 @attrs.frozen(kw_only=True)
@@ -39,7 +39,8 @@ class Build:
     """The `nxdi.effects.engine.CheckpointSource` of the weights."""
     root: str | None = None
     """The compiled-model folder (kind "compiled")."""
-    backend: CpuBackend = CpuBackend()  # noqa: RUF009 - a frozen value
+    backend: Backend | None = None
+    """The backend that compiled the folder (kind "compiled")."""
     graph_key: str = ""
     warmup: bool = True
 

@@ -135,12 +135,16 @@ class RankGroup:
             return ""
         return text[-_LOG_TAIL:].strip()
 
-    def _fail(self, rank: int, why: str) -> RankError:
-        tail = self._log_tail(rank)
-        for proc in self.procs:  # the others may be stuck in a collective with the lost rank
+    def abort(self) -> None:
+        """Kill every rank process now (the others may be stuck in a collective with a lost rank)."""
+        for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
         self.close()
+
+    def _fail(self, rank: int, why: str) -> RankError:
+        tail = self._log_tail(rank)
+        self.abort()
         quoted = "\n".join(f"    {line}" for line in tail.splitlines()) if tail else "    (empty)"
         message = (
             f"tensor-parallel rank {rank} of {self.world} {why}; every rank process was stopped. "
@@ -170,8 +174,12 @@ class RankGroup:
                 rank = self.readers.index(conn)  # type: ignore[arg-type]
                 try:
                     replies[rank] = protocol.receive(conn)
-                except EOFError:
-                    continue  # it exited: reported below with its exit code
+                except EOFError:  # it is exiting: give it a moment to report its exit code
+                    try:
+                        self.procs[rank].wait(timeout=1)
+                    except subprocess.TimeoutExpired:
+                        raise self._fail(rank, "closed its pipe to the driver") from None
+                    continue
                 pending.discard(rank)
             dead = [r for r, p in enumerate(self.procs) if r in pending and p.poll() is not None]
             if dead:
@@ -185,7 +193,7 @@ class RankGroup:
 def _unexpected(group: RankGroup, replies: list[protocol.Reply]) -> RankError | None:
     for rank, reply in enumerate(replies):
         if not reply.ok and reply.value is None:
-            group.close()
+            group.abort()
             return RankError(f"tensor-parallel rank {rank} failed:\n{reply.traceback}", rank)
     return None
 

@@ -109,7 +109,7 @@ class _Rank:
             if request.kind == "eager":
                 built: Any = engine.eager_runtime(setup, request.source)
             else:
-                assert request.root is not None
+                assert request.root is not None and request.backend is not None
                 built = engine.load_model(
                     request.root,
                     setup,
