@@ -90,32 +90,44 @@ def tp_model(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> Iterator[C
 
 # --- numbers: every family -------------------------------------------------------------------
 
-CASES = [
-    ("llama", 2, {}),
-    ("llama", 4, {"sequence_parallel_enabled": True, "flash_decoding_enabled": True}),
-    ("mistral", 2, {"sequence_parallel_enabled": True}),
-    ("mistral", 4, {"vocab_parallel": True, "flash_decoding_enabled": True}),
-    ("qwen2", 2, {"vocab_parallel": True}),
-    ("qwen2", 4, {}),
-    ("qwen3", 2, {"sequence_parallel_enabled": True, "vocab_parallel": True}),
-    ("qwen3", 4, {"flash_decoding_enabled": True}),
+SP, VP, FD = "sequence_parallel_enabled", "vocab_parallel", "flash_decoding_enabled"
+CASES = [  # (family, tp_degree, compiled batch, settings): each family at tp 2 and 4, batch 1 and 4
+    ("llama", 2, 1, ()),
+    ("llama", 2, 4, (VP,)),
+    ("llama", 4, 1, (VP, FD)),
+    ("llama", 4, 4, (SP, FD)),
+    ("mistral", 2, 1, (SP,)),
+    ("mistral", 2, 4, ()),
+    ("mistral", 4, 1, (SP, VP)),
+    ("mistral", 4, 4, (VP, FD)),
+    ("qwen2", 2, 1, (VP,)),
+    ("qwen2", 2, 4, (SP,)),
+    ("qwen2", 4, 1, (FD,)),
+    ("qwen2", 4, 4, ()),
+    ("qwen3", 2, 1, (SP, VP)),
+    ("qwen3", 2, 4, ()),
+    ("qwen3", 4, 1, (SP,)),
+    ("qwen3", 4, 4, (FD,)),
 ]
 
 
 @pytest.mark.parametrize(
-    ("variant", "tp", "extra"), CASES, ids=[f"{v}-tp{t}-{'-'.join(e) or 'plain'}" for v, t, e in CASES]
+    ("variant", "tp", "batch", "settings"),
+    CASES,
+    ids=[f"{v}-tp{t}-b{b}-{'-'.join(s) or 'plain'}" for v, t, b, s in CASES],
 )
 def test_tokens_equal_transformers_and_logits_equal_one_rank(
     variant: str,
     tp: int,
-    extra: dict[str, Any],
+    batch: int,
+    settings: tuple[str, ...],
     tp_model: Callable[..., Any],
     loaded_model: Callable[..., Any],
     hf_greedy: Callable[..., torch.Tensor],
 ) -> None:
-    batch = 1 if tp == 2 else 4  # compiled batch 1, and 4 (prompts of different lengths, padded)
+    """Batch 4 holds prompts of 1 to 14 tokens, right padded."""
     prompts = PROMPTS[:batch]
-    model = tp_model(variant, tp_degree=tp, batch_size=batch, **extra)
+    model = tp_model(variant, tp_degree=tp, batch_size=batch, **dict.fromkeys(settings, True))
     assert torch.equal(nxdi_generate(model, prompts), hf_greedy(variant, prompts))
 
     tokens = hf_greedy(variant, prompts)[:, : LOGIT_STEPS - 1]
