@@ -41,7 +41,8 @@ class Env:
     compile_cache_dir: str | None = None
     """NXDI_COMPILE_CACHE: where compiled programs are cached across model folders."""
     num_threads: int | None = None
-    """NXDI_NUM_THREADS: torch intra-op threads for the CPU backend (per rank process)."""
+    """NXDI_NUM_THREADS: torch intra-op threads of each tensor-parallel rank process (default: the
+    driver's torch threads shared out among the ranks)."""
     rank_timeout: int | None = None
     """NXDI_RANK_TIMEOUT: seconds a rank may take for one step before it is declared hung."""
     host_collectives_kib: int | None = None

@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+import torch
 from returns.result import Failure, Result, Success
 from torch import Tensor
 
@@ -79,7 +80,8 @@ class RankGroup:
     """`world` rank processes and the pipes to them.
 
     `host_kib` is the shared-memory slot of the ranks' collectives, in KiB (0: gloo only; see
-    `host_world`); `threads` the intra-op threads of each rank (default: this host's cores shared out).
+    `host_world`); `threads` the intra-op threads of each rank (default: this process's torch
+    threads shared out, so tensor parallelism uses the cores one rank would).
     """
 
     def __init__(
@@ -88,7 +90,7 @@ class RankGroup:
         self.world = world
         self.timeout = STEP_TIMEOUT if timeout is None else timeout
         self.logs = Path(tempfile.mkdtemp(prefix="nxdi-ranks-"))
-        per_rank = threads or max(1, (os.cpu_count() or 1) // world)
+        per_rank = threads or max(1, torch.get_num_threads() // world)
         port = _free_port()
         host = host_world.HostPlan(world, host_world.slot_bytes_for(host_kib)) if host_kib > 0 else None
         self.procs: list[subprocess.Popen[bytes]] = []

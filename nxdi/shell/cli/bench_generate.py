@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -107,7 +106,6 @@ def _nxdi_model(path: Path, args: argparse.Namespace, batch: int, tp: int = 1) -
     cls(path, config).compile(compiled)
     print(f"[bench] compiled (or reused) {compiled} in {time.perf_counter() - t:.1f}s", flush=True)
     model = cls(compiled)
-    os.environ["NXDI_NUM_THREADS"] = str(max(1, args.threads // tp))  # per rank process
     model.load(compiled)
     return model
 
