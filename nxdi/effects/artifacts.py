@@ -229,7 +229,9 @@ def _compatibility(
     where, fix = str(directory / MANIFEST), "compile the model again with this installation"
     problems = []
     if manifest.backend != backend.name:
-        problems.append(Problem.of(f"{where}:backend", manifest.backend, f"loading with backend {backend.name!r}", fix))
+        why = f"loading with backend {backend.name!r}"
+        fix_backend = f"load with NXDI_BACKEND={manifest.backend}, or compile again with backend {backend.name!r}"
+        problems.append(Problem.of(f"{where}:backend", manifest.backend, why, fix_backend))
     elif manifest.backend_version != backend.version():
         reason = f"compiled with {manifest.backend_version}, running {backend.version()}"
         problems.append(Problem.of(f"{where}:backend_version", manifest.backend_version, reason, fix))

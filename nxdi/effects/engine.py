@@ -148,13 +148,16 @@ class EngineModel:
     def cache_dtype(self) -> torch.dtype:
         return weight_ops.torch_dtype(self.spec.attention_dtype or self.spec.torch_dtype)
 
-    def empty_cache(self, *, length: int, batch: int | None = None) -> KVCache:
+    def empty_cache(self, *, length: int, batch: int | None = None, device: torch.device | None = None) -> KVCache:
         """A zero KV cache of this rank's kv heads and its share of `length` positions (all of them
         unless flash decoding splits them): every cache row (garbage rows too) unless `batch` is given."""
         rows = self.spec.kv_cache_batch_size + self.spec.kv_cache_padding_size if batch is None else batch
         part = self.partition()
         slots = part.cache_slots(length)
-        return kv_cache.empty_cache(self.model, batch=rows, length=slots, dtype=self.cache_dtype(), heads=part.kv_heads)
+        dtype = self.cache_dtype()
+        return kv_cache.empty_cache(
+            self.model, batch=rows, length=slots, dtype=dtype, heads=part.kv_heads, device=device
+        )
 
 
 # --- weights --------------------------------------------------------------------------------------
@@ -227,14 +230,18 @@ def _bound(backend: Backend, loaded: LoadedProgram) -> Program:
     return call
 
 
-def _runtime(model: EngineModel, programs: Mapping[tuple[Phase, int], Program], weights: Any) -> Runtime:
+def _runtime(
+    model: EngineModel, programs: Mapping[tuple[Phase, int], Program], weights: Any, backend: Backend | None = None
+) -> Runtime:
+    """The runtime of `programs`, its cache on the backend's device (the host when eager)."""
     ods = model.spec.on_device_sampling_config
     return Runtime(
-        cache=model.empty_cache(length=model.spec.max_length),
+        cache=model.empty_cache(length=model.spec.max_length, device=None if backend is None else backend.device),
         programs=programs,
         weights=weights,
         deterministic=ods is not None and ods.deterministic,
         kv_group=model.partition().kv_group,
+        finish=None if backend is None else backend.finish,
     )
 
 
@@ -383,7 +390,7 @@ def load_model(
     ).bind(
         lambda programs: _weights(folder, model, source).bind(
             lambda tensors: _bind(backend, programs, names, tensors).map(
-                lambda bound: _runtime(model, bound, model.program.weights(tensors, spec=model.model))
+                lambda bound: _runtime(model, bound, model.program.weights(tensors, spec=model.model), backend)
             )
         )
     )
@@ -391,3 +398,31 @@ def load_model(
         case Success(runtime) if warmup:
             _warmup(runtime, model)
     return loaded
+
+
+def write_hlo(
+    root: str | os.PathLike[str], backend: Backend, directory: str | os.PathLike[str]
+) -> Result[list[Path], ArtifactError]:
+    """Write the HLO text of every program compiled in `root` to `directory/<program>.hlo.txt`.
+
+    Returns:
+        The files written, or the ArtifactError of reading the folder (see `artifacts.load_programs`).
+
+    Raises:
+        ValueError: `backend` keeps no HLO (only the xla backend lowers to HLO).
+    """
+    text = getattr(backend, "hlo_text", None)
+    if text is None:
+        raise ValueError(f"the {backend.name} backend keeps no HLO; compile with the xla backend (NXDI_BACKEND=xla)")
+    out = Path(directory)
+
+    def write(programs: Mapping[tuple[Phase, int], Any]) -> list[Path]:
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        for program in programs.values():
+            path = out / f"{program.name}.hlo.txt"
+            path.write_text(text(program))
+            written.append(path)
+        return written
+
+    return artifacts.load_programs(root, backend).map(write)

@@ -40,6 +40,8 @@ class Env:
     """NEURON_RT_VISIBLE_CORES, for the Neuron runtime."""
     compile_cache_dir: str | None = None
     """NXDI_COMPILE_CACHE: where compiled programs are cached across model folders."""
+    backend: str | None = None
+    """NXDI_BACKEND: the backend models compile and run on (`cpu`, `xla`, `neuron`; default cpu)."""
     num_threads: int | None = None
     """NXDI_NUM_THREADS: torch intra-op threads of each tensor-parallel rank process (default: the
     driver's torch threads shared out among the ranks)."""
@@ -104,6 +106,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> Env:
         platform_target=target,
         rt_visible_cores=env.get("NEURON_RT_VISIBLE_CORES"),
         compile_cache_dir=env.get("NXDI_COMPILE_CACHE"),
+        backend=env.get("NXDI_BACKEND") or None,
         num_threads=_int(env, "NXDI_NUM_THREADS", problems),
         problems=tuple(problems),
     )

@@ -10,7 +10,7 @@ long as they keep one calling convention, with their weights already bound (see 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -78,6 +78,7 @@ class Runtime:
         seed: int = 0,
         deterministic: bool = False,
         kv_group: int = 1,
+        finish: Callable[[Sequence[Tensor | None]], tuple[Tensor | None, ...]] | None = None,
     ) -> None:
         self.weights = weights
         """The program's weights value the programs were built from (for inspection; a compiled
@@ -88,6 +89,12 @@ class Runtime:
         self.kv_group = kv_group
         """With flash decoding, the ranks sharing a KV head: a bucket of T positions is the first
         ceil(T / kv_group) cache slots of this rank."""
+        self.finish = finish or tuple
+        """Ends a step (the backend's `finish`): runs deferred work, returns the outputs on the host."""
+        self.device = cache.k[0].device
+        """Where the cache lives: the host, or a backend's device (XLA), where every step must
+        keep static shapes, so cache rows are chosen without reading `rows` on the host."""
+        self.finish(())  # a deferring backend materializes the fresh cache now, not inside the first step
 
     def buckets(self, phase: Phase) -> tuple[int, ...]:
         """The buckets compiled for `phase`, ascending."""
@@ -101,6 +108,7 @@ class Runtime:
         """Zero every key and value (NxDI's reset_kv_cache)."""
         for t in (*self.cache.k, *self.cache.v):
             t.zero_()
+        self.finish(())
 
     def close(self) -> None:
         """Nothing to stop: the programs run in this process."""
@@ -129,10 +137,19 @@ class Runtime:
         Returns:
             logits [B, 1, V] fp32 or None, tokens [B] or None.
         """
-        program = self.programs[(phase, bucket)]
-        view = self._view(bucket, rows, x.input_ids.shape[0])
         draws = self.random.draw(x.input_ids.shape[0]) if uniforms is None else uniforms
-        logits, tokens, updated = program(view, x, params, draws)
+        logits, tokens = self._step(self.programs[(phase, bucket)], bucket, x, rows, params, draws)
+        # Nothing else of the step is referenced any more, so finishing it (an XLA execution)
+        # computes only the outputs and the cache, whose buffers it then updates in place.
+        logits, tokens = self.finish((logits, tokens))
+        return logits, tokens
+
+    def _step(
+        self, program: Program, bucket: int, x: StepInputs, rows: Tensor | None, params: Tensor, draws: Tensor
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """Run `program` on the cache view and write its cache back (still lazy on a deferring backend)."""
+        rows = None if rows is None else rows.to(self.device)
+        logits, tokens, updated = program(self._view(bucket, rows, x.input_ids.shape[0]), x, params, draws)
         self._write_back(updated, bucket, rows)
         return logits, tokens
 
@@ -152,10 +169,32 @@ class Runtime:
     def _write_back(self, updated: KVCache, bucket: int, rows: Tensor | None) -> None:
         bucket = -(-bucket // self.kv_group)
         for full, part in zip((*self.cache.k, *self.cache.v), (*updated.k, *updated.v), strict=True):
-            if part.data_ptr() == full.data_ptr():
+            if self.device.type == "cpu" and part.data_ptr() == full.data_ptr():
                 continue  # the program wrote the runtime's tensor in place
-            if rows is None:
+            if self.device.type != "cpu":
+                full.copy_(_updated(full, part, bucket, rows))
+            elif rows is None:
                 full[: part.shape[0], :, :bucket].copy_(part)
             else:
                 real = (rows >= 0).nonzero().flatten()  # padding rows (-1) write nothing
                 full[:, :, :bucket].index_copy_(0, rows[real], part[real].to(full.dtype))
+
+
+def _updated(full: Tensor, part: Tensor, bucket: int, rows: Tensor | None) -> Tensor:
+    """`full` [R, K, T, D] with the view `part` written back, as a whole new tensor: a deferring
+    backend (XLA) donates the cache buffer to a step only when the whole tensor is overwritten, not
+    a slice of it, and must not read `rows` on the host."""
+    part = part.to(full.dtype)
+    if rows is None:
+        b = part.shape[0]
+        return full.slice_scatter(full[:b].slice_scatter(part, dim=2, start=0, end=bucket), dim=0, start=0, end=b)
+    return full.slice_scatter(_blend_rows(full[:, :, :bucket], part, rows), dim=2, start=0, end=bucket)
+
+
+def _blend_rows(full: Tensor, part: Tensor, rows: Tensor) -> Tensor:
+    """`full` [R, ...] with row `rows[j]` replaced by `part[j]` for every real row (-1: padding),
+    in static shapes: which part row lands where is a one-hot match, not a host-side index."""
+    match = rows[None, :] == torch.arange(full.shape[0], device=rows.device)[:, None]  # [R, B]
+    source = (match.long() * torch.arange(rows.shape[0], device=rows.device)[None, :]).sum(1)  # [R]
+    taken = match.any(1).view(-1, *([1] * (full.dim() - 1)))
+    return torch.where(taken, part.index_select(0, source), full)

@@ -25,11 +25,10 @@ from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import partition
 from nxdi.core.programs import catalog
-from nxdi.effects import engine
+from nxdi.effects import backends, engine
 from nxdi.effects import env as env_mod
 from nxdi.effects import weight_loader as weight_io
 from nxdi.effects.backends.base import Backend
-from nxdi.effects.backends.cpu import CpuBackend
 from nxdi.effects.distributed import launch
 from nxdi.effects.runtime import StepRuntime
 from nxdi.shell.config import NeuronConfig
@@ -45,6 +44,8 @@ class NeuronApplicationBase:
             neuron_config.json supplies the config when `config` is None).
         config: the InferenceConfig; loaded from `model_path` when None.
         neuron_config: replaces `config.neuron_config` when given.
+        backend: the backend to compile and run on, `cpu`, `xla` or `neuron` (nxdi's extension;
+            default: `NXDI_BACKEND`, else cpu).
 
     Raises:
         IncompatibleConfigError: the configuration cannot run on this backend (every problem listed).
@@ -60,7 +61,10 @@ class NeuronApplicationBase:
         model_path: str | os.PathLike[str],
         config: InferenceConfig | None = None,
         neuron_config: NeuronConfig | None = None,
+        *,
+        backend: str | None = None,
     ) -> None:
+        self._backend_name = backend
         if config is None:
             config = self.get_config_cls().load(model_path)
         if neuron_config is not None:
@@ -159,7 +163,12 @@ class NeuronApplicationBase:
         )
 
     def _backend(self) -> Backend:
-        return CpuBackend()
+        """The backend given to the constructor, else the one `NXDI_BACKEND` names, else cpu."""
+        name = self._backend_name or env_mod.read_env().backend or "cpu"
+        try:
+            return backends.backend_named(name, compiler_args=(self.get_compiler_args() or "").split())
+        except ValueError as e:
+            raise IncompatibleConfigError(f"{e}. Fix: unset it, or name one of {', '.join(backends.NAMES)}") from None
 
     def _source(self, path: str | os.PathLike[str]) -> engine.CheckpointSource:
         """The checkpoint at `path`, converted by this model's weight plan."""
@@ -215,8 +224,9 @@ class NeuronApplicationBase:
         `manifest.json` with the sub-model, bucket and sha256 of every program. Programs whose graph
         key, sub-model, bucket and backend version are unchanged are reused, not traced again. An
         interrupted compile leaves no manifest, which reads as not compiled. Under torchrun, global
-        rank 0 compiles while the other ranks wait. `debug` is accepted for NxDI compatibility (the
-        CPU backend keeps no HLO to annotate).
+        rank 0 compiles while the other ranks wait. With `debug=True` the xla backend also writes
+        each program's HLO text to `hlo/<program>.hlo.txt` in the folder; other backends keep no
+        HLO, and warn.
         """
         root = Path(compiled_model_path)
         env = env_mod.read_env()
@@ -237,6 +247,12 @@ class NeuronApplicationBase:
 
         self._last_compile = launch.once(self._engine_model(), env, write)
         self.is_compiled = True
+        if debug:
+            backend = self._backend()
+            if not hasattr(backend, "hlo_text"):
+                warnings.warn(f"debug=True: the {backend.name} backend keeps no HLO to write", stacklevel=2)
+            else:
+                launch.once(self._engine_model(), env, lambda: unwrap(engine.write_hlo(root, backend, root / "hlo")))
 
     def shard_weights(self, compiled_model_path: str | os.PathLike[str]) -> None:
         """Write every rank's converted weights to `compiled_model_path/weights/tp{rank}_sharded_checkpoint.safetensors`,

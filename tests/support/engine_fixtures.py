@@ -53,9 +53,10 @@ temporary folder, then `load()`), so the whole suite can run through the compile
 `NXDI_E2E_ENGINE=compiled pytest tests/e2e/test_engine_*.py` (slower: every configuration compiles)."""
 
 
-def _bring_up(model: Any, workdir: Path | None) -> Any:
-    """Make a constructed model runnable: the one place the suite chooses eager or compiled."""
-    if ENGINE == "compiled":
+def _bring_up(model: Any, workdir: Path | None, *, compiled: bool = False) -> Any:
+    """Make a constructed model runnable: the one place the suite chooses eager or compiled
+    (`compiled` forces compile() + load(), which a backend other than the CPU's needs)."""
+    if ENGINE == "compiled" or compiled:
         folder = Path(tempfile.mkdtemp(prefix="compiled-", dir=workdir))
         model.compile(folder)
         model.load(folder)
@@ -65,11 +66,18 @@ def _bring_up(model: Any, workdir: Path | None) -> Any:
     return model
 
 
-def load_model(path: Path, variant: str, *, workdir: Path | None = None, **neuron_config_kwargs: Any) -> Any:
+def load_model(
+    path: Path,
+    variant: str,
+    *,
+    workdir: Path | None = None,
+    backend: str | None = None,
+    **neuron_config_kwargs: Any,
+) -> Any:
     """The documented construction of a loaded model of `variant` from the checkpoint at `path`.
 
     `torch_dtype` defaults to float32 (the checkpoint's own dtype would win otherwise); `workdir`
-    holds compiled folders when ENGINE is "compiled".
+    holds compiled folders when ENGINE is "compiled" or `backend` names one (which always compiles).
     """
     from nxdi.shell.config import NeuronConfig
     from nxdi.shell.inference_config import load_pretrained_config
@@ -78,7 +86,8 @@ def load_model(path: Path, variant: str, *, workdir: Path | None = None, **neuro
     kwargs = {"torch_dtype": "float32", "seq_len": SEQ_LEN, **neuron_config_kwargs}
     model_type = model_type_of(variant)
     config = CONFIG_TYPES[model_type](NeuronConfig(**kwargs), load_config=load_pretrained_config(path))
-    return _bring_up(MODEL_TYPES[model_type]["causal-lm"](path, config), workdir)
+    model = MODEL_TYPES[model_type]["causal-lm"](path, config, backend=backend)
+    return _bring_up(model, workdir, compiled=backend is not None)
 
 
 def make_loaded_model(checkpoint: Callable[..., Path], workdir: Path | None = None) -> Callable[..., Any]:

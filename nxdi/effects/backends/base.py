@@ -17,6 +17,10 @@ Calling convention (every backend, every program). A program is a pure function 
 - `inputs` (I tensors, named by `Signature.inputs`): token ids, positions, sampling parameters...
 - `outputs` (O tensors, named by `Signature.outputs`): logits, tokens...
 
+A backend may keep the cache on its own `device` and defer work (XLA builds one lazy graph per
+step): the runtime allocates the cache there, and after a step has written its cache back it calls
+`finish`, which runs what was deferred and hands the outputs back on the host.
+
 Shapes are static: one program per sub-model and bucket. The names make the manifest readable and
 let `bind` check weights by name and shape, and report every mismatch at once.
 """
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
+import torch
 from returns.result import Result
 from torch import Tensor
 
@@ -141,4 +146,14 @@ class Backend(Protocol):
         self, loaded: LoadedProgram, cache: Sequence[Tensor], inputs: Sequence[Tensor]
     ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
         """One call: `(outputs, new_cache)`. The given `cache` is consumed (see the module docstring)."""
+        ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where the KV cache lives between steps (the host, or the XLA device)."""
+        ...
+
+    def finish(self, tensors: Sequence[Tensor | None]) -> tuple[Tensor | None, ...]:
+        """End a step: run whatever the backend deferred (an XLA execution) and return `tensors`,
+        the step's outputs, on the host."""
         ...

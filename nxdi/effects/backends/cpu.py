@@ -176,6 +176,15 @@ class CpuBackend:
         call = functools.partial(gm.forward, *weights.tensors)
         return Success(LoadedProgram(program=program, call=call, in_place=in_place))
 
+    @property
+    def device(self) -> torch.device:
+        """The host: the runtime's cache lives in host memory."""
+        return torch.device("cpu")
+
+    def finish(self, tensors: Sequence[Tensor | None]) -> tuple[Tensor | None, ...]:
+        """Nothing is deferred: the outputs as they are."""
+        return tuple(tensors)
+
     def run(
         self, loaded: LoadedProgram, cache: Sequence[Tensor], inputs: Sequence[Tensor]
     ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:

@@ -126,6 +126,15 @@ class NeuronBackend:
         neuronx.replace_weights(program.payload, state)
         return Success(LoadedProgram(program=program, call=program.payload, in_place=(False,) * len(sig.cache)))
 
+    @property
+    def device(self) -> torch.device:
+        """The host: the runtime's cache lives in host memory."""
+        return torch.device("cpu")
+
+    def finish(self, tensors: Sequence[Tensor | None]) -> tuple[Tensor | None, ...]:
+        """Nothing is deferred: the outputs as they are."""
+        return tuple(tensors)
+
     def run(
         self, loaded: LoadedProgram, cache: Sequence[Tensor], inputs: Sequence[Tensor]
     ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:

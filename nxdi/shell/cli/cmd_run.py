@@ -4,6 +4,7 @@
              [--input-ids "1 2 3"] [NeuronConfig flags: --batch-size 2 --seq-len 256 ...]
              [--on-device-sampling --do-sample --top-k 50 --top-p 0.9 --temperature 0.7]
              [--max-new-tokens N] [--check-accuracy-mode {skip-accuracy-check,token-matching,logit-matching}]
+             [--backend cpu|xla|neuron]
              [--benchmark]
 
 Prompts are text (encoded with the tokenizer found in --model-path or --tokenizer-path) or
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from nxdi.core import families
+from nxdi.effects.backends import NAMES as BACKENDS
 from nxdi.shell.cli.flags import add_neuron_config_flags, neuron_config_kwargs
 
 ACCURACY_MODES = ("skip-accuracy-check", "token-matching", "logit-matching")
@@ -35,6 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--prompt", action="append", default=[], help="a text prompt (repeat for a batch)")
     p.add_argument("--input-ids", action="append", default=[], help='token ids of one prompt, e.g. "1 5 7"')
     p.add_argument("--skip-compile", action="store_true", help="load an existing compiled model")
+    p.add_argument("--backend", choices=BACKENDS, default=None, help="default: NXDI_BACKEND, else cpu")
     p.add_argument("--on-device-sampling", action="store_true", help="sample inside the compiled model")
     p.add_argument("--do-sample", action="store_true")
     p.add_argument("--dynamic", action="store_true", help="per-row sampling params at run time")
@@ -105,9 +108,9 @@ def _build(args: argparse.Namespace) -> Any:
         )
         t = time.perf_counter()
         print(f"[nxdi run] compiling into {compiled} ...", flush=True)
-        cls(args.model_path, config).compile(compiled)
+        cls(args.model_path, config, backend=args.backend).compile(compiled)
         print(f"[nxdi run] compiled in {time.perf_counter() - t:.1f}s", flush=True)
-    model = cls(compiled)
+    model = cls(compiled, backend=args.backend)
     t = time.perf_counter()
     model.load(compiled)
     print(f"[nxdi run] loaded in {time.perf_counter() - t:.1f}s", flush=True)

@@ -12,6 +12,7 @@ COMMANDS: dict[str, str] = {
     "config": "nxdi.shell.cli.cmd_config",
     "demo": "nxdi.shell.cli.cmd_demo",
     "run": "nxdi.shell.cli.cmd_run",
+    "compile": "nxdi.shell.cli.cmd_compile",
     "plan": "nxdi.shell.cli.cmd_plan",
     "bench": "nxdi.shell.cli.cmd_bench",
 }

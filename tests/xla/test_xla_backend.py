@@ -1,0 +1,153 @@
+"""The xla backend against the CPU engine, on XLA:CPU.
+
+- every family: greedy tokens equal the CPU engine's, and teacher-forced logits within 1e-5 of the
+  largest logit (fp32);
+- bucketing and on-device sampling (greedy and seeded multinomial) give the CPU engine's tokens;
+  a padded batch (cache rows chosen per call) too;
+- XLA compiles each program once at load and nothing while generating, runs no op on the host
+  (no `aten::` fallback counters), and updates every KV-cache buffer in place (aliased);
+- a compiled folder holds each program's HLO module, text and parameter map; `debug=True` and
+  `nxdi compile --dump-hlo` write the HLO text; a folder compiled for xla is refused by the cpu
+  backend with the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch_xla.debug.metrics as met
+
+from nxdi.core.host.logit_validation import max_relative_logit_error
+from nxdi.shell.cli.main import main
+from nxdi.shell.exceptions import ArtifactIntegrityError
+from tests.support.engine_fixtures import FAMILIES, PROMPTS, load_model, nxdi_generate, teacher_forced
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+LOGIT_STEPS = 6
+BUCKETS = {"enable_bucketing": True, "context_encoding_buckets": [16, 64], "token_generation_buckets": [32, 64]}
+
+
+@pytest.fixture
+def xla_model(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> Callable[..., Any]:
+    """`xla_model(variant, **neuron_config)`: compiled for the xla backend into tmp_path, loaded."""
+
+    def make(variant: str, **kwargs: Any) -> Any:
+        return load_model(tiny_checkpoint(variant), variant, workdir=tmp_path, backend="xla", **kwargs)
+
+    return make
+
+
+@pytest.mark.parametrize("variant", [*FAMILIES, "llama3-tied"])
+def test_tokens_and_logits_equal_the_cpu_engine(
+    variant: str, xla_model: Callable[..., Any], loaded_model: Callable[..., Any]
+) -> None:
+    model, cpu = xla_model(variant, batch_size=4), loaded_model(variant, batch_size=4)
+    tokens = nxdi_generate(model, PROMPTS)
+    assert torch.equal(tokens, nxdi_generate(cpu, PROMPTS))
+    ours = teacher_forced(model, PROMPTS, tokens[:, : LOGIT_STEPS - 1])
+    theirs = teacher_forced(cpu, PROMPTS, tokens[:, : LOGIT_STEPS - 1])
+    for row in range(len(PROMPTS)):
+        for step in range(LOGIT_STEPS):
+            err = max_relative_logit_error(theirs[row, step], ours[row, step])
+            assert err <= 1e-5, f"row {row} step {step}: {err}"
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [None, {"top_k": 1}, {"do_sample": True, "top_k": 20, "top_p": 0.9, "temperature": 0.8}],
+    ids=["host-greedy", "device-greedy", "device-sampling"],
+)
+def test_bucketing_and_on_device_sampling_give_the_cpu_engine_tokens(
+    sampling: dict[str, Any] | None, xla_model: Callable[..., Any], loaded_model: Callable[..., Any]
+) -> None:
+    kwargs: dict[str, Any] = {"batch_size": 4, **BUCKETS}
+    if sampling is not None:
+        kwargs["on_device_sampling_config"] = sampling
+    model, cpu = xla_model("qwen2", **kwargs), loaded_model("qwen2", **kwargs)
+    settings = (
+        {"do_sample": True, "top_k": 20, "top_p": 0.9, "temperature": 0.8}
+        if sampling and sampling.get("do_sample")
+        else {}
+    )
+    outputs = []
+    for m in (model, cpu):
+        m.set_seed(7)
+        outputs.append(nxdi_generate(m, PROMPTS, **settings))
+    assert torch.equal(*outputs)
+
+
+def test_a_padded_batch_writes_only_its_rows(xla_model: Callable[..., Any], loaded_model: Callable[..., Any]) -> None:
+    model, cpu = xla_model("mistral", batch_size=4), loaded_model("mistral", batch_size=4)
+    two = [PROMPTS[2], PROMPTS[0]]  # 2 rows of a batch of 4: the rest are padding, writing nowhere
+    assert torch.equal(nxdi_generate(model, two), nxdi_generate(cpu, two))
+    assert torch.equal(nxdi_generate(model, PROMPTS), nxdi_generate(cpu, PROMPTS))
+
+
+def test_each_program_compiles_once_runs_on_the_device_and_updates_the_cache_in_place(
+    xla_model: Callable[..., Any],
+) -> None:
+    met.clear_all()
+    model = xla_model("llama", batch_size=3, **BUCKETS)  # a batch no other test compiles: XLA caches per process
+    programs = len(BUCKETS["context_encoding_buckets"]) + len(BUCKETS["token_generation_buckets"])
+    # one compile per program at load (warm-up), plus the graph that zeroes the cache
+    assert met.counter_value("UncachedCompile") == programs + 1
+    cache_tensors = 2 * model.model_spec.num_layers
+    aliases = [value for _, value in met.metric_data("InputOutputAliasCount")[2]]
+    assert sorted(aliases)[-programs:] == [cache_tensors] * programs  # every step donates every cache buffer
+
+    met.clear_all()
+    tokens = nxdi_generate(model, PROMPTS[:3])  # positions up to 45: both token-generation buckets
+    assert tokens.shape == (3, 32)
+    assert not met.counter_value("UncachedCompile"), "generating compiled again (a shape changed per position)"
+    assert met.counter_value("CachedCompile") >= 32
+    fallbacks = [name for name in met.counter_names() if name.startswith("aten::")]
+    assert fallbacks == [], f"ops ran on the host: {fallbacks}"
+
+
+def test_the_folder_holds_each_program_hlo_module(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    from nxdi.shell.config import NeuronConfig
+    from nxdi.shell.inference_config import load_pretrained_config
+    from nxdi.shell.models import MODEL_TYPES, LlamaInferenceConfig
+
+    path, out = tiny_checkpoint("llama"), tmp_path / "compiled"
+    config = LlamaInferenceConfig(
+        NeuronConfig(seq_len=64, torch_dtype="float32"), load_config=load_pretrained_config(path)
+    )
+    MODEL_TYPES["llama"]["causal-lm"](path, config, backend="xla").compile(out, debug=True)
+    files = sorted((out / "programs").iterdir())
+    assert [f.suffix for f in files] == [".xla", ".xla"]
+    with zipfile.ZipFile(files[0]) as z:
+        assert sorted(z.namelist()) == ["constants.safetensors", "module.hlo.pb", "module.hlo.txt", "parameters.json"]
+        doc = json.loads(z.read("parameters.json"))
+        parameters = doc["parameters"]
+        assert len(z.read("module.hlo.pb")) > 1000 and z.read("module.hlo.txt").startswith(b"HloModule")
+    kinds = {p["kind"] for p in parameters}
+    assert {"weight", "cache", "input"} <= kinds
+    assert any(p["name"] == "layers.0.k" and p["kind"] == "cache" for p in parameters)
+    cache = [i for i, p in enumerate(parameters) if p["kind"] == "cache"]
+    assert sorted(a["parameter"] for a in doc["aliases"]) == cache  # each updated cache reuses its buffer
+    assert sorted(p.name for p in (out / "hlo").iterdir()) == [
+        "context_encoding_64.hlo.txt",
+        "token_generation_64.hlo.txt",
+    ]
+
+    with pytest.raises(ArtifactIntegrityError, match="NXDI_BACKEND=xla"):
+        MODEL_TYPES["llama"]["causal-lm"](out, backend="cpu").load(out)
+
+
+def test_nxdi_compile_dumps_the_hlo(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["compile", "--model-path", str(tiny_checkpoint("qwen3")), "--compiled-model-path", str(tmp_path / "c")]
+    argv += ["--backend", "xla", "--dump-hlo", str(tmp_path / "hlo"), "--seq-len", "64", "--torch-dtype", "float32"]
+    assert main(argv) == 0
+    assert "wrote the HLO text of 2 programs" in capsys.readouterr().out
+    text = (tmp_path / "hlo" / "token_generation_64.hlo.txt").read_text()
+    assert text.startswith("HloModule") and "ENTRY" in text
