@@ -17,7 +17,13 @@ plan, so a rank reads only its slices. From it:
 
 Every program, eager or compiled, is called the same way, with its weights already bound:
 `program(cache, inputs, params, uniforms) -> (logits | None, tokens | None, cache)`. With several
-ranks, these run in every rank process (`nxdi.effects.distributed`), in lockstep.
+ranks, these run in every rank process (`nxdi.effects.distributed`), in lockstep; on the xla and
+neuron backends one process runs them all (`nxdi.effects.distributed.spmd`, from the pieces here:
+`rank_weights`, `bind_programs`, `runtime_for`, `warm_up`). A compiled tensor-parallel program
+takes its rank as an input (`RANK`), so one program serves every rank.
+
+(Over 400 lines: the three paths share the weight reading, flat-step and binding definitions
+here, and splitting them would put one calling convention in several rooms.)
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from nxdi.core.planning import buckets, sharding
 from nxdi.core.planning.partition import Partition, check_partition
 from nxdi.core.planning.rank_weights import rank_plan
 from nxdi.core.programs import catalog, kv_cache
-from nxdi.core.programs.collectives import SINGLE, Collectives
+from nxdi.core.programs.collectives import SINGLE, Collectives, with_rank
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 from nxdi.core.programs.step import StepSpec, example_inputs, step
@@ -53,6 +59,8 @@ from nxdi.effects.distributed import ops
 from nxdi.effects.runtime import Program, Runtime
 
 INPUTS = ("input_ids", "position_ids", "last_index", "sampling_params", "uniforms")
+RANK = "rank"
+"""The extra input of a tensor-parallel program: its rank, a 0-d int64 tensor (one program, every rank)."""
 
 
 def sharded_weights(rank: int) -> str:
@@ -80,6 +88,8 @@ class EngineModel:
     spec: NeuronSpec
     rank: int = 0
     """The tensor-parallel rank this process runs."""
+    lowering: Backend | None = attrs.field(default=None, eq=False)
+    """The backend a program is compiled for, when its collectives lower natively (`collectives`)."""
 
     @property
     def tp(self) -> int:
@@ -100,8 +110,17 @@ class EngineModel:
         return checked.unwrap()
 
     def collectives(self) -> Collectives:
-        """How this rank's programs meet the others (the identity with one rank)."""
-        return SINGLE if self.tp == 1 else ops.collectives(self.tp)
+        """How this rank's programs meet the others (the identity with one rank): the backend's own
+        collectives when it lowers them (XLA), else torch.distributed ops."""
+        if self.tp == 1:
+            return SINGLE
+        native = None if self.lowering is None else self.lowering.collectives(self.tp)
+        return native if native is not None else ops.collectives(self.tp)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The per-step inputs of its compiled programs (the rank too under tensor parallelism)."""
+        return INPUTS if self.tp == 1 else (*INPUTS, RANK)
 
     def weight_plan(self, plan: WeightPlan) -> WeightPlan:
         """This rank's share of the model's weight plan."""
@@ -193,10 +212,12 @@ class _FlatStep:
         m = self.model
         w, c = len(self.names), 2 * m.model.num_layers
         weights = m.program.weights(dict(zip(self.names, flat[:w], strict=True)), spec=m.model)
-        ids, positions, last, params, uniforms = flat[w + c :]
+        ids, positions, last, params, uniforms, *rank = flat[w + c :]
         x = StepInputs(input_ids=ids, position_ids=positions, last_index=last)
         cache = KVCache.from_tensors(flat[w : w + c])
         spec, coll = m.step_spec, m.collectives()
+        if rank:
+            coll = with_rank(coll, rank[0])
         logits, tokens, new = step(m.program.forward, weights, cache, x, params, uniforms, spec=spec, coll=coll)
         return (*(t for t in (logits, tokens) if t is not None), *new.to_tensors())
 
@@ -208,44 +229,56 @@ def _signature(model: EngineModel, names: Sequence[str]) -> Signature:
         outputs: tuple[str, ...] = ("logits",)
     else:
         outputs = ("logits", "tokens") if spec.output_logits else ("tokens",)
-    return Signature(weights=tuple(names), cache=cache, inputs=INPUTS, outputs=outputs)
+    return Signature(weights=tuple(names), cache=cache, inputs=model.inputs, outputs=outputs)
 
 
 def _example(model: EngineModel, weights: Sequence[Tensor], phase: Phase, bucket: int) -> list[Tensor]:
     batch = model.batch(phase)
     x, params, uniforms = example_inputs(batch=batch, tokens=bucket if phase is Phase.CONTEXT else 1)
     cache = model.empty_cache(length=bucket, batch=batch)
-    return [*weights, *cache.to_tensors(), *x.to_tensors(), params, uniforms]
+    rank = [torch.tensor(model.rank)] if model.tp > 1 else []
+    return [*weights, *cache.to_tensors(), *x.to_tensors(), params, uniforms, *rank]
 
 
-def _bound(backend: Backend, loaded: LoadedProgram) -> Program:
-    """A bound backend program in the runtime's calling convention."""
+def _bound(backend: Backend, loaded: LoadedProgram, rank: int) -> Program:
+    """A bound backend program in the runtime's calling convention (fed `rank` when it takes one)."""
     outputs = loaded.program.signature.outputs
+    extra = (torch.tensor(rank),) if RANK in loaded.program.signature.inputs else ()
 
     def call(cache: KVCache, x: StepInputs, params: Tensor, uniforms: Tensor) -> Any:
-        outs, new = backend.run(loaded, cache.to_tensors(), (*x.to_tensors(), params, uniforms))
+        outs, new = backend.run(loaded, cache.to_tensors(), (*x.to_tensors(), params, uniforms, *extra))
         named = dict(zip(outputs, outs, strict=True))
         return named.get("logits"), named.get("tokens"), KVCache.from_tensors(new)
 
     return call
 
 
-def _runtime(
-    model: EngineModel, programs: Mapping[tuple[Phase, int], Program], weights: Any, backend: Backend | None = None
+def runtime_for(
+    model: EngineModel,
+    programs: Mapping[tuple[Phase, int], Program],
+    weights: Any,
+    backend: Backend | None = None,
+    *,
+    cache: KVCache | None = None,
+    lead: int = 0,
 ) -> Runtime:
-    """The runtime of `programs`, its cache on the backend's device (the host when eager)."""
+    """The runtime of `programs`, its cache (default: empty) on the backend's device (the host when
+    eager); `lead` leading rank dims on every cache tensor (see `Runtime`)."""
     ods = model.spec.on_device_sampling_config
+    if cache is None:
+        cache = model.empty_cache(length=model.spec.max_length, device=None if backend is None else backend.device)
     return Runtime(
-        cache=model.empty_cache(length=model.spec.max_length, device=None if backend is None else backend.device),
+        cache=cache,
         programs=programs,
         weights=weights,
         deterministic=ods is not None and ods.deterministic,
         kv_group=model.partition().kv_group,
         finish=None if backend is None else backend.finish,
+        lead=lead,
     )
 
 
-def _warmup(runtime: Runtime, model: EngineModel) -> None:
+def warm_up(runtime: Runtime, model: EngineModel) -> None:
     """Run every program once on example inputs, then clear the cache (first calls allocate)."""
     for phase, bucket in runtime.programs:
         x, params, _ = example_inputs(batch=model.batch(phase), tokens=bucket if phase is Phase.CONTEXT else 1)
@@ -263,7 +296,7 @@ def eager_runtime(model: EngineModel, source: CheckpointSource) -> Result[Runtim
         value = model.program.weights(tensors, spec=model.model)
         program = functools.partial(step, model.program.forward, value, spec=model.step_spec, coll=model.collectives())
         programs = {(phase, b): program for phase, lengths in model.buckets().items() for b in lengths}
-        return _runtime(model, programs, value)
+        return runtime_for(model, programs, value)
 
     return read_weights(model, source).map(build)
 
@@ -301,8 +334,9 @@ def compile_model(
                 return Failure(written.failure())
             files.append(sharded_weights(rank))
     names = model.weight_names(source.plan)
+    model = attrs.evolve(model, lowering=backend)  # its collectives, when it lowers them itself
     signature, flat = _signature(model, names), _FlatStep(model, names)
-    ops.register()  # collectives trace as nxdi:: ops
+    ops.register()  # otherwise collectives trace as nxdi:: ops
 
     def requests(example: Sequence[Tensor]) -> list[ProgramRequest]:
         return [
@@ -324,8 +358,9 @@ def compile_model(
     )
 
 
-def _weights(root: Path, model: EngineModel, source: CheckpointSource) -> Result[dict[str, Tensor], Any]:
-    """This rank's shard file in the folder, else its slices of the original checkpoint."""
+def rank_weights(root: Path, model: EngineModel, source: CheckpointSource) -> Result[dict[str, Tensor], Any]:
+    """This rank's weights for the compiled folder `root`: its shard file there, else its slices of
+    the original checkpoint (an ArtifactError when neither exists)."""
     shard = root / sharded_weights(model.rank)
     if shard.is_file():
         with checkpoint.open_checkpoint(shard) as ckpt:
@@ -346,19 +381,26 @@ def _weights(root: Path, model: EngineModel, source: CheckpointSource) -> Result
     return read_weights(model, source)
 
 
-def _bind(
+def bind_programs(
     backend: Backend,
     programs: Mapping[tuple[Phase, int], Any],
+    rank: int,
     names: Sequence[str],
     tensors: Mapping[str, Tensor],
 ) -> Result[dict[tuple[Phase, int], Program], CheckpointError]:
+    """Every compiled program bound to the weights `tensors` (by signature name) for `rank`.
+
+    Returns:
+        The runtime's programs by (phase, bucket), or a CheckpointError listing every weight that
+        does not fit a program (prefixed with the program's name).
+    """
     weight_set = WeightSet(tensors=tuple(tensors[n] for n in names))
     bound: dict[tuple[Phase, int], Program] = {}
     problems: list[Problem] = []
     for key, compiled in programs.items():
         match backend.bind(compiled, weight_set):
             case Success(loaded):
-                bound[key] = _bound(backend, loaded)
+                bound[key] = _bound(backend, loaded, rank)
             case Failure(err):
                 problems.extend(p.prefixed(compiled.name) for p in err.problems)
     return Failure(CheckpointError(problems=tuple(problems))) if problems else Success(bound)
@@ -388,15 +430,15 @@ def load_model(
     loaded: Result[Runtime, ArtifactError | CheckpointError] = artifacts.load_programs(
         folder, backend, graph_key=graph_key
     ).bind(
-        lambda programs: _weights(folder, model, source).bind(
-            lambda tensors: _bind(backend, programs, names, tensors).map(
-                lambda bound: _runtime(model, bound, model.program.weights(tensors, spec=model.model), backend)
+        lambda programs: rank_weights(folder, model, source).bind(
+            lambda tensors: bind_programs(backend, programs, model.rank, names, tensors).map(
+                lambda bound: runtime_for(model, bound, model.program.weights(tensors, spec=model.model), backend)
             )
         )
     )
     match loaded:
         case Success(runtime) if warmup:
-            _warmup(runtime, model)
+            warm_up(runtime, model)
     return loaded
 
 

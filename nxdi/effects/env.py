@@ -57,6 +57,11 @@ class Env:
     """Variables that were set but could not be understood (the shell warns)."""
 
 
+def child_environment(extra: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a process nxdi starts: this process's, with `extra` set on top."""
+    return {**os.environ, **extra}
+
+
 def _int(environ: Mapping[str, str], name: str, problems: list[str]) -> int | None:
     raw = environ.get(name)
     if raw is None or raw.strip() == "":

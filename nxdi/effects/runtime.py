@@ -10,6 +10,7 @@ long as they keep one calling convention, with their weights already bound (see 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -79,6 +80,7 @@ class Runtime:
         deterministic: bool = False,
         kv_group: int = 1,
         finish: Callable[[Sequence[Tensor | None]], tuple[Tensor | None, ...]] | None = None,
+        lead: int = 0,
     ) -> None:
         self.weights = weights
         """The program's weights value the programs were built from (for inspection; a compiled
@@ -89,12 +91,19 @@ class Runtime:
         self.kv_group = kv_group
         """With flash decoding, the ranks sharing a KV head: a bucket of T positions is the first
         ceil(T / kv_group) cache slots of this rank."""
+        self.lead = lead
+        """Leading dims of every cache tensor before its rows (1 when one process holds every
+        rank's cache, `[ranks, R, K, T, D]`: tensor parallelism on XLA)."""
         self.finish = finish or tuple
         """Ends a step (the backend's `finish`): runs deferred work, returns the outputs on the host."""
         self.device = cache.k[0].device
         """Where the cache lives: the host, or a backend's device (XLA), where every step must
         keep static shapes, so cache rows are chosen without reading `rows` on the host."""
-        self.finish(())  # a deferring backend materializes the fresh cache now, not inside the first step
+        if self.device.type != "cpu":
+            # A deferring backend materializes the fresh cache now, not inside the first step, and
+            # as what every later reset makes of it: SPMD XLA compiles a step again for a cache
+            # that comes from another graph, so warm-up would otherwise not cover generation.
+            self.reset_cache()
 
     def buckets(self, phase: Phase) -> tuple[int, ...]:
         """The buckets compiled for `phase`, ascending."""
@@ -104,11 +113,20 @@ class Runtime:
         """Restart the sampling random stream (same seed, same draws)."""
         self.random.set_seed(seed)
 
+    def _mode(self) -> Any:
+        """The autograd mode of cache work: none on the host; on a device, plain no-grad even under
+        the caller's `torch.inference_mode()`, since the device cache was made outside it (XLA
+        cannot take views of a normal tensor in inference mode)."""
+        if self.device.type == "cpu":
+            return contextlib.nullcontext()
+        return _NoGradOutsideInference()
+
     def reset_cache(self) -> None:
         """Zero every key and value (NxDI's reset_kv_cache)."""
-        for t in (*self.cache.k, *self.cache.v):
-            t.zero_()
-        self.finish(())
+        with self._mode():
+            for t in (*self.cache.k, *self.cache.v):
+                t.zero_()
+            self.finish(())
 
     def close(self) -> None:
         """Nothing to stop: the programs run in this process."""
@@ -138,10 +156,11 @@ class Runtime:
             logits [B, 1, V] fp32 or None, tokens [B] or None.
         """
         draws = self.random.draw(x.input_ids.shape[0]) if uniforms is None else uniforms
-        logits, tokens = self._step(self.programs[(phase, bucket)], bucket, x, rows, params, draws)
-        # Nothing else of the step is referenced any more, so finishing it (an XLA execution)
-        # computes only the outputs and the cache, whose buffers it then updates in place.
-        logits, tokens = self.finish((logits, tokens))
+        with self._mode():
+            logits, tokens = self._step(self.programs[(phase, bucket)], bucket, x, rows, params, draws)
+            # Nothing else of the step is referenced any more, so finishing it (an XLA execution)
+            # computes only the outputs and the cache, whose buffers it then updates in place.
+            logits, tokens = self.finish((logits, tokens))
         return logits, tokens
 
     def _step(
@@ -155,15 +174,15 @@ class Runtime:
 
     def _view(self, bucket: int, rows: Tensor | None, batch: int) -> KVCache:
         bucket = -(-bucket // self.kv_group)
+        ranks = (slice(None),) * self.lead
         if rows is None:
-            return KVCache(
-                k=tuple(t[:batch, :, :bucket] for t in self.cache.k),
-                v=tuple(t[:batch, :, :bucket] for t in self.cache.v),
-            )
+            at = (*ranks, slice(None, batch), slice(None), slice(None, bucket))
+            return KVCache(k=tuple(t[at] for t in self.cache.k), v=tuple(t[at] for t in self.cache.v))
         read = rows.clamp(min=0)  # padding rows (-1) read row 0; their results are discarded
+        at = (*ranks, slice(None), slice(None), slice(None, bucket))
         return KVCache(
-            k=tuple(t.index_select(0, read)[:, :, :bucket] for t in self.cache.k),
-            v=tuple(t.index_select(0, read)[:, :, :bucket] for t in self.cache.v),
+            k=tuple(t.index_select(self.lead, read)[at] for t in self.cache.k),
+            v=tuple(t.index_select(self.lead, read)[at] for t in self.cache.v),
         )
 
     def _write_back(self, updated: KVCache, bucket: int, rows: Tensor | None) -> None:
@@ -172,7 +191,7 @@ class Runtime:
             if self.device.type == "cpu" and part.data_ptr() == full.data_ptr():
                 continue  # the program wrote the runtime's tensor in place
             if self.device.type != "cpu":
-                full.copy_(_updated(full, part, bucket, rows))
+                full.copy_(_updated(full, part, bucket, rows, self.lead))
             elif rows is None:
                 full[: part.shape[0], :, :bucket].copy_(part)
             else:
@@ -180,21 +199,35 @@ class Runtime:
                 full[:, :, :bucket].index_copy_(0, rows[real], part[real].to(full.dtype))
 
 
-def _updated(full: Tensor, part: Tensor, bucket: int, rows: Tensor | None) -> Tensor:
-    """`full` [R, K, T, D] with the view `part` written back, as a whole new tensor: a deferring
-    backend (XLA) donates the cache buffer to a step only when the whole tensor is overwritten, not
-    a slice of it, and must not read `rows` on the host."""
+def _updated(full: Tensor, part: Tensor, bucket: int, rows: Tensor | None, lead: int) -> Tensor:
+    """`full` [*ranks, R, K, T, D] (`lead` rank dims) with the view `part` written back, as a whole
+    new tensor: a deferring backend (XLA) donates the cache buffer to a step only when the whole
+    tensor is overwritten, not a slice of it, and must not read `rows` on the host."""
     part = part.to(full.dtype)
+    row, slot = lead, lead + 2
     if rows is None:
-        b = part.shape[0]
-        return full.slice_scatter(full[:b].slice_scatter(part, dim=2, start=0, end=bucket), dim=0, start=0, end=b)
-    return full.slice_scatter(_blend_rows(full[:, :, :bucket], part, rows), dim=2, start=0, end=bucket)
+        b = part.shape[row]
+        inner = full.narrow(row, 0, b).slice_scatter(part, dim=slot, start=0, end=bucket)
+        return full.slice_scatter(inner, dim=row, start=0, end=b)
+    blended = _blend_rows(full.narrow(slot, 0, bucket), part, rows, row)
+    return full.slice_scatter(blended, dim=slot, start=0, end=bucket)
 
 
-def _blend_rows(full: Tensor, part: Tensor, rows: Tensor) -> Tensor:
-    """`full` [R, ...] with row `rows[j]` replaced by `part[j]` for every real row (-1: padding),
-    in static shapes: which part row lands where is a one-hot match, not a host-side index."""
-    match = rows[None, :] == torch.arange(full.shape[0], device=rows.device)[:, None]  # [R, B]
+def _blend_rows(full: Tensor, part: Tensor, rows: Tensor, dim: int) -> Tensor:
+    """`full` with row `rows[j]` (along `dim`) replaced by `part`'s row j for every real row (-1:
+    padding), in static shapes: which part row lands where is a one-hot match, not a host index."""
+    match = rows[None, :] == torch.arange(full.shape[dim], device=rows.device)[:, None]  # [R, B]
     source = (match.long() * torch.arange(rows.shape[0], device=rows.device)[None, :]).sum(1)  # [R]
-    taken = match.any(1).view(-1, *([1] * (full.dim() - 1)))
-    return torch.where(taken, part.index_select(0, source), full)
+    shape = [1] * full.dim()
+    shape[dim] = full.shape[dim]
+    return torch.where(match.any(1).view(shape), part.index_select(dim, source), full)
+
+
+class _NoGradOutsideInference(contextlib.ExitStack):
+    """`torch.inference_mode(False)` and `torch.no_grad()` together."""
+
+    def __enter__(self) -> _NoGradOutsideInference:
+        super().__enter__()
+        self.enter_context(torch.inference_mode(False))
+        self.enter_context(torch.no_grad())
+        return self

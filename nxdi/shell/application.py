@@ -227,9 +227,14 @@ class NeuronApplicationBase:
         rank 0 compiles while the other ranks wait. With `debug=True` the xla backend also writes
         each program's HLO text to `hlo/<program>.hlo.txt` in the folder; other backends keep no
         HLO, and warn.
+
+        Raises:
+            IncompatibleConfigError: the rank settings contradict how the process was started, or
+                the xla or neuron backend (one process for every rank) is asked for under torchrun.
         """
         root = Path(compiled_model_path)
         env = env_mod.read_env()
+        unwrap(launch.check_placement(self._engine_model(), env, self._backend()))
 
         def write() -> Any:
             self.config.save(root)

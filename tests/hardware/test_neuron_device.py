@@ -1,4 +1,5 @@
-"""Neuron device: the Neuron stack imports, exposes its XLA device, and computes what the CPU computes.
+"""Neuron device: the Neuron stack imports, exposes its XLA device, and computes what the CPU computes;
+the neuron backend's NEFFs (the HLO the XLA tier verifies) generate the CPU engine's tokens.
 
 Needs a Neuron instance (trn1/trn2/inf2) with the `neuron` extra installed; skipped elsewhere.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+from typing import Any
 
 import pytest
 import torch
@@ -42,3 +44,26 @@ def test_a_matmul_on_the_device_matches_the_cpu() -> None:
     got = (a.to(device) @ b.to(device)).cpu()
     # Neuron matmuls may run fp32 through bf16 by default (auto-cast); the tolerance covers that.
     torch.testing.assert_close(got, a @ b, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_hlo_to_neff_gives_the_cpu_engine_tokens(
+    tp: int,
+    tiny_checkpoint: Any,
+    loaded_model: Any,
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """compile() hands neuronx-cc the HLO the XLA tier verifies; load() runs the NEFF's module on
+    NeuronCores (tp 2: SPMD over two cores). fp32 without auto-cast, so greedy tokens must agree."""
+    from nxdi.shell.application import NeuronApplicationBase
+    from tests.support.engine_fixtures import PROMPTS, load_model, nxdi_generate
+
+    monkeypatch.setattr(NeuronApplicationBase, "get_compiler_args", lambda self: "--auto-cast=none")
+    model = load_model(
+        tiny_checkpoint("llama"), "llama", workdir=tmp_path, backend="neuron", tp_degree=tp, batch_size=4
+    )
+    try:
+        assert torch.equal(nxdi_generate(model, PROMPTS), nxdi_generate(loaded_model("llama", batch_size=4), PROMPTS))
+    finally:
+        model.close()

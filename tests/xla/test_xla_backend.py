@@ -90,6 +90,13 @@ def test_a_padded_batch_writes_only_its_rows(xla_model: Callable[..., Any], load
     assert torch.equal(nxdi_generate(model, PROMPTS), nxdi_generate(cpu, PROMPTS))
 
 
+def test_generation_under_inference_mode(xla_model: Callable[..., Any], loaded_model: Callable[..., Any]) -> None:
+    """Callers often generate under `torch.inference_mode()`; the device cache was made outside it."""
+    model, cpu = xla_model("llama", batch_size=4), loaded_model("llama", batch_size=4)
+    with torch.inference_mode():
+        assert torch.equal(nxdi_generate(model, PROMPTS), nxdi_generate(cpu, PROMPTS))
+
+
 def test_each_program_compiles_once_runs_on_the_device_and_updates_the_cache_in_place(
     xla_model: Callable[..., Any],
 ) -> None:

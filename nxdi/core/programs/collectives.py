@@ -11,6 +11,9 @@ Semantics (world = number of ranks, rank r):
 - `reduce_scatter(x, dim)`: chunk r (along `dim`, `world` equal chunks) of the sum of every rank's x.
 - `scatter(x, dim)`: chunk r of this rank's own x (no communication; the inverse of all_gather).
 - `rank()`: r as a 0-d int64 tensor (for arithmetic that depends on the rank, never for shapes).
+
+A compiled program takes its rank as an input tensor (one program serves every rank): `with_rank`
+binds the collectives to it.
 """
 
 from __future__ import annotations
@@ -51,3 +54,17 @@ SINGLE = Collectives(
     rank=_rank_zero,
 )
 """One rank: every collective is the identity (the programs of tp_degree 1)."""
+
+
+def take_chunk(x: Tensor, dim: int, world: int, rank: Tensor) -> Tensor:
+    """Chunk `rank` of `world` equal chunks of x along `dim`, chosen by a tensor (static shapes)."""
+    size = x.shape[dim] // world
+    return x.index_select(dim, torch.arange(size, device=x.device) + rank.to(x.device) * size)
+
+
+def with_rank(coll: Collectives, rank: Tensor) -> Collectives:
+    """`coll` whose rank is the 0-d tensor `rank` (a program input), and whose `scatter` takes this
+    rank's chunk by it."""
+    return dataclasses.replace(
+        coll, rank=lambda: rank, scatter=lambda x, dim: take_chunk(x, dim % x.dim(), coll.world, rank)
+    )

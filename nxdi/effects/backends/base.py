@@ -37,6 +37,7 @@ from returns.result import Result
 from torch import Tensor
 
 from nxdi.core.errors import CheckpointError
+from nxdi.core.programs.collectives import Collectives
 
 FlatProgram = Callable[..., tuple[Tensor, ...]]
 """`fn(*weights, *cache, *inputs) -> (*outputs, *new_cache)`, a pure function of tensors."""
@@ -146,6 +147,11 @@ class Backend(Protocol):
         self, loaded: LoadedProgram, cache: Sequence[Tensor], inputs: Sequence[Tensor]
     ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
         """One call: `(outputs, new_cache)`. The given `cache` is consumed (see the module docstring)."""
+        ...
+
+    def collectives(self, world: int) -> Collectives | None:
+        """The collectives a tensor-parallel program is lowered with, when this backend lowers its
+        own (XLA: HLO collectives); None: the torch.distributed ops of `nxdi.effects.distributed`."""
         ...
 
     @property

@@ -176,6 +176,10 @@ class CpuBackend:
         call = functools.partial(gm.forward, *weights.tensors)
         return Success(LoadedProgram(program=program, call=call, in_place=in_place))
 
+    def collectives(self, world: int) -> None:
+        """The programs call torch.distributed ops (`nxdi.effects.distributed.ops`)."""
+        return None
+
     @property
     def device(self) -> torch.device:
         """The host: the runtime's cache lives in host memory."""

@@ -15,7 +15,7 @@ shape that depends on data) and compute what the CPU engine computes.
 - A saved program (`.xla`) is a zip: `module.hlo.pb` (the HloModuleProto, what neuronx-cc
   consumes), `module.hlo.txt` (the same, readable), `parameters.json` (the parameter map, with
   every parameter's shape and dtype, and which result aliases which cache parameter) and
-  `constants.safetensors`.
+  `constants.safetensors` (and, compiled by the neuron backend, `model.neff`).
 - `bind` moves the weights to the XLA device once per weight set and checks them against the
   parameter map (every mismatch listed). `run` calls the module on the device and returns lazy
   results; the runtime writes the cache back into its device tensors and then `finish`es the step:
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 import json
 import zipfile
 from collections.abc import Sequence
@@ -42,6 +43,7 @@ from safetensors.torch import save as save_safetensors
 from torch import Tensor
 
 from nxdi.core.errors import CheckpointError, Problem
+from nxdi.core.programs.collectives import Collectives
 from nxdi.effects.backends.base import CompiledProgram, FlatProgram, LoadedProgram, Signature, WeightSet
 
 FORMAT = 1
@@ -58,6 +60,7 @@ MODULE = "module.hlo.pb"
 TEXT = "module.hlo.txt"
 PARAMETERS = "parameters.json"
 CONSTANTS = "constants.safetensors"
+NEFF = "model.neff"
 
 
 class XlaUnavailableError(ImportError):
@@ -104,6 +107,8 @@ class HloProgram:
     parameters: tuple[Parameter, ...]
     """In HLO parameter order."""
     constants: tuple[Tensor, ...]
+    neff: bytes | None = None
+    """What neuronx-cc made of the module (the neuron backend), saved beside it."""
 
     def aliases(self, signature: Signature) -> list[dict[str, Any]]:
         """Which result may reuse which parameter's buffer: the updated cache, its cache tensor (what
@@ -142,11 +147,18 @@ def lower(fn: FlatProgram, signature: Signature, example: Sequence[Tensor]) -> H
         XlaUnavailableError: torch-xla is not installed.
         RuntimeError: the program needs a tensor's value on the host (it cannot be lowered whole).
     """
-    _, builder, xlac = _xla()
+    torch_xla, builder, xlac = _xla()
     placeholders = [builder.create_placeholder_tensor(tuple(t.shape), t.dtype) for t in example]
-    outputs = fn(*placeholders)
-    context = xlac.lowering.LoweringContext("nxdi")
-    context.build(list(outputs))
+    # Collectives chain through the device's token; restore it after lowering, so that no later
+    # graph depends on this program's placeholders (executing those would crash).
+    device = str(torch_xla.device())
+    token = xlac._get_all_reduce_token(device)
+    try:
+        outputs = fn(*placeholders)
+        context = xlac.lowering.LoweringContext("nxdi")
+        context.build(list(outputs))
+    finally:
+        xlac._set_all_reduce_token(device, token)
     by_id = {context.tensor_parameter_id(p): i for i, p in enumerate(placeholders)}
     everything = context.device_parameter_id_tensor_mapping()
     parameters, constants = [], []
@@ -163,6 +175,41 @@ def lower(fn: FlatProgram, signature: Signature, example: Sequence[Tensor]) -> H
     module = context.hlo()
     text = builder.get_computation_hlo(builder.computation_from_module_proto("xla::nxdi_text", module))
     return HloProgram(module=module, text=text, parameters=tuple(parameters), constants=tuple(constants))
+
+
+def collectives(world: int) -> Collectives:
+    """The collectives of a rank's program lowered to HLO: cross-partition all-gathers and
+    reduce-scatters over every partition (global device ids, one channel per collective, as SPMD
+    execution needs; `xla_spmd` runs them). An all-reduce is an all-gather and a sum in rank order,
+    so every rank computes the same bits. The rank and `scatter` come from the program's rank
+    input (`collectives.with_rank`).
+    """
+    xm = _import("torch_xla.core.xla_model")
+    groups = [list(range(world))]
+    channels = itertools.count(1)
+
+    def all_gather(x: Tensor, dim: int) -> Tensor:
+        dim = dim % x.dim()
+        kw = {"groups": groups, "pin_layout": False, "channel_id": next(channels), "use_global_device_ids": True}
+        gathered: Tensor = xm.all_gather(x, dim=dim, **kw)
+        return gathered
+
+    def reduce_scatter(x: Tensor, dim: int) -> Tensor:
+        kw = {"groups": groups, "pin_layout": False, "channel_id": next(channels), "use_global_device_ids": True}
+        out: Tensor = xm.reduce_scatter(xm.REDUCE_SUM, x, 1.0, dim % x.dim(), world, **kw)
+        return out
+
+    def needs_rank(*_: object) -> Tensor:
+        raise RuntimeError("a tensor-parallel program takes its rank as an input: bind it with collectives.with_rank")
+
+    return Collectives(
+        world=world,
+        all_reduce=lambda x: all_gather(x[None], 0).sum(0),
+        all_gather=all_gather,
+        reduce_scatter=reduce_scatter,
+        scatter=needs_rank,
+        rank=needs_rank,
+    )
 
 
 def _weight_problems(program: HloProgram, signature: Signature, weights: Sequence[Tensor]) -> list[Problem]:
@@ -220,6 +267,8 @@ class XlaBackend:
             z.writestr(TEXT, hlo.text)
             z.writestr(PARAMETERS, json.dumps(hlo.to_json(program.signature), indent=1))
             z.writestr(CONSTANTS, save_safetensors(constants))
+            if hlo.neff is not None:
+                z.writestr(NEFF, hlo.neff)
 
     def load(self, path: Path, signature: Signature, *, name: str) -> CompiledProgram:
         """Read a program written by `save` (no lowering again).
@@ -232,6 +281,7 @@ class XlaBackend:
                 module, text = z.read(MODULE), z.read(TEXT).decode()
                 raw = json.loads(z.read(PARAMETERS))
                 stored = load_safetensors(z.read(CONSTANTS))
+                neff = z.read(NEFF) if NEFF in z.namelist() else None
         except (zipfile.BadZipFile, KeyError, TypeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: not a saved XLA program ({e})") from e
         parameters = tuple(
@@ -239,7 +289,7 @@ class XlaBackend:
             for p in raw["parameters"]
         )
         constants = tuple(stored[f"constant{i}"] for i in range(len(stored)))
-        hlo = HloProgram(module=module, text=text, parameters=parameters, constants=constants)
+        hlo = HloProgram(module=module, text=text, parameters=parameters, constants=constants, neff=neff)
         return CompiledProgram(name=name, signature=signature, backend=self.name, payload=hlo)
 
     def bind(self, program: CompiledProgram, weights: WeightSet) -> Result[LoadedProgram, CheckpointError]:
@@ -275,6 +325,10 @@ class XlaBackend:
         flat = loaded.call(*cache, *inputs)
         n = len(loaded.program.signature.outputs)
         return tuple(flat[:n]), tuple(flat[n:])
+
+    def collectives(self, world: int) -> Collectives:
+        """HLO collectives among `world` partitions (see `collectives`)."""
+        return collectives(world)
 
     def finish(self, tensors: Sequence[Tensor | None]) -> tuple[Tensor | None, ...]:
         """Execute the step (everything pending on the device, cache updates included) and bring

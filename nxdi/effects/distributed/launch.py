@@ -10,6 +10,9 @@ in rank processes this process starts and drives. Effects: joins process groups,
 - Otherwise this process is the driver: it starts tp_degree rank processes on this host
   (`nxdi.effects.distributed.ranks`) and forwards every step to them; the node must then run every
   rank (start_rank_id 0, local_ranks_size tp_degree).
+- A folder compiled by the xla or neuron backend at tp_degree > 1 runs in one process the driver
+  starts, SPMD over one XLA device per rank (virtual CPU devices on XLA:CPU, NeuronCores on
+  Neuron; `nxdi.effects.distributed.spmd`); not under torchrun.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from nxdi.effects import engine
 from nxdi.effects.backends.base import Backend
 from nxdi.effects.distributed import protocol, ranks
 from nxdi.effects.distributed.errors import RankError
-from nxdi.effects.env import Env, Torchrun
+from nxdi.effects.env import Env, Torchrun, child_environment
 
 T = TypeVar("T")
 
@@ -41,10 +44,20 @@ def _torchrun(model: engine.EngineModel, env: Env) -> Torchrun | None:
     return env.torchrun if model.tp > 1 else None
 
 
-def _placement_problems(model: engine.EngineModel, env: Env) -> list[Problem]:
+def runs_spmd(model: engine.EngineModel, backend: Backend | None) -> bool:
+    """Whether `model`'s ranks run in one process, SPMD over XLA devices (the xla and neuron
+    backends, tp > 1)."""
+    return backend is not None and backend.name in ("xla", "neuron") and model.tp > 1
+
+
+def _placement_problems(model: engine.EngineModel, env: Env, backend: Backend | None) -> list[Problem]:
     spec, run = model.spec, _torchrun(model, env)
     first, count = spec.start_rank_id, spec.local_ranks_size
     last = first + count - 1
+    if run is not None and runs_spmd(model, backend):
+        why = "runs tensor parallelism in one process over one XLA device per rank, not as torchrun ranks"
+        fix = "start one process without torchrun, or use the cpu backend under torchrun"
+        return [Problem.of("NXDI_BACKEND", backend.name if backend else "", why, fix)]
     if run is None:
         if (first, count) != (0, spec.tp_degree):
             why = f"with local_ranks_size={count} names ranks {first}..{last} of {spec.tp_degree}, but without torchrun this host runs every rank"
@@ -64,10 +77,12 @@ def _placement_problems(model: engine.EngineModel, env: Env) -> list[Problem]:
     return problems
 
 
-def check_placement(model: engine.EngineModel, env: Env) -> Result[engine.EngineModel, ConfigError]:
+def check_placement(
+    model: engine.EngineModel, env: Env, backend: Backend | None = None
+) -> Result[engine.EngineModel, ConfigError]:
     """`model` placed on this process's rank (under torchrun), or as is; a Failure when the rank
-    settings contradict how the process was started."""
-    problems = _placement_problems(model, env)
+    settings contradict how the process was started (or `backend` cannot run it that way)."""
+    problems = _placement_problems(model, env, backend)
     if problems:
         return Failure(ConfigError(problems=tuple(problems)))
     run = _torchrun(model, env)
@@ -145,8 +160,9 @@ def open_runtime(
     Raises:
         RankError: a rank process died, hung or failed unexpectedly.
     """
-    placed = check_placement(model, env)
+    placed = check_placement(model, env, None if root is None else backend)
     run = _torchrun(model, env)
+    spmd = root is not None and runs_spmd(model, backend)
     if isinstance(placed, Failure) or model.tp == 1 or run is not None:
         if run is not None and isinstance(placed, Success):
             join(run, timeout=env.rank_timeout or ranks.STEP_TIMEOUT)
@@ -154,7 +170,7 @@ def open_runtime(
             lambda here: _here(here, source, root=root, backend=backend, graph_key=graph_key, warmup=warmup)
         )
     build = protocol.Build(
-        kind="eager" if root is None else "compiled",
+        kind="eager" if root is None else "spmd" if spmd else "compiled",
         model=model.model,
         spec=model.spec,
         source=source,
@@ -169,7 +185,17 @@ def open_runtime(
         threads=env.num_threads,
         timeout=env.rank_timeout,
         host_kib=env.host_collectives_kib,
+        # XLA on the host CPU, with a device per rank (set before the process first uses torch-xla)
+        environment=_spmd_environment(model, backend) if spmd else None,
     )
+
+
+def _spmd_environment(model: engine.EngineModel, backend: Backend | None) -> dict[str, str] | None:
+    """The rank process's environment: on XLA:CPU a virtual device per rank (set before the process
+    first uses torch-xla); on Neuron the NeuronCores the runtime gives it."""
+    if backend is not None and backend.name == "xla":
+        return child_environment({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(model.tp)})
+    return None
 
 
 def _here(

@@ -5,7 +5,8 @@ The driver (the user's process) sends every rank the same request, in the same o
 answers with a `Reply`. Requests and replies are frozen values pickled whole (tensors included)
 and framed by `multiprocessing.connection` over the rank process's stdin and stdout.
 
-- `Build`: make this rank's runtime, eagerly (`to_cpu`) or from a compiled folder (`load`).
+- `Build`: make this rank's runtime, eagerly (`to_cpu`) or from a compiled folder (`load`); or,
+  kind "spmd", every rank's runtime in the one process (the xla backend, `distributed.spmd`).
 - `Run`: one step of a sub-model and bucket; every rank runs it, rank 0 returns the outputs.
 - `ResetCache`, `Close`.
 - `Probe`: the rank's counters (collective calls and time, memory), for benchmarks.
@@ -32,13 +33,13 @@ from nxdi.effects.backends.base import Backend
 class Build:
     """Make this rank's runtime."""
 
-    kind: Literal["eager", "compiled"]
+    kind: Literal["eager", "compiled", "spmd"]
     model: ModelSpec
     spec: NeuronSpec
     source: Any
     """The `nxdi.effects.engine.CheckpointSource` of the weights."""
     root: str | None = None
-    """The compiled-model folder (kind "compiled")."""
+    """The compiled-model folder (kinds "compiled" and "spmd")."""
     backend: Backend | None = None
     """The backend that compiled the folder (kind "compiled")."""
     graph_key: str = ""

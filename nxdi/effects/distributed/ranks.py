@@ -15,6 +15,7 @@ Theory of operation:
 - `start(...)` builds a model's runtime in every rank and returns a `RemoteRuntime`: the Runtime
   calls the shell makes (run a step, reset the cache, reseed), forwarded to every rank. The driver
   draws the sampling randomness once, so every rank samples alike, and gets the outputs from rank 0.
+  A Build of kind "spmd" (the xla backend) starts one process that runs every rank itself.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Mapping
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -85,14 +87,20 @@ class RankGroup:
     """
 
     def __init__(
-        self, world: int, *, threads: int | None = None, timeout: int | None = None, host_kib: int = HOST_KIB
+        self,
+        world: int,
+        *,
+        threads: int | None = None,
+        timeout: int | None = None,
+        host_kib: int = HOST_KIB,
+        environment: Mapping[str, str] | None = None,
     ) -> None:
         self.world = world
         self.timeout = STEP_TIMEOUT if timeout is None else timeout
         self.logs = Path(tempfile.mkdtemp(prefix="nxdi-ranks-"))
         per_rank = threads or max(1, torch.get_num_threads() // world)
         port = _free_port()
-        host = host_world.HostPlan(world, host_world.slot_bytes_for(host_kib)) if host_kib > 0 else None
+        host = host_world.HostPlan(world, host_world.slot_bytes_for(host_kib)) if host_kib > 0 and world > 1 else None
         self.procs: list[subprocess.Popen[bytes]] = []
         self.writers: list[Connection] = []
         self.readers: list[Connection] = []
@@ -110,6 +118,7 @@ class RankGroup:
                     stdout=subprocess.PIPE,
                     stderr=log,
                     pass_fds=host.fds(rank) if host is not None else (),
+                    env=None if environment is None else dict(environment),
                 )
             assert proc.stdin is not None and proc.stdout is not None
             self.writers.append(Connection(os.dup(proc.stdin.fileno()), readable=False))
@@ -265,8 +274,10 @@ def start(
     threads: int | None = None,
     timeout: int | None = None,
     host_kib: int | None = None,
+    environment: Mapping[str, str] | None = None,
 ) -> Result[RemoteRuntime, Any]:
-    """Start `build.spec.tp_degree` rank processes and build the model's runtime in each.
+    """Start `build.spec.tp_degree` rank processes (one for a Build of kind "spmd", which runs
+    every rank) in `environment` (default: this process's) and build the model's runtime in each.
 
     Returns:
         The remote runtime, or the expected failure a rank reported (a ConfigError, CheckpointError
@@ -276,7 +287,8 @@ def start(
         RankError: a rank died, hung, or failed unexpectedly while starting.
     """
     kib = HOST_KIB if host_kib is None else host_kib
-    group = RankGroup(build.spec.tp_degree, threads=threads, timeout=timeout, host_kib=kib)
+    world = 1 if build.kind == "spmd" else build.spec.tp_degree
+    group = RankGroup(world, threads=threads, timeout=timeout, host_kib=kib, environment=environment)
     replies = group.call(build, timeout=START_TIMEOUT)
     error = _unexpected(group, replies)
     if error is not None:

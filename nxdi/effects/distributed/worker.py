@@ -31,7 +31,7 @@ from nxdi.core import families
 from nxdi.core.programs import catalog
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.effects import engine, memory
-from nxdi.effects.distributed import ops, protocol
+from nxdi.effects.distributed import ops, protocol, spmd
 from nxdi.effects.distributed.host_world import HostWorld, HostWorldSpec
 from nxdi.effects.distributed.protocol import RankProbe
 from nxdi.effects.runtime import Runtime
@@ -108,6 +108,16 @@ class _Rank:
         with memory.PeakSampler() as sampler:
             if request.kind == "eager":
                 built: Any = engine.eager_runtime(setup, request.source)
+            elif request.kind == "spmd":
+                assert request.root is not None and request.backend is not None
+                built = spmd.load_spmd(
+                    request.root,
+                    setup,
+                    request.source,
+                    backend=request.backend,  # type: ignore[arg-type]  # launch.runs_spmd chose it
+                    graph_key=request.graph_key,
+                    warmup=request.warmup,
+                )
             else:
                 assert request.root is not None and request.backend is not None
                 built = engine.load_model(

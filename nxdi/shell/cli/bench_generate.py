@@ -1,8 +1,8 @@
 """`nxdi bench generate`: time to first token, time per output token and throughput, vs transformers.
 
     nxdi bench generate [--shape small|tiny | --model-path DIR] [--dtype bfloat16] [--batch-size 1 4]
-                        [--tp-degree 1 2] [--prompt-len 128] [--new-tokens 128] [--repeat 3] [--threads 2]
-                        [--compare-hf]
+                        [--tp-degree 1 2] [--backend cpu xla] [--prompt-len 128] [--new-tokens 128]
+                        [--repeat 3] [--threads 2] [--compare-hf]
 
 Method (the same for both sides, measured in one process, alternating runs, so machine noise
 hits both): greedy decoding of exactly `--new-tokens` tokens (EOS never stops it) from a random
@@ -18,6 +18,11 @@ Ratios are transformers / nxdi (above 1: nxdi is faster).
 `--threads` are split between the ranks, so every degree uses the same cores). For tp > 1 it also
 reports the collectives of one token-generation step, per rank: calls, and time inside them (which
 includes waiting for the slowest rank, as the step does).
+
+`--backend cpu xla` measures each backend in turn in the same run (xla needs torch-xla: run it in
+the XLA tier's environment, `.venv-xla`). Each reports compile() and load() seconds per program
+(one program per bucket): the xla backend lowers to HLO in compile() and XLA compiles each module
+at load (warm-up); a folder compiled earlier is reused, so delete `--work-dir` for cold numbers.
 
 `--shape small` is a ~120M Llama (hidden 768, 12 layers, 12 heads, 4 kv heads, vocab 32000),
 `--shape tiny` the TinyLlama-1.1B shape (hidden 2048, 22 layers, 32 heads, 4 kv heads); both
@@ -57,6 +62,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--batch-size", type=int, nargs="+", default=[1])
     p.add_argument("--tp-degree", type=int, nargs="+", default=[1], help="tensor-parallel degrees to compare")
+    p.add_argument("--backend", nargs="+", default=["cpu"], choices=["cpu", "xla", "neuron"])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeat", type=int, default=3, help="timed runs per side (after one warm-up)")
@@ -85,7 +91,10 @@ def checkpoint_for(args: argparse.Namespace) -> Path:
     return path
 
 
-def _nxdi_model(path: Path, args: argparse.Namespace, batch: int, tp: int = 1) -> Any:
+def _nxdi_model(
+    path: Path, args: argparse.Namespace, batch: int, tp: int, backend: str
+) -> tuple[Any, dict[str, float]]:
+    """The loaded model, and its compile() and load() seconds per program."""
     from nxdi.shell.config import NeuronConfig, OnDeviceSamplingConfig
     from nxdi.shell.inference_config import load_pretrained_config
     from nxdi.shell.models import MODEL_TYPES, model_type_of
@@ -101,13 +110,18 @@ def _nxdi_model(path: Path, args: argparse.Namespace, batch: int, tp: int = 1) -
         tp_degree=tp,
     )
     config = cls.get_config_cls()(neuron, load_config=load_pretrained_config(path))
-    compiled = Path(args.work_dir) / f"compiled-{path.name}-tp{tp}-b{batch}-{args.prompt_len}-{args.new_tokens}"
+    name = f"compiled-{path.name}-{backend}-tp{tp}-b{batch}-{args.prompt_len}-{args.new_tokens}"
+    compiled = Path(args.work_dir) / name
     t = time.perf_counter()
-    cls(path, config).compile(compiled)
-    print(f"[bench] compiled (or reused) {compiled} in {time.perf_counter() - t:.1f}s", flush=True)
-    model = cls(compiled)
+    cls(path, config, backend=backend).compile(compiled)
+    compile_s = time.perf_counter() - t
+    print(f"[bench] compiled (or reused) {compiled} in {compile_s:.1f}s", flush=True)
+    model = cls(compiled, backend=backend)
+    t = time.perf_counter()
     model.load(compiled)
-    return model
+    load_s = time.perf_counter() - t
+    programs = len(json.loads((compiled / "manifest.json").read_text())["programs"])
+    return model, {"compile_s_per_program": compile_s / programs, "load_s_per_program": load_s / programs}
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -216,10 +230,12 @@ def _summary(runs: list[dict[str, Any]], batch: int, new_tokens: int) -> dict[st
     return out
 
 
-def _bench_batch(path: Path, args: argparse.Namespace, batch: int, hf: Any, tp: int = 1) -> dict[str, Any]:
-
-    with _nxdi_model(path, args, batch, tp) as model:
-        return _bench_model(model, args, batch, hf, tp)
+def _bench_batch(
+    path: Path, args: argparse.Namespace, batch: int, hf: Any, tp: int = 1, backend: str = "cpu"
+) -> dict[str, Any]:
+    model, times = _nxdi_model(path, args, batch, tp, backend)
+    with model:
+        return {"backend": backend, **times, **_bench_model(model, args, batch, hf, tp)}
 
 
 def _bench_model(model: Any, args: argparse.Namespace, batch: int, hf: Any, tp: int) -> dict[str, Any]:
@@ -256,7 +272,11 @@ def render(results: list[dict[str, Any]]) -> str:
     """A table of the results (one block per batch size)."""
     lines = []
     for r in results:
-        lines.append(f"batch {r['batch_size']}, tp_degree {r.get('tp_degree', 1)}:")
+        lines.append(f"batch {r['batch_size']}, tp_degree {r.get('tp_degree', 1)}, backend {r.get('backend', 'cpu')}:")
+        if "compile_s_per_program" in r:
+            lines.append(
+                f"  per program: compile() {r['compile_s_per_program']:.2f} s, load() {r['load_s_per_program']:.2f} s"
+            )
         for side in ("nxdi", "transformers"):
             if side in r:
                 s = r[side]
@@ -306,6 +326,11 @@ def run(args: argparse.Namespace) -> int:
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
-    results = [_bench_batch(path, args, b, hf, tp) for tp in args.tp_degree for b in args.batch_size]
+    results = [
+        _bench_batch(path, args, b, hf, tp, backend)
+        for backend in args.backend
+        for tp in args.tp_degree
+        for b in args.batch_size
+    ]
     print(json.dumps(results, indent=2) if args.json else render(results))
     return 0
