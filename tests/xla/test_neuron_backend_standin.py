@@ -12,6 +12,7 @@ XLA:CPU. That checks everything but the Neuron compiler and device (tests/hardwa
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 from nxdi.effects.backends.neuron import NeuronCompileError
-from tests.support.engine_fixtures import PROMPTS, load_model, nxdi_generate
+from tests.support.engine_fixtures import PROMPTS, nxdi_generate
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -67,17 +68,9 @@ def standin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture
-def neuron_model(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> Callable[..., Any]:
-    made: list[Any] = []
-
-    def make(variant: str, **kwargs: Any) -> Any:
-        model = load_model(tiny_checkpoint(variant), variant, workdir=tmp_path, backend="neuron", **kwargs)
-        made.append(model)
-        return model
-
-    yield make
-    for model in made:
-        model.close()
+def neuron_model(backend_model: Callable[..., Any]) -> Callable[..., Any]:
+    """`neuron_model(variant, **neuron_config)`: compiled for neuron, loaded, closed after the test."""
+    return functools.partial(backend_model, "neuron")
 
 
 def test_neuronx_cc_gets_the_saved_module_and_the_programs_give_the_cpu_engine_tokens(

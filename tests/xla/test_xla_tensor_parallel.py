@@ -14,12 +14,13 @@ SPMD over one virtual XLA:CPU device per rank (in one process the driver starts)
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,18 +39,9 @@ SP, VP, FD = "sequence_parallel_enabled", "vocab_parallel", "flash_decoding_enab
 
 
 @pytest.fixture
-def xla_tp_model(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> Iterator[Callable[..., Any]]:
-    """`xla_tp_model(variant, **neuron_config)`: compiled for xla into tmp_path, loaded, closed after."""
-    made: list[Any] = []
-
-    def make(variant: str, **kwargs: Any) -> Any:
-        model = load_model(tiny_checkpoint(variant), variant, workdir=tmp_path, backend="xla", **kwargs)
-        made.append(model)
-        return model
-
-    yield make
-    for model in made:
-        model.close()
+def xla_tp_model(backend_model: Callable[..., Any]) -> Callable[..., Any]:
+    """`xla_tp_model(variant, **neuron_config)`: compiled for xla, loaded, closed after the test."""
+    return functools.partial(backend_model, "xla")
 
 
 CASES = [
