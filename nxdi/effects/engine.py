@@ -20,7 +20,7 @@ Every program, eager or compiled, is called the same way, with its weights alrea
 ranks, these run in every rank process (`nxdi.effects.distributed`), in lockstep; on the xla and
 neuron backends one process runs them all (`nxdi.effects.distributed.spmd`, from the pieces here:
 `rank_weights`, `bind_programs`, `runtime_for`, `warm_up`). A compiled tensor-parallel program
-takes its rank as an input (`RANK`), so one program serves every rank.
+takes its rank as an input (`RANK_INPUT`), so one program serves every rank.
 
 (Over 400 lines: the three paths share the weight reading, flat-step and binding definitions
 here, and splitting them would put one calling convention in several rooms.)
@@ -47,7 +47,7 @@ from nxdi.core.planning import buckets, sharding
 from nxdi.core.planning.partition import Partition, check_partition
 from nxdi.core.planning.rank_weights import rank_plan
 from nxdi.core.programs import catalog, kv_cache
-from nxdi.core.programs.collectives import SINGLE, Collectives, with_rank
+from nxdi.core.programs.collectives import RANK_INPUT, SINGLE, Collectives, with_rank
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 from nxdi.core.programs.step import StepSpec, example_inputs, step
@@ -59,8 +59,6 @@ from nxdi.effects.distributed import ops
 from nxdi.effects.runtime import Program, Runtime
 
 INPUTS = ("input_ids", "position_ids", "last_index", "sampling_params", "uniforms")
-RANK = "rank"
-"""The extra input of a tensor-parallel program: its rank, a 0-d int64 tensor (one program, every rank)."""
 
 
 def sharded_weights(rank: int) -> str:
@@ -120,7 +118,7 @@ class EngineModel:
     @property
     def inputs(self) -> tuple[str, ...]:
         """The per-step inputs of its compiled programs (the rank too under tensor parallelism)."""
-        return INPUTS if self.tp == 1 else (*INPUTS, RANK)
+        return INPUTS if self.tp == 1 else (*INPUTS, RANK_INPUT)
 
     def weight_plan(self, plan: WeightPlan) -> WeightPlan:
         """This rank's share of the model's weight plan."""
@@ -243,7 +241,7 @@ def _example(model: EngineModel, weights: Sequence[Tensor], phase: Phase, bucket
 def _bound(backend: Backend, loaded: LoadedProgram, rank: int) -> Program:
     """A bound backend program in the runtime's calling convention (fed `rank` when it takes one)."""
     outputs = loaded.program.signature.outputs
-    extra = (torch.tensor(rank),) if RANK in loaded.program.signature.inputs else ()
+    extra = (torch.tensor(rank),) if RANK_INPUT in loaded.program.signature.inputs else ()
 
     def call(cache: KVCache, x: StepInputs, params: Tensor, uniforms: Tensor) -> Any:
         outs, new = backend.run(loaded, cache.to_tensors(), (*x.to_tensors(), params, uniforms, *extra))

@@ -12,8 +12,8 @@ Semantics (world = number of ranks, rank r):
 - `scatter(x, dim)`: chunk r of this rank's own x (no communication; the inverse of all_gather).
 - `rank()`: r as a 0-d int64 tensor (for arithmetic that depends on the rank, never for shapes).
 
-A compiled program takes its rank as an input tensor (one program serves every rank): `with_rank`
-binds the collectives to it.
+A compiled program takes its rank as an input tensor named `RANK_INPUT` (one program serves every
+rank): `with_rank` binds the collectives to it.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ def _same(x: Tensor, dim: int = 0) -> Tensor:
 def _rank_zero() -> Tensor:
     return torch.zeros((), dtype=torch.int64)
 
+
+RANK_INPUT = "rank"
+"""The signature name of a tensor-parallel program's rank input (a 0-d int64 tensor)."""
 
 SINGLE = Collectives(
     world=1,

@@ -88,6 +88,12 @@ class WeightSet:
     """Copies a backend derives from the weights (CPU: oneDNN-packed linears), by weight name.
     Filled by the first `bind` that needs them and reused by later ones; a cache, not state."""
 
+    def derive(self, key: str, make: Callable[[], Tensor]) -> Tensor:
+        """The copy stored under `key`, made by `make()` the first time it is asked for."""
+        if key not in self.derived:
+            self.derived[key] = make()
+        return self.derived[key]
+
 
 @attrs.frozen(eq=False, kw_only=True)
 class CompiledProgram:
@@ -99,7 +105,7 @@ class CompiledProgram:
     backend: str
     """`Backend.name` of the backend that made it."""
     payload: Any
-    """The backend's own form (CPU: a `torch.export.ExportedProgram`; Neuron: a ScriptModule)."""
+    """The backend's own form (CPU: a `torch.export.ExportedProgram`; XLA and Neuron: an `HloProgram`)."""
 
 
 @attrs.frozen(eq=False, kw_only=True)

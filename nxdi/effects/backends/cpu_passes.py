@@ -90,12 +90,13 @@ def prepack_linears(
         users = [u for u in node.users if u.target is _LINEAR and u.args[1] is node]
         if not users or w.dim() != 2 or w.dtype not in dtypes:
             continue
-        key = f"onednn:{name}"
-        if key not in weights.derived:
-            # The row-count hint only tunes the blocked layout; one copy serves every bucket.
-            weights.derived[key] = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _rows(users[0]))
+        # The row-count hint only tunes the blocked layout; one copy serves every bucket.
+        rows = _rows(users[0])
+        packed = weights.derive(
+            f"onednn:{name}", lambda w=w, rows=rows: torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows)
+        )
         attr = f"_nxdi_packed_{i}"
-        gm.register_buffer(attr, weights.derived[key], persistent=False)
+        gm.register_buffer(attr, packed, persistent=False)
         with graph.inserting_after(node):
             packed = graph.get_attr(attr)
         for u in users:

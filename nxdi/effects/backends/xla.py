@@ -301,12 +301,10 @@ class XlaBackend:
         if problems:
             return Failure(CheckpointError(problems=tuple(problems)))
         device = self.device
-        on_device = []
-        for name, w in zip(sig.weights, weights.tensors, strict=True):
-            key = f"xla:{name}"
-            if key not in weights.derived:
-                weights.derived[key] = w.to(device)
-            on_device.append(weights.derived[key])
+        on_device = [
+            weights.derive(f"xla:{name}", lambda w=w: w.to(device))
+            for name, w in zip(sig.weights, weights.tensors, strict=True)
+        ]
         constants = [c.to(device) for c in hlo.constants]
         opname = f"xla::nxdi_{program.name}"
         computation = builder.computation_from_module_proto(opname, hlo.module)

@@ -32,13 +32,10 @@ from returns.result import Failure, Result, Success
 from torch import Tensor
 
 from nxdi.core.errors import CheckpointError
-from nxdi.core.programs.collectives import Collectives
+from nxdi.core.programs.collectives import RANK_INPUT, Collectives
 from nxdi.effects.backends import neuron, xla
 from nxdi.effects.backends.base import CompiledProgram, FlatProgram, LoadedProgram, Signature, WeightSet
 from nxdi.effects.backends.neuron import NeuronBackend
-
-RANK = "rank"
-"""The input every partition gets its own index for."""
 
 
 @functools.cache
@@ -65,6 +62,13 @@ def _spmd(partitions: int) -> tuple[Any, Any]:
 
 def _spec(t: Tensor) -> tuple[str | None, ...]:
     return ("r", *([None] * (t.dim() - 1)))
+
+
+def _placed(t: Tensor, device: torch.device, xs: Any, mesh: Any) -> Tensor:
+    """`t` on the device, sharded along dim 0 (no checks: called for every input of every step)."""
+    g = t.to(device)
+    xs.mark_sharding(g, mesh, _spec(g))
+    return g
 
 
 @attrs.frozen(kw_only=True)
@@ -108,9 +112,7 @@ class XlaSpmdBackend:
         xs, mesh = self._mesh()
         if t.shape[0] != self.partitions:
             raise ValueError(f"a per-rank tensor leads with {self.partitions} ranks, not {tuple(t.shape)}")
-        g = t.to(self.device)
-        xs.mark_sharding(g, mesh, _spec(g))
-        return g
+        return _placed(t, self.device, xs, mesh)
 
     def compile(
         self, fn: FlatProgram, signature: Signature, example: Sequence[Tensor], *, name: str
@@ -140,15 +142,14 @@ class XlaSpmdBackend:
         problems = xla._weight_problems(hlo, sig, [w[0] for w in weights.tensors])
         if problems:
             return Failure(CheckpointError(problems=tuple(problems)))
-        sharded = []
-        for name, w in zip(sig.weights, weights.tensors, strict=True):
-            key = f"xla-spmd:{name}"
-            if key not in weights.derived:
-                weights.derived[key] = self.shard(w)
-            sharded.append(weights.derived[key])
+        sharded = [
+            weights.derive(f"xla-spmd:{name}", lambda w=w: self.shard(w))
+            for name, w in zip(sig.weights, weights.tensors, strict=True)
+        ]
         constants = [self.shard(c[None].expand(self.partitions, *c.shape)) for c in hlo.constants]
-        rank_at = len(sig.weights) + len(sig.cache) + sig.inputs.index(RANK) if RANK in sig.inputs else None
+        rank_at = len(sig.weights) + len(sig.cache) + sig.inputs.index(RANK_INPUT) if RANK_INPUT in sig.inputs else None
         ranks = self.shard(torch.arange(self.partitions))
+        device = self.device
         opname = f"xla::nxdi_spmd_{program.name}"
         computation = builder.computation_from_module_proto(opname, hlo.module)
 
@@ -158,7 +159,7 @@ class XlaSpmdBackend:
         def call(cache: Sequence[Tensor], inputs: Sequence[Tensor]) -> tuple[Tensor, ...]:
             first = len(sharded) + len(cache)
             replicated = [
-                ranks if first + i == rank_at else self.shard(t[None].expand(self.partitions, *t.shape))
+                ranks if first + i == rank_at else _placed(t[None].expand(self.partitions, *t.shape), device, xs, mesh)
                 for i, t in enumerate(inputs)
             ]
             flat = [*sharded, *cache, *replicated]
