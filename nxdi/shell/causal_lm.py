@@ -10,16 +10,17 @@ back in the caller's row order.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
-from returns.result import Failure, Result, Success
+from returns.result import Result
 from torch import Tensor
 
 from nxdi.core import sampling_params as sampling_params_core
 from nxdi.core.config.neuron_spec import Phase
-from nxdi.core.errors import ConfigError, Problem
-from nxdi.core.host import batching
+from nxdi.core.errors import ConfigError
+from nxdi.core.host import batching, forward_inputs
 from nxdi.core.planning import buckets, padding
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.effects.runtime import StepRuntime
@@ -65,6 +66,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.kv_cache_populated = False
+        self._cached = [0] * self.spec.kv_cache_batch_size
+        """Tokens each KV cache row holds (what forward() checks positions against)."""
         self._tables = {
             Phase.CONTEXT: unwrap(buckets.context_table_for(self.spec)),
             Phase.TOKEN: unwrap(buckets.token_table_for(self.spec)),
@@ -77,12 +80,25 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         return self._tables[Phase.CONTEXT].largest
 
     def reset(self) -> None:
-        """Start a new batch: the next call runs context encoding."""
+        """Start a new batch: the next call must encode prompts (no row holds anything to decode from)."""
         self.kv_cache_populated = False
+        self._cached = [0] * len(self._cached)
 
     def reset_kv_cache(self) -> None:
         """Zero the KV cache."""
         self._require_runtime().reset_cache()
+        self.reset()
+
+    def _open(self, *args: Any, **kwargs: Any) -> None:
+        super()._open(*args, **kwargs)
+        self.reset()  # a new runtime starts with an empty cache
+
+    def _limits(self) -> forward_inputs.Limits:
+        return forward_inputs.Limits(
+            vocab_size=self.model_spec.vocab_size,
+            cache_rows=self.spec.kv_cache_batch_size,
+            max_length=self.spec.max_length,
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> CausalLMOutput:
         return self.forward(*args, **kwargs)
@@ -111,8 +127,14 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             and `hidden_states` (the same tensor as `tokens`).
 
         Raises:
-            IncompatibleConfigError: a prompt longer than max_context_length without
-                allow_input_truncation, a position past max_length, bad sampling params or seq_ids.
+            IncompatibleConfigError: before anything runs, listing every problem: inputs that are not
+                integer tensors of consistent shapes, ids outside the vocabulary, a mask other than 0/1,
+                positions that disagree with the KV cache (see `nxdi.core.host.forward_inputs`), a
+                prompt longer than max_context_length without allow_input_truncation, a position past
+                max_length, bad sampling params or seq_ids.
+
+        Warns:
+            UserWarning: a prompt is cut to max_context_length (allow_input_truncation=True).
         """
         given = sorted(k for k, v in unsupported.items() if v is not None and k not in _IGNORED)
         if given:
@@ -120,23 +142,20 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         if input_ids is None:
             raise TypeError("forward() needs input_ids")
         runtime = self._require_runtime()
-        ids = torch.as_tensor(input_ids).to(torch.int64)
-        if ids.dim() == 1:
-            ids = ids[None, :]
-        mask, positions = _mask_and_positions(ids, attention_mask, position_ids)
-        rows = torch.arange(ids.shape[0]) if seq_ids is None else torch.as_tensor(seq_ids).to(torch.int64).flatten()
-        params = self._sampling_rows(sampling_params, ids.shape[0])
-        if int(positions.min()) == 0:
-            logits, tokens = self._context(runtime, ids, mask, rows, params)
+        call = unwrap(
+            forward_inputs.check_forward_inputs(
+                input_ids, attention_mask, position_ids, seq_ids, limits=self._limits(), cached=self._cached
+            ),
+            "Invalid forward() inputs",
+        )
+        params = self._sampling_rows(sampling_params, call.input_ids.shape[0])
+        if call.phase is Phase.CONTEXT:
+            logits, tokens = self._context(runtime, call.input_ids, call.attention_mask, call.seq_ids, params)
             self.kv_cache_populated = True
-        elif ids.shape[1] > 1:  # only speculation decodes several tokens per row; it is refused at load
-            raise IncompatibleConfigError(
-                f"input_ids: {ids.shape[1]} tokens per row in a token-generation call (position_ids start at "
-                f"{int(positions.min())}, not 0); token generation takes one new token per row. Fix: pass only "
-                "the newest token, or the whole sequence from position 0 to encode it again"
-            )
         else:
-            logits, tokens = self._token(runtime, ids, positions, rows, params)
+            logits, tokens = self._token(runtime, call.input_ids, call.position_ids, call.seq_ids, params)
+        for row, held in call.cached_after(self.context_capacity).items():
+            self._cached[row] = held
         ods = self.spec.on_device_sampling_config is not None
         shown = tokens if ods else logits
         return CausalLMOutput(logits=logits, hidden_states=shown, tokens=shown, attentions=None, past_key_values=None)
@@ -168,6 +187,16 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             ),
             f"Prompt longer than max_context_length={self.spec.max_context_length}",
         )
+        longest = int(lengths.max())
+        if longest > bucket:
+            # As the reference: truncation is allowed, but never silent.
+            warnings.warn(
+                f"input length {longest} exceeds max_context_length={self.spec.max_context_length} (the largest "
+                f"context_encoding bucket holds {bucket}); allow_input_truncation=True keeps each prompt's first "
+                f"{bucket} tokens",
+                UserWarning,
+                stacklevel=3,
+            )
         pad = self.model_spec.pad_token_id or 0
         x = batching.context_inputs(compacted, lengths, bucket=bucket, pad_token_id=pad)
         return self._run_batched(runtime, Phase.CONTEXT, bucket, x, rows, params, self.spec.ctx_batch_size)
@@ -176,11 +205,6 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         self, runtime: StepRuntime, ids: Tensor, positions: Tensor, rows: Tensor, params: Tensor
     ) -> tuple[Tensor | None, Tensor | None]:
         needed = int(positions.max()) + 1
-        if needed > self.spec.max_length:
-            raise IncompatibleConfigError(
-                f"position_ids: position {needed - 1} is past max_length={self.spec.max_length} (seq_len); "
-                "generation cannot continue. Fix: raise seq_len / max_length, or generate fewer tokens"
-            )
         bucket = unwrap(buckets.select_bucket(self._tables[Phase.TOKEN], needed))
         x = StepInputs(input_ids=ids, position_ids=positions, last_index=torch.zeros(ids.shape[0], dtype=torch.int64))
         return self._run_batched(runtime, Phase.TOKEN, bucket, x, rows, params, self.spec.tkg_batch_size)
@@ -219,20 +243,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         return _gather(logits_out, len(rows)), _gather(tokens_out, len(rows))
 
     def _batch_plan(self, seq_ids: list[int], compiled: int) -> Result[padding.BatchPlan, ConfigError]:
-        """The planner's batch plan, failing also (all problems listed) for ids past the cache rows."""
-        limit = self.spec.kv_cache_batch_size
-        high = [r for r in seq_ids if r >= limit]
-        problems = []
-        if high:
-            reason = f"holds ids {high} outside the KV cache rows 0..{limit - 1}"
-            fix = f"use seq_ids below {limit}, or compile with kv_cache_batch_size >= {max(high) + 1}"
-            problems.append(Problem.of("seq_ids", seq_ids, reason, fix))
-        match padding.batch_plan(seq_ids, compiled_batch=compiled):
-            case Success(plan) if not problems:
-                return Success(plan)
-            case Failure(error):
-                problems[:0] = error.problems
-        return Failure(ConfigError(problems=tuple(problems)))
+        """The planner's batch plan (seq_ids were checked against the cache rows already)."""
+        return padding.batch_plan(seq_ids, compiled_batch=compiled)
 
 
 _IGNORED = frozenset({"use_cache", "output_attentions", "output_hidden_states", "return_dict", "past_key_values"})
@@ -246,28 +258,3 @@ def _gather(parts: list[tuple[tuple[int, ...], Tensor]], batch: int) -> Tensor |
     for user_rows, values in parts:
         out[torch.tensor(user_rows)] = values
     return out
-
-
-def _mask_and_positions(ids: Tensor, mask: Tensor | None, positions: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Fill in whichever of attention_mask / position_ids is missing, as NxDI's preprocessing does."""
-    b, w = ids.shape
-    if mask is not None:
-        mask = torch.as_tensor(mask).to(torch.int64)
-    if positions is not None:
-        positions = torch.as_tensor(positions).to(torch.int64)
-        if positions.dim() == 1:
-            positions = positions[:, None]
-    if mask is None and positions is None:
-        mask = torch.ones(b, w, dtype=torch.int64)
-    if positions is None:
-        assert mask is not None
-        if w == mask.shape[1]:
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        else:  # one new token per row after a mask covering the whole sequence so far
-            positions = (mask.sum(-1, keepdim=True) - 1).clamp(min=0)[:, -w:]
-    if mask is None:
-        cols = torch.arange(w)[None, :]
-        mask = (positions >= cols).to(torch.int64) if w > 1 else torch.ones(b, 1, dtype=torch.int64)
-    if mask.shape[1] != w:
-        mask = torch.ones(b, w, dtype=torch.int64) if w == 1 else mask[:, -w:]
-    return mask, positions

@@ -53,10 +53,13 @@ def test_allow_input_truncation_keeps_the_first_max_context_length_tokens(
     generation continues from there (as transformers does on the cut prompt)."""
     model = loaded_model("llama", **SHORT_CONTEXT, allow_input_truncation=True)
     model.reset()
-    logits = model.forward(torch.tensor([LONG])).logits[0, -1]
+    warned = r"input length 20 exceeds max_context_length=16 .* keeps each prompt's first 16 tokens"
+    with pytest.warns(UserWarning, match=warned):
+        logits = model.forward(torch.tensor([LONG])).logits[0, -1]
     expected = hf_logits(tiny_model("llama"), LONG[:16])[-1]
     assert (logits - expected).abs().max() <= 1e-4 * expected.abs().max()
-    ours = nxdi_generate(model, [LONG], max_new_tokens=8)
+    with pytest.warns(UserWarning, match=warned):
+        ours = nxdi_generate(model, [LONG], max_new_tokens=8)
     assert torch.equal(ours, hf_generate(tiny_model("llama"), [LONG[:16]], max_new_tokens=8))
 
 
@@ -76,7 +79,7 @@ def test_generation_past_seq_len_raises_before_starting(loaded_model: Callable[.
 def test_several_tokens_in_a_token_generation_call_are_refused_not_dropped(loaded_model: Callable[..., Any]) -> None:
     model = loaded_model("llama", batch_size=1)
     model.forward(torch.tensor([PROMPTS[0]]))
-    with pytest.raises(IncompatibleConfigError, match=r"input_ids: 3 tokens per row.*start at 10"):
+    with pytest.raises(IncompatibleConfigError, match=r"input_ids=\(1, 3\): 3 tokens per row.*start at 10"):
         model.forward(torch.tensor([[5, 6, 7]]), position_ids=torch.tensor([[10, 11, 12]]))
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from nxdi.core.host.logit_validation import DEFAULT_TOL_MAP, compare_position, max_relative_logit_error
+from nxdi.shell.exceptions import IncompatibleConfigError
 from tests.support.engine_fixtures import (
     FAMILIES,
     NEW_TOKENS,
@@ -95,11 +96,15 @@ def test_reset_kv_cache_populated_and_reset_kv_cache(loaded_model: Callable[...,
     decode = model.forward(ids[:, :1], position_ids=positions).logits
     model.reset()
     assert model.kv_cache_populated is False
-    # the cache still holds the prompts, so the same decode step gives the same logits
+    # a new batch: no row holds a sequence to decode from (the stale cache is not read)
+    with pytest.raises(IncompatibleConfigError, match=r"seq_id=0, which holds nothing.*encode that sequence's prompt"):
+        model.forward(ids[:, :1], position_ids=positions)
+    model.forward(ids, attention_mask=mask)
     assert torch.equal(model.forward(ids[:, :1], position_ids=positions).logits, decode)
     model.reset_kv_cache()
     assert all(bool((t == 0).all()) for t in (*cache.k, *cache.v))
-    assert not torch.equal(model.forward(ids[:, :1], position_ids=positions).logits, decode)
+    with pytest.raises(IncompatibleConfigError, match=r"holds nothing"):
+        model.forward(ids[:, :1], position_ids=positions)
     assert torch.equal(model.forward(ids, attention_mask=mask).logits, first)  # a prefill rebuilds it
 
 

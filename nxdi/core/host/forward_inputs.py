@@ -1,0 +1,286 @@
+"""The checks of a `forward()` call's tensors, before any work is done. Pure.
+
+A serving client drives `forward()` directly, so every tensor it passes is checked against the
+compiled model and against what the KV cache holds (`cached`: tokens per cache row), and every
+problem is listed at once, naming the argument, the row and the value:
+
+- `input_ids` [B, W] (or [W]): integer ids in [0, vocab_size) wherever the mask says the token is
+  real; never empty, never float, bool or complex (those would be truncated silently).
+- `attention_mask` [B, W'] with W' >= W (a decode may pass the mask of the whole sequence): 0/1.
+- `position_ids` [B, W] (or [B] with W == 1): integers; where given they are honoured, so they must
+  agree with the cache. A call whose smallest position is 0 encodes prompts, and each row's real
+  tokens then sit at positions 0..n-1 (a prefill that starts after a cached prefix is prefix
+  caching, which this engine does not run). Any other call decodes one token per row, at a position
+  no later than the tokens its cache row holds (earlier rewinds the row: the later entries are
+  overwritten as generation goes on), and never on a row with nothing cached.
+- `seq_ids` [B]: integer cache rows in [0, cache_rows), distinct.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import attrs
+import torch
+from returns.result import Failure, Result, Success
+from torch import Tensor
+
+from nxdi.core.config.neuron_spec import Phase
+from nxdi.core.errors import ConfigError, Problem
+
+_SHOWN = 4
+"""How many offending entries a problem quotes."""
+
+
+@attrs.frozen(eq=False, kw_only=True)
+class ForwardInputs:
+    """A checked call: int64 tensors of consistent shapes, and which sub-model it runs."""
+
+    input_ids: Tensor
+    """[B, W]"""
+    attention_mask: Tensor
+    """[B, W], 0/1"""
+    position_ids: Tensor
+    """[B, W]"""
+    seq_ids: Tensor
+    """[B] cache rows"""
+    phase: Phase
+
+    def cached_after(self, capacity: int) -> dict[int, int]:
+        """Tokens each named cache row holds once this call has run: `seq_id -> count`
+        (a prompt keeps at most `capacity` tokens, the largest context bucket)."""
+        rows = self.seq_ids.tolist()
+        if self.phase is Phase.CONTEXT:
+            lengths = self.attention_mask.sum(1).clamp(max=capacity).tolist()
+            return dict(zip(rows, lengths, strict=True))
+        return {s: p + 1 for s, p in zip(rows, self.position_ids[:, 0].tolist(), strict=True)}
+
+
+@attrs.frozen(kw_only=True)
+class Limits:
+    """What the compiled model accepts."""
+
+    vocab_size: int
+    cache_rows: int
+    """KV cache rows (kv_cache_batch_size): the seq_ids there are."""
+    max_length: int
+    """Positions 0..max_length-1 fit in the cache."""
+
+
+def _entries(where: Tensor) -> list[tuple[int, ...]]:
+    return [tuple(i) for i in where.nonzero().tolist()[:_SHOWN]]
+
+
+def _integers(name: str, value: object) -> tuple[Tensor | None, list[Problem]]:
+    """`value` as an int64 tensor, or the problem of a non-integer one."""
+    fix = "pass integer tensors (torch.long)"
+    try:
+        t = value if isinstance(value, Tensor) else torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        return None, [Problem.of(name, type(value).__name__, f"is not a tensor of integers ({e})", fix)]
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        return None, [Problem.of(name, str(t.dtype), "must hold integers (it would be truncated silently)", fix)]
+    return t.to(torch.int64), []
+
+
+def _shape_problems(ids: Tensor, mask: Tensor | None, positions: Tensor | None, rows: Tensor | None) -> list[Problem]:
+    b, w = ids.shape
+    problems = []
+    if mask is not None and (mask.dim() != 2 or mask.shape[0] != b or mask.shape[1] < w):
+        why = f"has shape {tuple(mask.shape)}; input_ids is {(b, w)}, so it must be [{b}, {w}] (or wider, in a decode)"
+        problems.append(Problem.of("attention_mask", tuple(mask.shape), why))
+    if positions is not None and tuple(positions.shape) != (b, w):
+        why = f"has shape {tuple(positions.shape)}; input_ids is {(b, w)}, so it must be [{b}, {w}]"
+        problems.append(Problem.of("position_ids", tuple(positions.shape), why))
+    if rows is not None and rows.numel() != b:
+        why = f"names {rows.numel()} cache rows for a batch of {b}: one seq_id per row of input_ids"
+        problems.append(Problem.of("seq_ids", rows.flatten().tolist(), why))
+    return problems
+
+
+def _filled(ids: Tensor, mask: Tensor | None, positions: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Whichever of attention_mask / position_ids is missing, as NxDI's preprocessing infers it."""
+    b, w = ids.shape
+    if mask is None and positions is None:
+        mask = torch.ones(b, w, dtype=torch.int64)
+    if positions is None:
+        assert mask is not None
+        if w == mask.shape[1]:
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        else:  # one new token per row after a mask covering the whole sequence so far
+            positions = (mask.sum(-1, keepdim=True) - 1).clamp(min=0)[:, -w:]
+    if mask is None:
+        cols = torch.arange(w)[None, :]
+        mask = (positions >= cols).to(torch.int64) if w > 1 else torch.ones(b, 1, dtype=torch.int64)
+    if mask.shape[1] != w:
+        mask = torch.ones(b, w, dtype=torch.int64) if w == 1 else mask[:, -w:]
+    return mask, positions
+
+
+def _context_problems(mask: Tensor, positions: Tensor, given: bool) -> list[Problem]:
+    problems = []
+    for b in range(mask.shape[0]):
+        real = mask[b].to(torch.bool)
+        n = int(real.sum())
+        if n == 0:
+            problems.append(Problem.of(f"attention_mask[{b}]", mask[b].tolist(), "has no real token (an empty prompt)"))
+        elif given and not torch.equal(positions[b][real], torch.arange(n)):
+            got = positions[b][real].tolist()
+            why = (
+                f"row {b} is a prefill (the call's smallest position is 0), so its {n} real tokens sit at "
+                f"positions 0..{n - 1}, not {got[:8]}{'...' if n > 8 else ''}"
+            )
+            fix = (
+                "pass the positions of the whole prompt from 0 (prefilling after a cached prefix is not "
+                "supported), or decode that row in a call of its own"
+            )
+            problems.append(Problem.of(f"position_ids[{b}]", got[:8], why, fix))
+    return problems
+
+
+def _token_problems(positions: Tensor, rows: Tensor, cached: Sequence[int], limits: Limits) -> list[Problem]:
+    problems = []
+    for b, (p, s) in enumerate(zip(positions[:, 0].tolist(), rows.tolist(), strict=True)):
+        if not 0 <= s < limits.cache_rows or p >= limits.max_length:
+            continue  # reported already
+        held = cached[s]
+        if held == 0:
+            why = f"row {b} decodes at position {p} on cache row seq_id={s}, which holds nothing"
+            fix = "encode that sequence's prompt first (a call whose positions start at 0)"
+            problems.append(Problem.of(f"position_ids[{b}]", p, why, fix))
+        elif p > held:
+            why = (
+                f"row {b} decodes at position {p}, but cache row seq_id={s} holds {held} tokens (positions "
+                f"0..{held - 1}): the expected position is {held}; positions {held}..{p - 1} would be missing"
+            )
+            problems.append(Problem.of(f"position_ids[{b}]", p, why, f"pass position {held} for that row"))
+    return problems
+
+
+def check_forward_inputs(
+    input_ids: object,
+    attention_mask: object | None,
+    position_ids: object | None,
+    seq_ids: object | None,
+    *,
+    limits: Limits,
+    cached: Sequence[int],
+) -> Result[ForwardInputs, ConfigError]:
+    """Check one `forward()` call and fill in the inferred tensors (see the module docstring).
+
+    Args:
+        cached: tokens each of the `limits.cache_rows` cache rows holds now.
+
+    Returns:
+        The checked inputs, or a ConfigError listing every problem (field, value, why, fix).
+    """
+    ids, problems = _integers("input_ids", input_ids)
+    mask = positions = rows = None
+    if attention_mask is not None:
+        mask, found = _integers("attention_mask", attention_mask)
+        problems += found
+    if position_ids is not None:
+        positions, found = _integers("position_ids", position_ids)
+        problems += found
+    if seq_ids is not None:
+        rows, found = _integers("seq_ids", seq_ids)
+        problems += found
+    if ids is not None:
+        if ids.dim() == 1:
+            ids = ids[None, :]
+            mask = mask[None, :] if mask is not None and mask.dim() == 1 else mask
+        if ids.dim() != 2 or ids.numel() == 0:
+            why = f"has shape {tuple(ids.shape)}; it must be [batch, tokens] with at least one token and one row"
+            problems.append(Problem.of("input_ids", tuple(ids.shape), why))
+    if positions is not None and ids is not None and ids.dim() == 2 and positions.dim() == 1 and ids.shape[1] == 1:
+        positions = positions[:, None]  # one position per row of a decode
+    if rows is not None and rows.dim() == 2 and rows.shape[1] == 1:
+        rows = rows[:, 0]
+    if problems or ids is None:
+        return Failure(ConfigError(problems=tuple(problems)))
+    problems += _shape_problems(ids, mask, positions, rows)
+    if problems:
+        return Failure(ConfigError(problems=tuple(problems)))
+    b, w = ids.shape
+    if mask is not None:
+        bad = (mask != 0) & (mask != 1)
+        if bool(bad.any()):
+            values = mask[bad].unique().tolist()[:_SHOWN]
+            problems.append(
+                Problem.of(
+                    "attention_mask", values, "holds values other than 0 and 1", "pass 1 for real tokens, 0 for padding"
+                )
+            )
+            return Failure(ConfigError(problems=tuple(problems)))
+    filled_mask, filled_positions = _filled(ids, mask, positions)
+    rows = torch.arange(b) if rows is None else rows.flatten()
+    row_problems = _row_problems(rows, limits, given=seq_ids is not None)
+    if bool((filled_positions < 0).any()):
+        at = _entries(filled_positions < 0)
+        problems.append(Problem.of("position_ids", at, "holds negative positions (at these [row, column])"))
+        return Failure(ConfigError(problems=tuple(problems + row_problems)))
+    phase = Phase.CONTEXT if int(filled_positions.min()) == 0 else Phase.TOKEN
+    # A prompt's padding columns are never embedded; every token a decode is given is real.
+    problems += _id_problems(ids, filled_mask if phase is Phase.CONTEXT else torch.ones_like(ids), limits)
+    if phase is Phase.TOKEN and mask is not None and not bool((mask[:, -w:] == 1).all()):
+        why = "marks a token being decoded as padding (0); a decode's new tokens are all real"
+        fix = "pass 1 for the new token (or leave attention_mask out and pass position_ids)"
+        problems.append(Problem.of("attention_mask", mask[:, -w:].flatten().tolist()[:8], why, fix))
+    problems += row_problems
+    if phase is Phase.CONTEXT:
+        problems += _context_problems(filled_mask, filled_positions, given=position_ids is not None)
+    elif w > 1:  # only speculation decodes several tokens per row, and it is refused at load
+        why = (
+            f"{w} tokens per row in a token-generation call (position_ids start at {int(filled_positions.min())}, "
+            "not 0); token generation takes one new token per row"
+        )
+        fix = "pass only the newest token, or the whole sequence from position 0 to encode it again"
+        problems.append(Problem.of("input_ids", tuple(ids.shape), why, fix))
+    else:
+        top = int(filled_positions.max())
+        if top >= limits.max_length:
+            why = f"position {top} is past max_length={limits.max_length} (seq_len); generation cannot continue"
+            problems.append(
+                Problem.of("position_ids", top, why, "raise seq_len / max_length, or generate fewer tokens")
+            )
+        problems += _token_problems(filled_positions, rows, cached, limits)
+    if problems:
+        return Failure(ConfigError(problems=tuple(problems)))
+    return Success(
+        ForwardInputs(
+            input_ids=ids, attention_mask=filled_mask, position_ids=filled_positions, seq_ids=rows, phase=phase
+        )
+    )
+
+
+def _id_problems(ids: Tensor, mask: Tensor, limits: Limits) -> list[Problem]:
+    """Real tokens outside the vocabulary (padding columns are never embedded, so any id goes there)."""
+    bad = ((ids < 0) | (ids >= limits.vocab_size)) & mask.to(torch.bool)
+    if not bool(bad.any()):
+        return []
+    values = ids[bad].unique().tolist()[:_SHOWN]
+    why = f"holds ids {values} (at [row, column] {_entries(bad)}) outside the vocabulary 0..{limits.vocab_size - 1}"
+    fix = "tokenize with the model's own tokenizer, or mark padding columns 0 in attention_mask"
+    return [Problem.of("input_ids", values, why, fix)]
+
+
+def _row_problems(rows: Tensor, limits: Limits, *, given: bool) -> list[Problem]:
+    ids = rows.tolist()
+    problems = []
+    high = [r for r in ids if r >= limits.cache_rows]
+    low = [r for r in ids if r < 0]
+    twice = sorted(r for r, n in Counter(ids).items() if n > 1)
+    if not given and high:
+        why = f"a batch of {len(ids)} rows needs {len(ids)} KV cache rows; the model has {limits.cache_rows}"
+        fix = f"pass at most {limits.cache_rows} rows per call, or compile with kv_cache_batch_size >= {len(ids)}"
+        return [Problem.of("input_ids", len(ids), why, fix)]
+    if high:
+        why = f"holds ids {high} outside the KV cache rows 0..{limits.cache_rows - 1}"
+        fix = f"use seq_ids below {limits.cache_rows}, or compile with kv_cache_batch_size >= {max(high) + 1}"
+        problems.append(Problem.of("seq_ids", ids, why, fix))
+    if low:
+        problems.append(Problem.of("seq_ids", ids, f"holds negative ids {low}", "cache rows are numbered from 0"))
+    if twice:
+        problems.append(Problem.of("seq_ids", ids, f"holds duplicate ids {twice}", "give each row its own cache row"))
+    return problems
