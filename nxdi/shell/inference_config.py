@@ -18,12 +18,14 @@ from typing import Any, ClassVar
 from returns.result import Failure, Success
 
 from nxdi.core.config import codec, neuron_checks
+from nxdi.core.config.fields import to_json
 from nxdi.core.families import parse_model_spec
 from nxdi.core.families.record import FamilyRecord
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.platform import Platform
 from nxdi.effects import env as env_mod
 from nxdi.effects.files import write_text_atomic
+from nxdi.shell import hf_configs
 from nxdi.shell.config import MoENeuronConfig, NeuronConfig, _is_torch_dtype
 from nxdi.shell.exceptions import MissingAttributesError, unwrap
 
@@ -197,8 +199,12 @@ class InferenceConfig:
         return out
 
     def model_spec(self) -> ModelSpec:
-        """The architecture these attributes describe (IncompatibleConfigError listing every problem)."""
-        return unwrap(parse_model_spec(self.hf_dict()), "Invalid model configuration")
+        """The architecture these attributes describe (IncompatibleConfigError listing every problem).
+
+        Parsed from the standard-JSON form `save()` writes, so a configuration is checked the same
+        way before compile() as when load() reads it back (a NaN float and the "nan" string it is
+        written as are one value, refused alike)."""
+        return unwrap(parse_model_spec(to_json(self.hf_dict())), "Invalid model configuration")
 
     # --- serialization -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -278,6 +284,10 @@ def load_pretrained_config(
 
     Raises:
         ValueError: both or neither of the two arguments given.
+        IncompatibleConfigError (when the hook runs): the folder's config.json is not valid JSON, or
+            transformers refuses it (a badly typed field, heads that do not divide, no model_type);
+            the message names the file and every field at fault.
+        FileNotFoundError, PermissionError (when the hook runs): config.json is missing or unreadable.
     """
     if (model_path_or_name is None) == (hf_config is None):
         raise ValueError("Please provide only one of model_path_or_name or hf_config")
@@ -285,9 +295,8 @@ def load_pretrained_config(
     def load_config(self: InferenceConfig) -> None:
         config = hf_config
         if config is None:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(model_path_or_name)
+            assert model_path_or_name is not None  # checked above: exactly one of the two is given
+            config = hf_configs.read_hf_config(model_path_or_name)
         data = config.to_dict()
         if model_path_or_name is not None and Path(model_path_or_name).exists():
             # Absolute, so a compiled model that reads its weights from here loads from any directory.

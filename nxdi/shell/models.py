@@ -11,13 +11,13 @@ Adding a family adds its classes here without touching this file.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from nxdi.core import families
 from nxdi.core.families.record import FamilyRecord
+from nxdi.shell import hf_configs
 from nxdi.shell.causal_lm import NeuronBaseForCausalLM
 from nxdi.shell.config import MoENeuronConfig, NeuronConfig
 from nxdi.shell.inference_config import InferenceConfig
@@ -69,15 +69,17 @@ def model_type_of(model_path: str | Path) -> str:
 
     Raises:
         FileNotFoundError: there is no config.json.
+        PermissionError: the folder or its config.json cannot be read.
+        IncompatibleConfigError: config.json is not a JSON object (the file, line and column named).
         KeyError: no family the engine runs has that model_type (the message names those that do).
     """
-    config = Path(model_path) / "config.json"
-    if not config.is_file():
-        raise FileNotFoundError(f"--model-path: no config.json in {str(model_path)!r}")
-    model_type = json.loads(config.read_text()).get("model_type")
+    model_type = hf_configs.read_json(model_path).get("model_type")
     runs: Mapping[str, Any] = model_types()
+    supported = ", ".join(sorted(runs))
+    if model_type is None:
+        raise KeyError(f"{hf_configs.config_file(model_path)} has no model_type (supported: {supported})")
     if model_type not in runs:
-        raise KeyError(f"model_type {model_type!r} has no application class (supported: {', '.join(sorted(runs))})")
+        raise KeyError(f"model_type {model_type!r} has no application class (supported: {supported})")
     return str(model_type)
 
 

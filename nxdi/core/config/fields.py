@@ -73,9 +73,57 @@ class FieldInfo:
     """Why it has no effect on the CPU backend, when it has none."""
     dtype: bool = False
     """It holds a dtype name (the shell shows it as a torch.dtype)."""
+    bounds: tuple[int, int] | None = None
+    """The inclusive range of an integer setting (of each integer of a list), enforced by its validator."""
 
 
 INFO = "nxdi"
+
+# Upper bounds of the integer settings. Far above any deployment (the largest instances have 128
+# NeuronCores, contexts reach millions of tokens), low enough that a typo or an overflowed value
+# (`batch_size=2**63`) is refused by the parser instead of reaching an allocation.
+MAX_BATCH = 1 << 16
+"""Most sequences in any batch setting (batch_size, kv_cache_batch_size, ...): 65536."""
+MAX_TOKENS = 1 << 24
+"""Most tokens in any length setting (seq_len, buckets, tile sizes, thresholds, ...): 16777216."""
+MAX_DEGREE = 512
+"""Largest parallel degree (tp_degree, cp_degree, ...), in ranks: 512."""
+MAX_COUNT = 1 << 16
+"""Most items in any count setting (adapters, heads, draft tokens, blocks per tile, ...): 65536."""
+MAX_SIZE = 1 << 20
+"""Largest size of a tensor dimension or memory unit (padded hidden size, block size, page size): 1048576."""
+MAX_VOCAB = 1 << 24
+"""Largest token count of a sampling setting (top_k, global_topk): 16777216."""
+MAX_LNC = 8
+"""Most physical NeuronCores per logical core (logical_nc_config; platforms use 1 or 2): 8."""
+MAX_AXES = 64
+"""Largest tensor axis index, either sign, of an axis setting (quantization_block_axis): 64."""
+
+
+@attrs.frozen
+class Within:
+    """An attrs validator: the value lies in [low, high]. None passes (optional settings), and for a
+    list (nested or not) every integer in it must."""
+
+    low: int
+    high: int
+
+    def __call__(self, instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        for v in _ints(value):
+            if v < self.low:
+                raise ValueError(f"'{attribute.name}' must be >= {self.low}: {value!r}")
+            if v > self.high:
+                raise ValueError(f"'{attribute.name}' must be <= {self.high}: {value!r}")
+
+
+def _ints(value: Any) -> Iterable[int]:
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _ints(v)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        yield value
+
+
 """The attrs metadata key of a field's FieldInfo."""
 
 
@@ -89,13 +137,18 @@ def setting(
     cpu_note: str = "",
     dtype: bool = False,
     validator: Callable[..., Any] | list[Callable[..., Any]] | None = None,
+    bounds: tuple[int, int] | None = None,
 ) -> Any:
     """An attrs field declared with its documentation and facts (see `FieldInfo`).
 
     `cpu` given as a string means "no effect on the CPU backend, because <string>" (OnCpu.NO).
+    `bounds` (low, high) adds a `Within` validator and is listed in the reference.
     """
     effect, note = (OnCpu.NO, cpu) if isinstance(cpu, str) else (cpu, cpu_note)
-    info = FieldInfo(doc=doc, group=group, graph=graph, cpu=effect, cpu_note=note, dtype=dtype)
+    info = FieldInfo(doc=doc, group=group, graph=graph, cpu=effect, cpu_note=note, dtype=dtype, bounds=bounds)
+    if bounds is not None:
+        given = [] if validator is None else validator if isinstance(validator, list) else [validator]
+        validator = [*given, Within(*bounds)]
     return attrs.field(default=default, validator=validator, metadata={INFO: info})
 
 

@@ -25,7 +25,19 @@ from typing import Literal
 
 import attrs
 
-from nxdi.core.config.fields import Group, JsonMap, OnCpu, setting
+from nxdi.core.config.fields import (
+    MAX_AXES,
+    MAX_BATCH,
+    MAX_COUNT,
+    MAX_DEGREE,
+    MAX_LNC,
+    MAX_SIZE,
+    MAX_TOKENS,
+    Group,
+    JsonMap,
+    OnCpu,
+    setting,
+)
 from nxdi.core.config.sub_specs import ChunkedPrefillSpec, KVQuantSpec, LoraSpec, MoESpec, OnDeviceSamplingSpec
 
 DType = Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
@@ -39,9 +51,6 @@ class Phase(enum.Enum):
     TOKEN = "token_generation"
     SPECULATION = "speculation"
 
-
-_pos = attrs.validators.gt(0)
-_nonneg = attrs.validators.ge(0)
 
 _general = functools.partial(setting, group=Group.GENERAL)
 _distributed = functools.partial(setting, group=Group.DISTRIBUTED)
@@ -63,7 +72,7 @@ _moe = functools.partial(setting, group=Group.MOE)
 class NeuronSpec:
     """Every NxDI NeuronConfig attribute, resolved."""
 
-    batch_size: int = _general(1, "Sequences processed per request (the compiled batch).", validator=_pos)
+    batch_size: int = _general(1, "Sequences processed per request (the compiled batch).", bounds=(1, MAX_BATCH))
     padding_side: Literal["right", "left"] = _general(
         "right",
         'Side on which inputs are padded: "right" or "left".',
@@ -73,32 +82,34 @@ class NeuronSpec:
         False, "Truncate inputs longer than the largest bucket instead of raising an error.", graph=False
     )
     seq_len: int = _general(
-        128, "Longest sequence (prompt plus generated tokens) one request may reach, in tokens.", validator=_pos
+        128, "Longest sequence (prompt plus generated tokens) one request may reach, in tokens.", bounds=(1, MAX_TOKENS)
     )
     n_active_tokens: int = _general(
         128,
         "Tokens processed per forward pass in the traced input; default seq_len (max_context_length for context encoding, 1 for token generation).",
         cpu="the programs' shapes come from the bucket tables",
-        validator=_pos,
+        bounds=(1, MAX_TOKENS),
     )
     n_positions: int = _general(
         128,
         "Positions (KV length) of the traced example input, in tokens; default seq_len; each bucket compiles with its own value.",
         cpu="the programs' shapes come from the bucket tables",
-        validator=_pos,
+        bounds=(1, MAX_TOKENS),
     )
     max_context_length: int = _general(
-        128, "Longest prompt, in tokens; default seq_len; must not exceed max_length.", validator=_pos
+        128, "Longest prompt, in tokens; default seq_len; must not exceed max_length.", bounds=(1, MAX_TOKENS)
     )
     max_new_tokens: int | None = _general(
         None,
         "Most tokens generated per request; default seq_len - max_context_length, or None when that is 0.",
         graph=False,
+        # The derived default is negative when max_context_length > seq_len, as in the reference.
+        bounds=(-MAX_TOKENS, MAX_TOKENS),
     )
     max_length: int = _general(
         128,
         "Longest total sequence and KV cache length, in tokens; default seq_len (not derived from context plus new tokens).",
-        validator=_pos,
+        bounds=(1, MAX_TOKENS),
     )
     on_cpu: bool = _general(False, "Trace and run the model on the host instead of Neuron devices.", graph=False)
     output_logits: bool = _general(
@@ -185,7 +196,7 @@ class NeuronSpec:
         32768,
         "With sequence parallelism, sequence length in tokens from which weights are gathered instead of activations.",
         cpu="the CPU programs always gather activations",
-        validator=_pos,
+        bounds=(1, MAX_TOKENS),
     )
     attn_cls: str = _attention(
         "NeuronLlamaAttention", "Name of the attention module class.", cpu="the program follows the model's family"
@@ -216,16 +227,16 @@ class NeuronSpec:
         cpu="Neuron cache layout only",
     )
     ctx_batch_size: int = _batching(
-        1, "Batch size of the context-encoding model, in sequences; default batch_size.", validator=_pos
+        1, "Batch size of the context-encoding model, in sequences; default batch_size.", bounds=(1, MAX_BATCH)
     )
     tkg_batch_size: int = _batching(
-        1, "Batch size of the token-generation model, in sequences; default batch_size.", validator=_pos
+        1, "Batch size of the token-generation model, in sequences; default batch_size.", bounds=(1, MAX_BATCH)
     )
     max_batch_size: int = _batching(
         1,
         "Largest batch under continuous batching, in sequences; default batch_size.",
         cpu="batches are bounded by ctx/tkg_batch_size",
-        validator=_pos,
+        bounds=(1, MAX_BATCH),
     )
     is_continuous_batching: bool = _batching(
         False,
@@ -235,12 +246,12 @@ class NeuronSpec:
     kv_cache_batch_size: int = _batching(
         1,
         "Sequence rows in the KV cache; default batch_size, or tkg_batch_size // attention_dp_degree with attention DP.",
-        validator=_pos,
+        bounds=(1, MAX_BATCH),
     )
     kv_cache_padding_size: int = _batching(
         0,
         "Extra KV-cache rows that absorb discarded writes; default 0 (1 with attention DP on trn1 or without cascaded attention).",
-        validator=_nonneg,
+        bounds=(0, MAX_BATCH),
     )
     apply_seq_ids_mask: bool = _batching(
         False,
@@ -265,19 +276,24 @@ class NeuronSpec:
     context_encoding_buckets: tuple[int, ...] | None = _bucketing(
         None,
         "Context-encoding bucket lengths, in tokens, each <= max_context_length; kept sorted; default None (automatic).",
+        bounds=(1, MAX_TOKENS),
     )
     prefix_buckets: tuple[int, ...] | None = _bucketing(
         None,
         "Prefix-length buckets, in tokens, for prefix caching; kept sorted; default None (automatic).",
         cpu="used with prefix caching only",
+        bounds=(0, MAX_TOKENS),
     )
     token_generation_buckets: tuple[int, ...] | None = _bucketing(
-        None, "Token-generation bucket lengths, in tokens, each <= max_length; kept sorted; default None (automatic)."
+        None,
+        "Token-generation bucket lengths, in tokens, each <= max_length; kept sorted; default None (automatic).",
+        bounds=(1, MAX_TOKENS),
     )
     token_generation_batches: tuple[int, ...] | None = _bucketing(
         None,
         "Batch-size buckets for token generation, each 1..tkg_batch_size; not with speculation, prefix caching or block KV.",
         cpu=OnCpu.REFUSED,
+        bounds=(1, MAX_BATCH),
     )
     quantized: bool = _quantization(False, "Load quantized weights from quantized_checkpoints_path.", cpu=OnCpu.REFUSED)
     quantized_checkpoints_path: str | None = _quantization(
@@ -297,10 +313,16 @@ class NeuronSpec:
         cpu="used with quantized=True only",
     )
     quantization_block_size: tuple[int, ...] | None = _quantization(
-        None, "Block shape for blockwise_symmetric quantization.", cpu="used with quantized=True only"
+        None,
+        "Block shape for blockwise_symmetric quantization.",
+        cpu="used with quantized=True only",
+        bounds=(1, MAX_SIZE),
     )
     quantization_block_axis: tuple[int, ...] | None = _quantization(
-        None, "Axes the blockwise quantization blocks span.", cpu="used with quantized=True only"
+        None,
+        "Axes the blockwise quantization blocks span.",
+        cpu="used with quantized=True only",
+        bounds=(-MAX_AXES, MAX_AXES),
     )
     quantization_scale_dtype: Literal["f32", "bf16", "f16"] = _quantization(
         "f32", "dtype of quantization scales: f32, bf16 or f16.", cpu="used with quantized=True only"
@@ -343,13 +365,13 @@ class NeuronSpec:
         0,
         "Draft tokens proposed per step before the target verifies them; > 0 enables speculation.",
         cpu=OnCpu.REFUSED,
-        validator=_nonneg,
+        bounds=(0, MAX_COUNT),
     )
     spec_batch_size: int = _speculation(
         1,
         "Batch size of the speculation model, in sequences; default batch_size.",
         cpu="used with speculation only",
-        validator=_pos,
+        bounds=(1, MAX_BATCH),
     )
     trace_tokengen_model: bool = _speculation(
         True,
@@ -386,13 +408,16 @@ class NeuronSpec:
         0,
         "Tokens the Medusa heads propose before the model verifies them.",
         cpu="used with is_medusa only",
-        validator=_nonneg,
+        bounds=(0, MAX_COUNT),
     )
     num_medusa_heads: int = _speculation(
-        0, "Number of Medusa LM heads.", cpu="used with is_medusa only", validator=_nonneg
+        0, "Number of Medusa LM heads.", cpu="used with is_medusa only", bounds=(0, MAX_COUNT)
     )
     medusa_tree: tuple[tuple[int, ...], ...] | None = _speculation(
-        None, "Medusa tree of candidate paths (e.g. medusa_mc_sim_7b_63.json).", cpu="used with is_medusa only"
+        None,
+        "Medusa tree of candidate paths (e.g. medusa_mc_sim_7b_63.json).",
+        cpu="used with is_medusa only",
+        bounds=(0, MAX_COUNT),
     )
     is_block_kv_layout: bool = _paged(
         False,
@@ -403,13 +428,13 @@ class NeuronSpec:
         1,
         "Number of blocks in the block KV cache; default batch_size.",
         cpu="used with is_block_kv_layout only",
-        validator=_pos,
+        bounds=(1, MAX_TOKENS),
     )
     pa_block_size: int = _paged(
         128,
         "Tokens per block of the block KV cache; default seq_len.",
         cpu="used with is_block_kv_layout only",
-        validator=_pos,
+        bounds=(1, MAX_TOKENS),
     )
     is_prefix_caching: bool = _paged(
         False, "Reuse cached KV blocks for prompts that share a prefix.", cpu=OnCpu.REFUSED
@@ -418,6 +443,7 @@ class NeuronSpec:
         None,
         "Window, in tokens, for windowed context encoding; must equal the model's sliding_window if both are set.",
         cpu="sliding windows are applied as attention masks",
+        bounds=(1, MAX_TOKENS),
     )
     chunked_prefill_config: ChunkedPrefillSpec | None = _paged(
         None,
@@ -442,48 +468,54 @@ class NeuronSpec:
     tp_degree: int = _distributed(
         1,
         "Tensor-parallel degree, in NeuronCores (rank processes on the CPU); attention heads should divide by it.",
-        validator=_pos,
+        bounds=(1, MAX_DEGREE),
     )
     cp_degree: int = _distributed(
-        1, "Context-parallel degree for context encoding; must divide tp_degree.", cpu=OnCpu.REFUSED, validator=_pos
+        1,
+        "Context-parallel degree for context encoding; must divide tp_degree.",
+        cpu=OnCpu.REFUSED,
+        bounds=(1, MAX_DEGREE),
     )
     mlp_cp_degree: int = _distributed(
         1,
         "Context-parallel degree for MLP layers; > 1 needs sequence_parallel_enabled.",
         cpu=OnCpu.REFUSED,
-        validator=_pos,
+        bounds=(1, MAX_DEGREE),
     )
     attention_dp_degree: int = _distributed(
         1,
         "Attention data-parallel degree in token generation; must divide tp_degree and tkg_batch_size; needs continuous batching.",
         cpu=OnCpu.REFUSED,
-        validator=_pos,
+        bounds=(1, MAX_DEGREE),
     )
-    pp_degree: int = _distributed(1, "Pipeline-parallel degree, in stages.", cpu=OnCpu.REFUSED, validator=_pos)
-    ep_degree: int = _distributed(1, "Expert-parallel degree, in ranks.", cpu=OnCpu.REFUSED, validator=_pos)
+    pp_degree: int = _distributed(1, "Pipeline-parallel degree, in stages.", cpu=OnCpu.REFUSED, bounds=(1, MAX_DEGREE))
+    ep_degree: int = _distributed(1, "Expert-parallel degree, in ranks.", cpu=OnCpu.REFUSED, bounds=(1, MAX_DEGREE))
     enable_ve_data_parallel: bool = _distributed(
         False, "Run the vision encoder data-parallel across world_size / tp_degree groups.", cpu="no vision encoder"
     )
     start_rank_id: int = _distributed(
-        0, "First global rank this process serves (with torchrun: this node's first rank).", graph=False
+        0,
+        "First global rank this process serves (with torchrun: this node's first rank).",
+        graph=False,
+        bounds=(0, MAX_COUNT),
     )
     local_ranks_size: int = _distributed(
         1,
         "Ranks this process serves (with torchrun: this node's ranks); default tp_degree * pp_degree * ep_degree (the world size).",
         graph=False,
-        validator=_pos,
+        bounds=(1, MAX_COUNT),
     )
     logical_nc_config: int = _distributed(
         1,
         "Physical NeuronCores per logical core (LNC); NEURON_LOGICAL_NC_CONFIG overrides it; default 2 on trn2 and trn3, else 1.",
         cpu="Neuron cores only",
-        validator=_pos,
+        bounds=(1, MAX_LNC),
     )
     lm_head_pad_alignment_size: int = _distributed(
         1,
         "Alignment, times logical_nc_config, that the LM head's sharded vocab dim is padded to.",
         cpu="Neuron layout only",
-        validator=_pos,
+        bounds=(1, MAX_SIZE),
     )
     attn_kernel_enabled: bool | None = _kernels(
         None, "Flash-attention kernel for context encoding: None lets the model decide, True/False request it."
@@ -552,13 +584,13 @@ class NeuronSpec:
         2,
         "Pipeline tiling factor for collectives; > 1 with an MLP kernel tiles collectives manually.",
         cpu="Neuron collectives only",
-        validator=_pos,
+        bounds=(1, MAX_COUNT),
     )
     seq_len_threshold_for_cc_tiling: int = _compiler(
         16384,
         "Sequence length threshold, in tokens, for collective tiling.",
         cpu="Neuron collectives only",
-        validator=_pos,
+        bounds=(1, MAX_TOKENS),
     )
     target: Literal["trn1", "trn2", "trn3", "inf2"] | None = _compiler(
         None,
@@ -578,12 +610,19 @@ class NeuronSpec:
         None,
         "Scratchpad page size shared by compiler and runtime; default None, or 1024 when max_context_length >= 32768.",
         cpu="Neuron runtime only",
+        bounds=(1, MAX_SIZE),
     )
     padded_hidden_size: int | None = _compiler(
-        None, "Hidden size the model is padded to, replacing hidden_size; default None (no padding).", cpu=OnCpu.REFUSED
+        None,
+        "Hidden size the model is padded to, replacing hidden_size; default None (no padding).",
+        cpu=OnCpu.REFUSED,
+        bounds=(1, MAX_SIZE),
     )
     padded_intermediate_size: int | None = _compiler(
-        None, "MLP intermediate size the model is padded to; default None (no padding).", cpu=OnCpu.REFUSED
+        None,
+        "MLP intermediate size the model is padded to; default None (no padding).",
+        cpu=OnCpu.REFUSED,
+        bounds=(1, MAX_SIZE),
     )
     disable_numeric_cc_token: bool = _compiler(
         False,

@@ -13,7 +13,20 @@ from typing import Any, Literal, TypeVar
 import attrs
 from returns.result import Failure, Result, Success
 
-from nxdi.core.config.fields import JsonMap, coerce, did_you_mean, field_types, setting, sub_spec_fields
+from nxdi.core.config.fields import (
+    MAX_BATCH,
+    MAX_COUNT,
+    MAX_DEGREE,
+    MAX_SIZE,
+    MAX_TOKENS,
+    MAX_VOCAB,
+    JsonMap,
+    coerce,
+    did_you_mean,
+    field_types,
+    setting,
+    sub_spec_fields,
+)
 from nxdi.core.errors import ConfigError, Problem
 
 S = TypeVar("S")
@@ -27,7 +40,7 @@ class OnDeviceSamplingSpec:
     top_k: int = setting(
         1,
         "Default top-k; -1 or 0 means the whole vocabulary; must not exceed global_topk.",
-        validator=attrs.validators.ge(-1),
+        bounds=(-1, MAX_VOCAB),
     )
     top_p: float = setting(
         1.0,
@@ -44,7 +57,7 @@ class OnDeviceSamplingSpec:
         False, "Use 0.5 instead of a random draw when picking from the cumulative distribution."
     )
     global_topk: int = setting(
-        256, "Candidates kept before per-row top-k; 0 sorts the whole vocabulary.", validator=attrs.validators.ge(0)
+        256, "Candidates kept before per-row top-k; 0 sorts the whole vocabulary.", bounds=(0, MAX_VOCAB)
     )
     on_device_sampling_config: bool = setting(True, "Literal flag kept for serialization compatibility; always True.")
     top_k_kernel_enabled: bool = setting(
@@ -55,7 +68,7 @@ class OnDeviceSamplingSpec:
     sampling_dp_degree: int = setting(
         1,
         "Data-parallel degree for batch-sharded sampling, >= 1.",
-        validator=attrs.validators.ge(1),
+        bounds=(1, MAX_DEGREE),
         cpu="one host samples every row",
     )
 
@@ -67,19 +80,19 @@ class LoraSpec:
     max_loras: int = setting(
         1,
         "Adapters resident in device memory at once; raised to the number of lora_ckpt_paths.",
-        validator=attrs.validators.ge(1),
+        bounds=(1, MAX_COUNT),
     )
     max_lora_rank: int = setting(
-        16, "Largest adapter rank; smaller adapters are zero-padded to it.", validator=attrs.validators.ge(1)
+        16, "Largest adapter rank; smaller adapters are zero-padded to it.", bounds=(1, MAX_SIZE)
     )
     max_cpu_loras: int = setting(
         100,
         "Adapters kept in host memory; lora_ckpt_paths_cpu may not hold more.",
-        validator=attrs.validators.ge(1),
+        bounds=(1, MAX_COUNT),
         graph=False,
     )
     batch_size: int = setting(
-        1, "Batch size, in sequences, the LoRA serving layers are built for.", validator=attrs.validators.ge(1)
+        1, "Batch size, in sequences, the LoRA serving layers are built for.", bounds=(1, MAX_BATCH)
     )
     target_modules: tuple[str, ...] | None = setting(
         None, "Modules that carry adapters (union of the adapters' target_modules when read from disk)."
@@ -112,7 +125,7 @@ class LoraSpec:
     lfu_decay_period: int = setting(
         128,
         "Period after which LFU usage counts decay, for the lfu policy.",
-        validator=attrs.validators.ge(1),
+        bounds=(1, MAX_TOKENS),
         graph=False,
     )
     base_model_quantized: bool = setting(False, "The base model's weights are quantized.")
@@ -130,16 +143,16 @@ class ChunkedPrefillSpec:
     max_num_seqs: int = setting(
         0,
         "Sequences concatenated into one chunked-prefill request (the effective batch size).",
-        validator=attrs.validators.ge(0),
+        bounds=(0, MAX_BATCH),
     )
     tkg_model_enabled: bool = setting(
         True, "Also compile a separate token-generation model for decode-only steps; when False batch_size must be 1."
     )
     kernel_q_tile_size: int = setting(
-        128, "Query tile length, in tokens, used by the chunked-prefill kernel.", validator=attrs.validators.gt(0)
+        128, "Query tile length, in tokens, used by the chunked-prefill kernel.", bounds=(1, MAX_TOKENS)
     )
     kernel_kv_tile_size: int = setting(
-        1024, "KV-cache tile length, in tokens, used by the chunked-prefill kernel.", validator=attrs.validators.gt(0)
+        1024, "KV-cache tile length, in tokens, used by the chunked-prefill kernel.", bounds=(1, MAX_TOKENS)
     )
 
 
@@ -179,16 +192,16 @@ class HybridShardingSpec:
     """Separate MoE TP/EP degrees for context encoding and token generation."""
 
     moe_cte_tp_degree: int = setting(
-        1, "Tensor-parallel degree of MoE layers in context encoding.", validator=attrs.validators.ge(1)
+        1, "Tensor-parallel degree of MoE layers in context encoding.", bounds=(1, MAX_DEGREE)
     )
     moe_cte_ep_degree: int = setting(
-        1, "Expert-parallel degree of MoE layers in context encoding.", validator=attrs.validators.ge(1)
+        1, "Expert-parallel degree of MoE layers in context encoding.", bounds=(1, MAX_DEGREE)
     )
     moe_tkg_tp_degree: int = setting(
-        1, "Tensor-parallel degree of MoE layers in token generation.", validator=attrs.validators.ge(1)
+        1, "Tensor-parallel degree of MoE layers in token generation.", bounds=(1, MAX_DEGREE)
     )
     moe_tkg_ep_degree: int = setting(
-        1, "Expert-parallel degree of MoE layers in token generation.", validator=attrs.validators.ge(1)
+        1, "Expert-parallel degree of MoE layers in token generation.", bounds=(1, MAX_DEGREE)
     )
 
 
@@ -230,10 +243,8 @@ class MoESpec:
     hybrid_sharding_config: HybridShardingSpec | None = setting(
         None, "Separate MoE TP/EP degrees for context encoding and token generation."
     )
-    moe_tp_degree: int = setting(1, "Tensor-parallel degree inside MoE layers.", validator=attrs.validators.ge(1))
-    moe_ep_degree: int = setting(
-        1, "Expert-parallel degree inside MoE layers, in ranks.", validator=attrs.validators.ge(1)
-    )
+    moe_tp_degree: int = setting(1, "Tensor-parallel degree inside MoE layers.", bounds=(1, MAX_DEGREE))
+    moe_ep_degree: int = setting(1, "Expert-parallel degree inside MoE layers, in ranks.", bounds=(1, MAX_DEGREE))
     transpose_shared_experts_weights: bool = setting(False, "Transpose the shared-expert weights at load.")
     blockwise_matmul_config: JsonMap = setting(
         JsonMap(), "Blockwise expert matmul settings (NxD BlockwiseMatmulConfig kwargs); default empty."

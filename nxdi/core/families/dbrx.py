@@ -13,7 +13,7 @@ from nxdi.core.model_spec import NormKind
 
 def _read(r: ConfigReader) -> dict[str, Any]:
     attn, ffn = r.sub("attn_config"), r.sub("ffn_config")
-    clip = attn.opt_float("clip_qkv")
+    clip = attn.opt_float("clip_qkv", positive=True)
     if clip is not None and clip <= 0:
         attn.problems.append(Problem.of(attn.name("clip_qkv"), clip, "must be positive or null"))
     return dict(

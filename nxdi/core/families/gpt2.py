@@ -21,7 +21,7 @@ def _read(r: ConfigReader) -> dict[str, Any]:
         intermediate_size=r.int_("n_inner", 4 * hidden if hidden else None),
         max_position_embeddings=r.int_("n_positions", 1024),
         norm=NormKind.LAYER,
-        norm_eps=r.float_("layer_norm_epsilon", 1e-5),
+        norm_eps=r.float_("layer_norm_epsilon", 1e-5, positive=True),
         activation=r.activation("activation_function", "gelu_new"),
         gated_mlp=False,
         position=PositionKind.LEARNED,

@@ -80,7 +80,7 @@ def read_llama_like(r: ConfigReader, model_type: str, **family: Any) -> dict[str
         vocab_size=r.int_("vocab_size"),
         intermediate_size=r.int_("intermediate_size"),
         max_position_embeddings=r.int_("max_position_embeddings", 2048),
-        norm_eps=r.float_("rms_norm_eps", 1e-6),
+        norm_eps=r.float_("rms_norm_eps", 1e-6, positive=True),
         activation=r.activation("hidden_act", "silu"),
         rope=reader.rope(r),
         tie_word_embeddings=r.bool_("tie_word_embeddings", False),

@@ -8,6 +8,7 @@ one door and every missing or inconsistent key is reported at once, named by its
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,17 +62,22 @@ class ConfigReader:
             return None
         return v
 
-    def opt_float(self, key: str) -> float | None:
+    def opt_float(self, key: str, *, positive: bool = False) -> float | None:
+        """A finite number (NaN and infinities are refused, in either of their JSON spellings), or None
+        when absent; with `positive`, also above 0."""
         v = self.raw.get(key)
         if v is None:
             return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            self.problems.append(Problem.of(self.name(key), v, "must be a number or null"))
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            self.problems.append(Problem.of(self.name(key), v, "must be a finite number or null"))
+            return None
+        if positive and v <= 0:
+            self.problems.append(Problem.of(self.name(key), v, "must be a positive number"))
             return None
         return float(v)
 
-    def float_(self, key: str, default: float) -> float:
-        v = self.opt_float(key)
+    def float_(self, key: str, default: float, *, positive: bool = False) -> float:
+        v = self.opt_float(key, positive=positive)
         return default if v is None else v
 
     def bool_(self, key: str, default: bool) -> bool:
@@ -161,9 +167,11 @@ def rope(r: ConfigReader, *, legacy_theta: tuple[str, object] | None = None) -> 
     if src.raw.get("rope_theta") is not None:
         theta_key, theta = src.name("rope_theta"), src.raw["rope_theta"]
     theta = 10000.0 if theta is None else theta
-    base = theta if isinstance(theta, (int, float)) and not isinstance(theta, bool) and theta > 0 else None
+    base: float | None = None
+    if isinstance(theta, (int, float)) and not isinstance(theta, bool) and math.isfinite(theta) and theta > 0:
+        base = float(theta)
     if base is None:
-        r.problems.append(Problem.of(theta_key, theta, "must be a positive number"))
+        r.problems.append(Problem.of(theta_key, theta, "must be a finite positive number"))
     type_key = "rope_type" if "rope_type" in src.raw else "type"
     kind_name = src.raw.get(type_key, "default")
     kind = next((k for k in RopeKind if k.value == kind_name), None)
@@ -178,11 +186,11 @@ def rope(r: ConfigReader, *, legacy_theta: tuple[str, object] | None = None) -> 
         src.problems.append(Problem.missing(src.name("original_max_position_embeddings"), "llama3 RoPE needs it"))
     scaling: dict[str, Any] = dict(
         factor=factor,
-        low_freq_factor=src.float_("low_freq_factor", 1.0),
-        high_freq_factor=src.float_("high_freq_factor", 4.0),
+        low_freq_factor=src.float_("low_freq_factor", 1.0, positive=True),
+        high_freq_factor=src.float_("high_freq_factor", 4.0, positive=True),
         original_max_position_embeddings=original,
         beta_fast=src.float_("beta_fast", 32.0),
         beta_slow=src.float_("beta_slow", 1.0),
-        attention_factor=src.opt_float("attention_factor"),
+        attention_factor=src.opt_float("attention_factor", positive=True),
     )
-    return None if base is None or kind is None else RopeSpec(theta=float(base), kind=kind, **scaling)
+    return None if base is None or kind is None else RopeSpec(theta=base, kind=kind, **scaling)

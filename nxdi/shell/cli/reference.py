@@ -2,7 +2,8 @@
 docs/neuron-config.md (a test keeps that file equal to `render_markdown()`).
 
 Every row comes from a field's `FieldInfo` (`nxdi.core.config.fields`): name, default, what it does
-on the CPU backend, and its one-line description, grouped as the seeds group them. Sub-config
+on the CPU backend, its one-line description and, for an integer setting, the range its validator
+enforces, grouped as the seeds group them. Sub-config
 attributes are listed under their config (`on_device_sampling_config.top_k`); MoENeuronConfig's
 attributes under "Mixture of experts" by their flat names.
 """
@@ -67,6 +68,14 @@ def reference_rows() -> list[Row]:
     return sorted(rows, key=lambda r: order[r.group])
 
 
+def describe(info: FieldInfo) -> str:
+    """The description, with the range an integer setting is validated against."""
+    if info.bounds is None:
+        return info.doc
+    low, high = info.bounds
+    return f"{info.doc} Range: {low}..{high}."
+
+
 def _cpu_text(row: Row) -> str:
     match row.cpu:
         case OnCpu.YES:
@@ -89,7 +98,7 @@ def render_text(rows: list[Row]) -> str:
             group = r.group
             lines.append(group.value)
         lines.append(f"  {r.name} = {r.default}    [CPU: {_cpu_text(r)}]")
-        lines.append(f"      {r.info.doc}")
+        lines.append(f"      {describe(r.info)}")
     lines += ["", f"{len(rows)} attributes. CPU: what each does on the CPU backend; 'derived': see the description."]
     return "\n".join(lines)
 
@@ -105,7 +114,8 @@ def render_markdown(rows: list[Row]) -> str:
         "effect** (accepted and saved, reported when set), or **not yet** (a model refuses anything but",
         "the default). A default of *derived* is described in the text.",
         "Attributes of a sub-config are listed as `config.attribute`; `MoENeuronConfig`'s own under",
-        "*Mixture of experts*.",
+        "*Mixture of experts*. An integer attribute states the range nxdi accepts (`Range: low..high`);",
+        "a value outside it is refused with the attribute, the value and the bound.",
         "",
         f"{len(rows)} attributes.",
     ]
@@ -115,7 +125,7 @@ def render_markdown(rows: list[Row]) -> str:
             group = r.group
             out += ["", f"## {group.value}", "", "| attribute | default | CPU | description |", "|---|---|---|---|"]
         default = r.default.replace("|", "\\|")
-        doc = r.info.doc.replace("|", "\\|")
+        doc = describe(r.info).replace("|", "\\|")
         out.append(f"| `{r.name}` | `{default}` | {_cpu_text(r)} | {doc} |")
     return "\n".join(out) + "\n"
 
@@ -129,4 +139,4 @@ def field_help(name: str) -> str:
         OnCpu.REFUSED: " [not on CPU yet]",
         OnCpu.WITH_TP: " [on CPU with tp_degree > 1]",
     }[info.cpu]
-    return (info.doc + cpu).replace("%", "%%")  # argparse formats help with %
+    return (describe(info) + cpu).replace("%", "%%")  # argparse formats help with %

@@ -13,6 +13,7 @@ from typing import Any
 from hypothesis import strategies as st
 from returns.result import Success
 
+from nxdi.core.config.fields import MAX_BATCH, MAX_DEGREE, MAX_TOKENS
 from nxdi.core.config.neuron_parse import parse_neuron_spec
 from nxdi.core.config.neuron_spec import NeuronSpec
 
@@ -104,6 +105,14 @@ def _break(kwargs: dict[str, Any], kind: str) -> tuple[dict[str, Any], str]:
         case "quantized_checkpoints_path":
             k["quantized"] = True
             k.pop("quantized_checkpoints_path", None)
+        case "kv_cache_batch_size":  # above nxdi's upper bound
+            k["kv_cache_batch_size"] = MAX_BATCH + 1 + k["batch_size"]
+        case "seq_len":
+            k["seq_len"] = MAX_TOKENS + seq_len
+            k.pop("max_context_length", None)
+            k.pop("token_generation_buckets", None)
+        case "tp_degree":
+            k["tp_degree"] = 2 * MAX_DEGREE
     return k, kind
 
 
@@ -118,6 +127,9 @@ INVALID_KINDS = (
     "qkv_kernel_enabled",
     "on_device_sampling_config.top_p",
     "quantized_checkpoints_path",
+    "kv_cache_batch_size",
+    "seq_len",
+    "tp_degree",
 )
 
 
