@@ -26,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "CheckpointValidationError": "nxdi.shell.exceptions",
     "ArtifactIntegrityError": "nxdi.shell.exceptions",
     "RankError": "nxdi.shell.exceptions",
+    "FolderLockedError": "nxdi.shell.exceptions",
     "NeuronApplicationBase": "nxdi.shell.application",
     "NeuronBaseForCausalLM": "nxdi.shell.causal_lm",
     "prepare_sampling_params": "nxdi.shell.causal_lm",

@@ -9,13 +9,23 @@ Layout of a compiled-model folder:
     manifest.json                                      written last: see `Manifest`
 
 Rules:
-- A folder is compiled exactly when `manifest.json` exists. `compile_programs` deletes it before
-  writing anything and writes it last, so an interrupted compile leaves a folder that reads as
-  "nothing compiled" (FileNotFoundError), never a half-valid one.
+- A folder is compiled exactly when `manifest.json` exists; it is written last.
+- `compile_programs` writes into the folder it is given. The shell gives it an empty build folder
+  beside the compiled one (`nxdi.effects.staging.building`) together with `previous=` the compiled
+  folder, and swaps the build in when the whole compile (configuration, weights, programs,
+  manifest, debug HLO) is written: at every instant the compiled folder holds the old complete
+  compile or the new one, whatever interrupts it, and compiles of one folder take turns (a lock).
+  Unchanged programs of `previous` are hard-linked (else copied) into the build, not traced again.
+- Compiling into a live folder (no `previous`) deletes its manifest before writing anything, so an
+  interrupted compile there leaves a folder that reads as "nothing compiled", never a half-valid one.
 - Every file is written to a temporary name in its folder and renamed into place.
 - The manifest records each program's sub-model (phase) and bucket as fields, and the sha256 and
   size of every program (and of any file the caller asks it to record). Loading checks them all
-  and names each file that is missing, truncated or altered.
+  and names each file that is missing, truncated or altered; a file that passes the check but
+  cannot be read back (a backend's deserializer fails on it) is named too (`ArtifactError`).
+- The manifest also pins the original checkpoint (`source`: each file's name, size, mtime and
+  sha256, from `nxdi.effects.checkpoint_scan`); loading from a folder without weights of its own
+  refuses a checkpoint that changed since (`engine.rank_weights`), and `replace_source` re-pins.
 - The manifest carries a format number. A folder written by another format (an older nxdi) is
   refused with "compile again", before anything else in it is read.
 - Compile cache: a program's key hashes the caller's graph key, the program name, the backend and
@@ -42,11 +52,17 @@ from nxdi.core.config.neuron_spec import Phase
 from nxdi.core.errors import ArtifactError, Problem
 from nxdi.effects import files
 from nxdi.effects.backends.base import Backend, CompiledProgram, FlatProgram, Signature
+from nxdi.effects.checkpoint_scan import SourceFile
 
 MANIFEST = "manifest.json"
 PROGRAMS = "programs"
-FORMAT = 2
-"""Manifest format: 2 records phase and bucket per program (format 1 encoded them in the file name)."""
+FORMAT = 3
+"""Manifest format: 3 pins the original checkpoint (`source`), which load() checks when it reads
+its weights from there; 2 recorded phase and bucket per program (1 encoded them in the file name).
+A format-2 folder is refused ("compile again"): it cannot show that its checkpoint is unchanged."""
+PROGRAM_FORMAT = 2
+"""The saved programs' own format, part of every program's cache key. Manifest format 3 did not
+change the programs, so this stays 2 and cached programs stay valid."""
 _CHUNK = 1 << 22
 
 
@@ -55,6 +71,10 @@ def _programs(values: Iterable[ProgramRecord]) -> tuple[ProgramRecord, ...]:
 
 
 def _files(values: Iterable[FileRecord]) -> tuple[FileRecord, ...]:
+    return tuple(values)
+
+
+def _sources(values: Iterable[SourceFile]) -> tuple[SourceFile, ...]:
     return tuple(values)
 
 
@@ -92,6 +112,9 @@ class Manifest:
     backend_version: str
     programs: tuple[ProgramRecord, ...] = attrs.field(converter=_programs)
     files: tuple[FileRecord, ...] = attrs.field(converter=_files)
+    source: tuple[SourceFile, ...] = attrs.field(default=(), converter=_sources)
+    """The original checkpoint's files when compiled (names relative to it, sizes, mtimes,
+    sha256): load() refuses a changed checkpoint when it reads the weights from it."""
     format: int = FORMAT
 
     def to_json(self) -> dict[str, Any]:
@@ -112,6 +135,7 @@ class Manifest:
                 for p in self.programs
             ],
             "files": {f.path: {"sha256": f.sha256, "size": f.size} for f in self.files},
+            "source": [f.to_json() for f in self.source],
         }
 
     @classmethod
@@ -136,6 +160,7 @@ class Manifest:
             backend_version=str(raw["backend_version"]),
             programs=programs,
             files=records,
+            source=tuple(SourceFile.from_json(f) for f in raw["source"]),
             format=int(raw["format"]),
         )
 
@@ -168,7 +193,7 @@ class CompileResult:
 
 def program_key(graph_key: str, name: str, backend: str, backend_version: str) -> str:
     """The compile-cache key of one program (hex sha256). Pure."""
-    doc = json.dumps([FORMAT, graph_key, name, backend, backend_version], separators=(",", ":"))
+    doc = json.dumps([PROGRAM_FORMAT, graph_key, name, backend, backend_version], separators=(",", ":"))
     return hashlib.sha256(doc.encode()).hexdigest()
 
 
@@ -204,6 +229,23 @@ def read_manifest(directory: str | os.PathLike[str]) -> Result[Manifest, Artifac
         return Success(Manifest.from_json(raw))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         return Failure(ArtifactError(problems=(Problem.of(str(path), type(e).__name__, f"is malformed ({e})", fix),)))
+
+
+def replace_source(directory: str | os.PathLike[str], source: Iterable[SourceFile]) -> Result[Manifest, ArtifactError]:
+    """Pin another checkpoint identity in the folder's manifest (rewritten atomically; nothing
+    else in it changes). The caller holds the folder's lock exclusively.
+
+    Returns:
+        The new manifest, or the ArtifactError of `read_manifest`.
+    """
+    root = Path(directory)
+
+    def write(manifest: Manifest) -> Manifest:
+        new = attrs.evolve(manifest, source=source)
+        files.write_text_atomic(root / MANIFEST, json.dumps(new.to_json(), indent=1, sort_keys=True))
+        return new
+
+    return read_manifest(root).map(write)
 
 
 def verify(directory: str | os.PathLike[str], manifest: Manifest) -> Result[Manifest, ArtifactError]:
@@ -255,12 +297,26 @@ def load_programs(
     checked = (
         read_manifest(root).bind(lambda m: _compatibility(m, backend, graph_key, root)).bind(lambda m: verify(root, m))
     )
-    return checked.map(
-        lambda m: {
-            (p.phase, p.bucket): backend.load(root / p.file, p.signature, name=f"{p.phase.value}_{p.bucket}")
-            for p in m.programs
-        }
-    )
+    return checked.bind(lambda m: _deserialize(root, m, backend))
+
+
+def _deserialize(
+    root: Path, manifest: Manifest, backend: Backend
+) -> Result[dict[tuple[Phase, int], CompiledProgram], ArtifactError]:
+    """Every program read back by the backend; an ArtifactError names each file it cannot read."""
+    programs, problems = {}, []
+    for p in manifest.programs:
+        path = root / p.file
+        try:
+            programs[(p.phase, p.bucket)] = backend.load(path, p.signature, name=f"{p.phase.value}_{p.bucket}")
+        except ImportError:
+            raise  # the backend's toolchain is missing: not the file's fault
+        except Exception as e:  # a deserializer fed bad bytes can raise anything
+            # The file matched its manifest hash, so it was replaced along with the manifest (or
+            # written broken): say which file and what the reader said.
+            why = f"cannot be read as a {backend.name} program ({type(e).__name__}: {e})"
+            problems.append(Problem.of(str(path), "<unreadable>", why, "delete the folder and compile again"))
+    return Failure(ArtifactError(problems=tuple(problems))) if problems else Success(programs)
 
 
 # --- compiling --------------------------------------------------------------------------------
@@ -308,8 +364,11 @@ def _reusable(directory: Path) -> dict[str, ProgramRecord]:
 def _place(req: ProgramRequest, target: Path, key: str, ctx: _Context) -> bool:
     """Put the program at `target`: from the folder, the cache, or by tracing. True when traced."""
     old = ctx.reusable.get(key)
-    if old is not None and ctx.directory / old.file == target:
-        return False  # same key, same file, intact: keep it
+    if old is not None:
+        source = ctx.previous / old.file
+        if source != target:
+            files.link_or_copy(source, target)
+        return False  # same key, intact: keep it (linked from the previous folder)
     if _from_cache(ctx.cache_dir, key, target):
         return False
     program = ctx.backend.compile(req.fn, req.signature, req.example(), name=req.name)
@@ -321,6 +380,8 @@ def _place(req: ProgramRequest, target: Path, key: str, ctx: _Context) -> bool:
 @attrs.frozen(kw_only=True)
 class _Context:
     directory: Path
+    previous: Path
+    """The folder whose intact programs are reused (the folder itself when compiling in place)."""
     backend: Backend
     cache_dir: Path | None
     reusable: dict[str, ProgramRecord]
@@ -334,6 +395,8 @@ def compile_programs(
     backend: Backend,
     cache_dir: str | os.PathLike[str] | None = None,
     record: Iterable[str] = (),
+    source: Iterable[SourceFile] = (),
+    previous: str | os.PathLike[str] | None = None,
 ) -> CompileResult:
     """Compile `requests` into `directory` (reusing unchanged programs) and write the manifest last.
 
@@ -345,6 +408,11 @@ def compile_programs(
         cache_dir: optional cache shared across folders (e.g. `Env.compile_cache_dir`).
         record: other files of the folder (relative paths, e.g. `neuron_config.json`) whose
             hashes the manifest should hold, so loading detects changes to them too.
+        source: the original checkpoint's files (`checkpoint_scan.scan_checkpoint`), pinned in
+            the manifest.
+        previous: the compiled folder that `directory` (a build folder) will replace; its intact
+            programs of unchanged keys are linked into `directory`. Default: `directory` itself,
+            compiled in place (its manifest is deleted first).
 
     Raises:
         ValueError: two requests for one (phase, bucket). Exceptions from tracing propagate; the
@@ -355,10 +423,12 @@ def compile_programs(
     if len(set(names)) != len(names):
         raise ValueError(f"two requests for one sub-model and bucket among {names}")
     version = backend.version()
-    reusable = _reusable(root)
-    (root / MANIFEST).unlink(missing_ok=True)  # not compiled until the new manifest lands
+    old = root if previous is None else Path(previous)
+    reusable = _reusable(old)
+    if old == root:
+        (root / MANIFEST).unlink(missing_ok=True)  # not compiled until the new manifest lands
     cache = None if cache_dir is None else Path(cache_dir)
-    ctx = _Context(directory=root, backend=backend, cache_dir=cache, reusable=reusable)
+    ctx = _Context(directory=root, previous=old, backend=backend, cache_dir=cache, reusable=reusable)
     programs, traced = [], []
     for req in requests:
         key = program_key(graph_key, req.name, backend.name, version)
@@ -376,6 +446,7 @@ def compile_programs(
         backend_version=version,
         programs=programs,
         files=[record_file(root, r) for r in rels],
+        source=source,
     )
     files.write_text_atomic(root / MANIFEST, json.dumps(manifest.to_json(), indent=1, sort_keys=True))
     reused = tuple(n for n in names if n not in traced)

@@ -8,9 +8,16 @@ Rules:
   memory-mapped `torch.load(weights_only=True)`); tensors are read one at a time on request, so peak
   memory stays near one tensor. Shard files are opened read-only (private mappings); the user's
   files are never modified.
+- Every checkpoint file must resolve to a regular file: a symlink to one is fine (the Hugging
+  Face cache is built of them), while a file that is, or links to, a directory, device, FIFO or
+  socket, or a broken symlink, is refused saying so (`NotARegularFileError`), never read (a FIFO
+  would block) and never mistaken for "no checkpoint".
 - Every bad input raises one exception type, all subclasses of `CheckpointReadError`, with a
   message naming the file or key and what to do.
 - Writes go to a temporary file in the destination folder and are renamed into place.
+
+(Over 400 lines: finding the files, refusing the ones that are not safe to open, and the lazy
+reader share one error vocabulary; split, each piece would re-explain it.)
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import enum
 import json
 import os
 import pickle
+import stat
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -48,6 +56,11 @@ class CorruptCheckpointError(CheckpointReadError, ValueError):
     """A checkpoint or index file is truncated, corrupt, or not in the expected format."""
 
 
+class NotARegularFileError(CheckpointReadError, ValueError):
+    """A checkpoint file is, or links to, something other than a regular file (a directory,
+    device, FIFO or socket), or is a broken symlink."""
+
+
 class UnsafeShardPathError(CheckpointReadError, ValueError):
     """An index names a file outside the model directory."""
 
@@ -68,8 +81,9 @@ class CheckpointFormat(enum.Enum):
 
 
 SEARCH_ORDER: tuple[CheckpointFormat, ...] = tuple(CheckpointFormat)
+"""File names looked for in a model directory, most preferred first."""
 
-_SAFETENSORS_DTYPES: Mapping[str, torch.dtype] = {
+SAFETENSORS_DTYPES: Mapping[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -82,9 +96,13 @@ _SAFETENSORS_DTYPES: Mapping[str, torch.dtype] = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    **{
+        name: getattr(torch, t)
+        for name, t in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"))
+        if hasattr(torch, t)
+    },
 }
 """safetensors header dtype names."""
-"""File names looked for in a model directory, most preferred first."""
 
 
 @attrs.frozen(kw_only=True)
@@ -144,10 +162,44 @@ def _shard_path(directory: Path, name: str, index: Path) -> Path:
     return Path(joined)
 
 
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def irregular(path: Path) -> str | None:
+    """What `path` is when it does not resolve to a regular file (`"a symlink to /dev/zero, which
+    is a character device"`), or None when it does (directly or through symlinks) or is absent."""
+    try:
+        mode = path.stat().st_mode  # follows symlinks: a link to a regular file is regular
+    except FileNotFoundError:
+        return f"a broken symlink (to {os.readlink(path)})" if path.is_symlink() else None
+    except OSError as e:  # a symlink loop, a component that is not a directory
+        return f"unreadable ({e.strerror})"
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    return f"a symlink to {os.path.realpath(path)}, which is {kind}" if path.is_symlink() else kind
+
+
+def _refuse_irregular(paths: Iterable[Path], where: str) -> None:
+    bad = [f"{p.name} is {why}" for p in paths if (why := irregular(p)) is not None]
+    if bad:
+        raise NotARegularFileError(
+            f"{where}: {'; '.join(bad)}; checkpoint files must be regular files (or symlinks to regular "
+            f"files). Fix: replace {'it' if len(bad) == 1 else 'each'} with the checkpoint file it should be"
+        )
+
+
 def _indexed_files(index: Path, fmt: CheckpointFormat) -> CheckpointFiles:
     directory = index.parent
     names = _read_index(index)
     paths = {name: _shard_path(directory, name, index) for name in sorted(set(names.values()))}
+    _refuse_irregular(paths.values(), str(index))
     missing = sorted(n for n, p in paths.items() if not p.is_file())
     if missing:
         raise MissingShardError(f"{index}: names shard file(s) that do not exist: {', '.join(missing)}")
@@ -162,6 +214,8 @@ def find_checkpoint(path: str | os.PathLike[str]) -> CheckpointFiles:
 
     Raises:
         CheckpointNotFoundError: the path does not exist, or the directory holds none of the four files.
+        NotARegularFileError: the path, one of the four files or a shard an index names is, or
+            links to, a directory, device, FIFO or socket, or is a broken symlink.
         CorruptCheckpointError: an index is not valid JSON or has no weight_map.
         UnsafeShardPathError: an index names a file outside the directory.
         MissingShardError: an index names a file that does not exist.
@@ -174,9 +228,14 @@ def find_checkpoint(path: str | os.PathLike[str]) -> CheckpointFiles:
             return _indexed_files(p, fmt)
         return CheckpointFiles(format=fmt, directory=p.parent, shards=(p,))
     if not p.is_dir():
+        if os.path.lexists(p):
+            _refuse_irregular([p], str(p.parent))
         raise CheckpointNotFoundError(f"{p} does not exist; pass a model directory or a checkpoint file")
     for fmt in SEARCH_ORDER:
         candidate = p / fmt.value
+        # A preferred name that exists but is no file is refused, not skipped: falling back to a
+        # less preferred file would load weights the user did not mean.
+        _refuse_irregular([candidate], str(p))
         if candidate.is_file():
             if fmt in (CheckpointFormat.SAFETENSORS_INDEX, CheckpointFormat.BIN_INDEX):
                 return _indexed_files(candidate, fmt)
@@ -268,6 +327,10 @@ class Checkpoint:
     def keys(self) -> tuple[str, ...]:
         return tuple(self._where)
 
+    def shard_of(self, key: str) -> Path:
+        """The file holding `key`."""
+        return self._where[key]
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Key -> shape, without reading tensor data."""
         return dict(self._shapes)
@@ -279,7 +342,7 @@ class Checkpoint:
     def torch_dtype(self, key: str) -> torch.dtype:
         """The stored dtype of `key` as a torch dtype, from the file's header (no tensor data read)."""
         name = self._dtypes[key]
-        dtype = _SAFETENSORS_DTYPES.get(name) or getattr(torch, name.removeprefix("torch."), None)
+        dtype = SAFETENSORS_DTYPES.get(name) or getattr(torch, name.removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
             raise CorruptCheckpointError(f"{self._where[key]}: tensor {key!r} has an unknown dtype {name!r}")
         return dtype

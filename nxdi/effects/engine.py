@@ -52,7 +52,7 @@ from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 from nxdi.core.programs.step import StepSpec, example_inputs, step
 from nxdi.core.weight_plan import Combine, WeightPlan
-from nxdi.effects import artifacts, checkpoint, weight_loader
+from nxdi.effects import artifacts, checkpoint, checkpoint_scan, weight_loader
 from nxdi.effects.artifacts import CompileResult, ProgramRequest
 from nxdi.effects.backends.base import Backend, LoadedProgram, Signature, WeightSet
 from nxdi.effects.distributed import ops
@@ -74,6 +74,9 @@ class CheckpointSource:
     """The original Hugging Face checkpoint (a folder or a file)."""
     plan: WeightPlan
     """How it converts into the programs' weights (the whole model; each rank derives its share)."""
+    allow_nonfinite: bool = False
+    """Accept NaN and inf weights (NXDI_ALLOW_NONFINITE_WEIGHTS=1); otherwise compile() and
+    to_cpu() refuse them, naming each tensor."""
 
 
 @attrs.frozen(kw_only=True)
@@ -180,9 +183,13 @@ class EngineModel:
 # --- weights --------------------------------------------------------------------------------------
 
 
-def read_weights(model: EngineModel, source: CheckpointSource) -> Result[dict[str, Tensor], CheckpointError]:
-    """This rank's converted weights, read slice by slice from the original checkpoint."""
-    return weight_loader.get_state_dict(source.path, model.weight_plan(source.plan))
+def read_weights(
+    model: EngineModel, source: CheckpointSource, *, check_values: bool = False
+) -> Result[dict[str, Tensor], CheckpointError]:
+    """This rank's converted weights, read slice by slice from the original checkpoint; with
+    `check_values`, NaN and inf in what it reads are refused (unless `source.allow_nonfinite`)."""
+    refuse = check_values and not source.allow_nonfinite
+    return weight_loader.get_state_dict(source.path, model.weight_plan(source.plan), refuse_nonfinite=refuse)
 
 
 def write_weights(
@@ -296,7 +303,7 @@ def eager_runtime(model: EngineModel, source: CheckpointSource) -> Result[Runtim
         programs = {(phase, b): program for phase, lengths in model.buckets().items() for b in lengths}
         return runtime_for(model, programs, value)
 
-    return read_weights(model, source).map(build)
+    return read_weights(model, source, check_values=True).map(build)
 
 
 def compile_model(
@@ -309,20 +316,30 @@ def compile_model(
     save_weights: bool = False,
     cache_dir: str | os.PathLike[str] | None = None,
     record: Iterable[str] = (),
+    previous: str | os.PathLike[str] | None = None,
 ) -> Result[CompileResult, CheckpointError]:
-    """Compile every program of `model` into the folder `root` (see `artifacts.compile_programs`).
+    """Compile every program of `model` into the folder `root` (see `artifacts.compile_programs`;
+    `previous`: the compiled folder a build folder `root` will replace, whose unchanged programs
+    are reused).
 
+    The checkpoint is first checked from its headers (keys, shapes, floating dtypes) and then read
+    once, file by file (`weight_loader.scan_source`): NaN and inf weights are refused unless
+    `source.allow_nonfinite`, and every file's size, mtime and sha256 are pinned in the manifest.
     The programs are traced from the checkpoint's headers alone, once for every rank (all ranks
     hold the same shapes). With `save_weights` every rank's weights are written, one rank at a
     time, so loading needs no checkpoint (and memory holds one rank's shard at most).
 
     Returns:
-        The compile result, or a CheckpointError when the checkpoint does not fit the model.
+        The compile result, or a CheckpointError when the checkpoint does not fit the model or
+        holds NaN or inf (every problem listed).
 
     Raises:
         Exceptions from tracing propagate; the folder then reads as not compiled.
     """
     folder = Path(root)
+    scanned = weight_loader.scan_source(source.path, source.plan, allow_nonfinite=source.allow_nonfinite)
+    if isinstance(scanned, Failure):
+        return Failure(scanned.failure())
     folder.mkdir(parents=True, exist_ok=True)
     files = list(record)
     if save_weights:
@@ -351,32 +368,60 @@ def compile_model(
 
     return weight_loader.example_weights(model.weight_plan(source.plan), source.path).map(
         lambda example: artifacts.compile_programs(
-            folder, requests(example), graph_key=graph_key, backend=backend, cache_dir=cache_dir, record=files
+            folder,
+            requests(example),
+            graph_key=graph_key,
+            backend=backend,
+            cache_dir=cache_dir,
+            record=files,
+            previous=previous,
+            source=scanned.unwrap().files,
         )
     )
 
 
 def rank_weights(root: Path, model: EngineModel, source: CheckpointSource) -> Result[dict[str, Tensor], Any]:
     """This rank's weights for the compiled folder `root`: its shard file there, else its slices of
-    the original checkpoint (an ArtifactError when neither exists)."""
+    the original checkpoint, which must be the one pinned at compile (an ArtifactError when neither
+    exists, or when the checkpoint changed since: see `checkpoint_scan.check_pinned`)."""
     shard = root / sharded_weights(model.rank)
     if shard.is_file():
-        with checkpoint.open_checkpoint(shard) as ckpt:
-            tensors = dict(ckpt.iter_tensors())
+        try:
+            with checkpoint.open_checkpoint(shard) as ckpt:
+                tensors = dict(ckpt.iter_tensors())
+        except (checkpoint.CheckpointReadError, OSError) as e:  # it matched the manifest, yet is unreadable
+            why = f"cannot be read as weights ({type(e).__name__}: {e})"
+            fix = "compile again with save_sharded_checkpoint=True (or write it again with shard_weights())"
+            return Failure(ArtifactError(problems=(Problem.of(str(shard), "<unreadable>", why, fix),)))
         missing = [n for n in model.weight_names(source.plan) if n not in tensors]
         if missing:
             why = f"lacks the weights {missing}"
             return Failure(ArtifactError(problems=(Problem.of(str(shard), len(tensors), why),)))
         return Success(tensors)
     try:
-        checkpoint.find_checkpoint(source.path)
+        found = checkpoint.find_checkpoint(source.path)
     except FileNotFoundError:
         why = (
             "holds no checkpoint: the folder was compiled without save_sharded_checkpoint, so its weights come from it"
         )
         fix = "restore the checkpoint, or compile with save_sharded_checkpoint=True"
         return Failure(ArtifactError(problems=(Problem.of(source.path, "<missing>", why, fix),), not_found=True))
-    return read_weights(model, source)
+    # The programs were traced, and the values checked, for the checkpoint as it was at compile.
+    pinned = artifacts.read_manifest(root).bind(lambda m: checkpoint_scan.check_pinned(m.source, found))
+    return pinned.bind(lambda _: read_weights(model, source))
+
+
+def repin_source(root: str | os.PathLike[str], source: CheckpointSource) -> Result[artifacts.Manifest, Any]:
+    """Accept the original checkpoint as it is now for the compiled folder `root`: check it as
+    compile() does (headers, then every value, `weight_loader.scan_source`) and pin its files in the
+    manifest (`artifacts.replace_source`). The caller holds the folder's lock exclusively.
+
+    Returns:
+        The new manifest, or a CheckpointError (the checkpoint does not fit the model, or holds
+        NaN or inf) or the ArtifactError of reading the manifest.
+    """
+    scanned = weight_loader.scan_source(source.path, source.plan, allow_nonfinite=source.allow_nonfinite)
+    return scanned.bind(lambda scan: artifacts.replace_source(root, scan.files))
 
 
 def bind_programs(
@@ -419,7 +464,8 @@ def load_model(
     Returns:
         `Success(Runtime)` (warmed up when `warmup`), or a Failure: `ArtifactError` when nothing is
         compiled there (`not_found`), the folder is altered, of another format, backend or
-        configuration, or its weights are gone; `CheckpointError` when the original checkpoint does
+        configuration, or its weights are gone or come from an original checkpoint that changed
+        since compile; `CheckpointError` when the original checkpoint does
         not fit the plan or the weights do not fit the programs (every problem listed).
     """
     folder = Path(root)

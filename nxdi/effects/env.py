@@ -50,6 +50,13 @@ class Env:
     host_collectives_kib: int | None = None
     """NXDI_HOST_COLLECTIVES_KIB: the shared-memory slot of rank processes' collectives, in KiB
     (0: gloo only); larger tensors go through gloo."""
+    lock_timeout: float | None = None
+    """NXDI_LOCK_TIMEOUT: seconds compile() and load() wait for another process that holds the
+    compiled-model folder (compiling, or loading while this one compiles); 0 fails at once with
+    FolderLockedError naming the holder; unset: wait as long as it takes."""
+    allow_nonfinite_weights: bool = False
+    """NXDI_ALLOW_NONFINITE_WEIGHTS (1/true/yes, or 0/false/no): accept checkpoints holding NaN or
+    inf weights, which compile() and to_cpu() otherwise refuse, naming each tensor."""
     torchrun: Torchrun | None = None
     """Set when torchrun (or another launcher) started this process as one rank (RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR and MASTER_PORT all set)."""
@@ -71,6 +78,35 @@ def _int(environ: Mapping[str, str], name: str, problems: list[str]) -> int | No
     except ValueError:
         problems.append(f"{name}={raw!r} is not an integer; ignored")
         return None
+
+
+def _seconds(environ: Mapping[str, str], name: str, problems: list[str]) -> float | None:
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # negative, or nan
+        problems.append(f"{name}={raw!r} is not a number of seconds >= 0; ignored")
+        return None
+    return value
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def _flag(environ: Mapping[str, str], name: str, problems: list[str]) -> bool:
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return False
+    value = raw.strip().lower()
+    if value not in _TRUE | _FALSE:
+        # Not read as "on": an opt-in out of a safety check must be unambiguous.
+        problems.append(f"{name}={raw!r} is not one of 1, true, yes, on, 0, false, no, off; read as off")
+    return value in _TRUE
 
 
 def _torchrun(environ: Mapping[str, str], problems: list[str]) -> Torchrun | None:
@@ -113,5 +149,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> Env:
         compile_cache_dir=env.get("NXDI_COMPILE_CACHE"),
         backend=env.get("NXDI_BACKEND") or None,
         num_threads=_int(env, "NXDI_NUM_THREADS", problems),
+        allow_nonfinite_weights=_flag(env, "NXDI_ALLOW_NONFINITE_WEIGHTS", problems),
+        lock_timeout=_seconds(env, "NXDI_LOCK_TIMEOUT", problems),
         problems=tuple(problems),
     )

@@ -7,7 +7,9 @@ place, so a reader never sees half a file and an interrupted write leaves the ol
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,3 +44,36 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
     """Write UTF-8 `text` to `path` atomically."""
     return write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def link_or_copy(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> Path:
+    """Put `source`'s bytes at `target` atomically: a hard link when the file system allows one
+    (no bytes copied; nxdi never writes a file in place, so sharing the inode is safe), else a copy.
+    """
+    dest = Path(target)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{dest.name}"
+    try:
+        os.link(source, tmp)
+    except OSError:  # another file system, or one without hard links
+        return publish(dest, lambda t: shutil.copyfile(source, t))
+    try:
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return dest
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Flush a folder's entries (renames into or out of it) to disk; best effort where the OS refuses."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on a folder; the renames still happened
+    finally:
+        os.close(fd)

@@ -1,4 +1,5 @@
-"""This process's host memory, for benchmarks. Effects: reads /proc/self/status, runs a sampling thread.
+"""This process's host memory, for benchmarks, and the memory the host has available. Effects: reads
+/proc/self/status, /proc/meminfo and the cgroup memory limit, runs a sampling thread.
 
 Resident memory has two parts that matter differently: anonymous pages (tensors, heaps; what
 exhausts a host) and file-backed pages (memory-mapped checkpoint bytes; page cache the kernel can
@@ -16,6 +17,12 @@ import attrs
 
 _STATUS = Path("/proc/self/status")
 _FIELDS = {"VmRSS": "rss", "VmHWM": "peak_rss", "RssAnon": "anon", "RssFile": "file"}
+_MEMINFO = Path("/proc/meminfo")
+_CGROUP = Path("/sys/fs/cgroup")
+_CGROUP_LIMITS = (
+    ("memory.max", "memory.current"),  # cgroup v2
+    ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),  # cgroup v1
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -40,6 +47,33 @@ def usage() -> Usage:
         if name in _FIELDS:
             found[_FIELDS[name]] = int(rest.split()[0]) * 1024  # kB
     return Usage(**found)
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max": no limit
+
+
+def available_bytes(meminfo: Path = _MEMINFO, cgroup: Path = _CGROUP) -> int | None:
+    """Bytes this process can still allocate without swapping or being killed: the kernel's
+    MemAvailable, lowered to what this process's cgroup (a container's limit) has left; None where
+    /proc/meminfo is not available (off Linux)."""
+    try:
+        lines = meminfo.read_text().splitlines()
+    except OSError:
+        return None
+    found = [int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")]  # kB
+    if not found:
+        return None
+    free = found[0]
+    for limit_file, usage_file in _CGROUP_LIMITS:
+        limit, usage = _read_int(cgroup / limit_file), _read_int(cgroup / usage_file)
+        if limit is not None and usage is not None and limit < 1 << 60:  # v1 writes ~2**63 for none
+            free = min(free, max(limit - usage, 0))
+    return free
 
 
 def reset_peak() -> bool:

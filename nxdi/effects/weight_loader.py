@@ -1,7 +1,10 @@
 """Running a weight plan against checkpoint files, one tensor at a time. Effects: reads checkpoint files.
 
-The plan (`nxdi.core.weight_plan`) is checked against the checkpoint's keys and shapes before any
-tensor data is read, so a bad checkpoint fails fast with every problem listed. Then each step reads
+The plan (`nxdi.core.weight_plan`) is checked against the checkpoint's keys, shapes and dtypes
+(`check_headers`: only floating-point weights, `nxdi.core.weight_checks`) before any tensor data is
+read, so a bad checkpoint fails fast with every problem listed. Values are checked for NaN and inf
+as they are read when the caller asks (`to_cpu()`), or by one streaming pass over the files at
+compile (`scan_source`, which also records the files' identity). Then each step reads
 its sources, combines and casts them (`nxdi.core.host.weight_ops`) and yields the result; only aliased
 outputs (the embedding of tied models) are held back, so the stream itself keeps about one weight
 in flight. A rank's plan (`nxdi.core.planning.rank_weights`) reads only the rows of each source it
@@ -13,24 +16,51 @@ holds (a safetensors slice; a `.bin` file is memory-mapped, then sliced). The fu
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 
 import torch
 from returns.result import Failure, Result, Success
 from torch import Tensor
 
+from nxdi.core import weight_checks
 from nxdi.core import weight_plan as weights
 from nxdi.core.errors import CheckpointError
 from nxdi.core.host import weight_ops
-from nxdi.effects import checkpoint
+from nxdi.effects import checkpoint, checkpoint_scan
+
+
+def source_keys(plan: weights.WeightPlan, ckpt: checkpoint.Checkpoint) -> tuple[str, ...]:
+    """The checkpoint keys (as stored) that `plan` reads."""
+    read = plan.read_keys()
+    return tuple(k for k in ckpt.keys() if plan.rename(k) in read)  # noqa: SIM118 (not a dict)
+
+
+def check_headers(plan: weights.WeightPlan, ckpt: checkpoint.Checkpoint) -> Result[Mapping[str, str], CheckpointError]:
+    """`weights.check_checkpoint` (keys and shapes) and `weight_checks.check_dtypes` (floating point
+    only) from the headers alone, every problem of both listed.
+
+    Raises:
+        CorruptCheckpointError: a header names a dtype torch does not know.
+    """
+    dtypes = {k: str(ckpt.torch_dtype(k)).removeprefix("torch.") for k in source_keys(plan, ckpt)}
+    shaped, typed = weights.check_checkpoint(plan, ckpt.shapes()), weight_checks.check_dtypes(dtypes)
+    problems = [p for r in (shaped, typed) if isinstance(r, Failure) for p in r.failure().problems]
+    return Failure(CheckpointError(problems=tuple(problems))) if problems else shaped
 
 
 def iter_weights(
-    plan: weights.WeightPlan, ckpt: checkpoint.Checkpoint, keys: Mapping[str, str]
+    plan: weights.WeightPlan,
+    ckpt: checkpoint.Checkpoint,
+    keys: Mapping[str, str],
+    *,
+    nonfinite: dict[str, weight_checks.NonFinite] | None = None,
 ) -> Iterator[tuple[str, Tensor]]:
     """(nxdi name, tensor) in plan order; `keys` is the mapping `weights.check_checkpoint` returned.
 
-    A tied weight is yielded as the very tensor its alias target was (no copy).
+    A tied weight is yielded as the very tensor its alias target was (no copy). When `nonfinite`
+    is given, the NaN and inf values of every tensor read (the part a rank reads) are counted into
+    it by checkpoint key.
     """
     targets = {s.sources[0] for s in plan.steps if s.combine is weights.Combine.ALIAS}
     held: dict[str, Tensor] = {}
@@ -39,6 +69,10 @@ def iter_weights(
             out = held[step.sources[0]]
         else:
             reads = [_read(ckpt, keys[s], step.take(i)) for i, s in enumerate(step.sources)]
+            if nonfinite is not None:
+                for s, (t, _) in zip(step.sources, reads, strict=True):
+                    if (counts := checkpoint_scan.count_nonfinite(t)) is not None:
+                        nonfinite[keys[s]] = counts
             out = weight_ops.apply_step(step, [t for t, _ in reads], [o for _, o in reads])
         if step.name in targets:
             held[step.name] = out
@@ -54,32 +88,65 @@ def _read(ckpt: checkpoint.Checkpoint, key: str, take: weights.Take | None) -> t
     return ckpt.read_slice(key, dim=take.dim, start=start, stop=stop), start
 
 
-def load_weights(plan: weights.WeightPlan, ckpt: checkpoint.Checkpoint) -> Result[dict[str, Tensor], CheckpointError]:
+def load_weights(
+    plan: weights.WeightPlan, ckpt: checkpoint.Checkpoint, *, refuse_nonfinite: bool = False
+) -> Result[dict[str, Tensor], CheckpointError]:
     """Every weight of `plan` read from an open checkpoint.
+
+    Args:
+        refuse_nonfinite: fail when a tensor read holds NaN or inf (counted as it is read, one
+            `aminmax` per tensor).
 
     Returns:
         `Success(dict)` of nxdi name -> tensor in plan order, or `Failure(CheckpointError)` listing
-        every missing, unexpected or wrongly shaped key (nothing is read in that case).
+        every missing, unexpected, wrongly shaped or non-floating key (nothing is read in that
+        case), or, with `refuse_nonfinite`, every tensor holding NaN or inf.
     """
-    match weights.check_checkpoint(plan, ckpt.shapes()):
+    match check_headers(plan, ckpt):
         case Success(keys):
-            return Success(dict(iter_weights(plan, ckpt, keys)))
+            found: dict[str, weight_checks.NonFinite] | None = {} if refuse_nonfinite else None
+            out = dict(iter_weights(plan, ckpt, keys, nonfinite=found))
+            return weight_checks.check_finite(found or {}).map(lambda _: out)
         case Failure(err):
             return Failure(err)
     raise AssertionError("unreachable")
 
 
 def get_state_dict(
-    path: str | os.PathLike[str], plan: weights.WeightPlan
+    path: str | os.PathLike[str], plan: weights.WeightPlan, *, refuse_nonfinite: bool = False
 ) -> Result[dict[str, Tensor], CheckpointError]:
-    """The converted weights of the checkpoint at `path` (a model directory or a checkpoint file).
+    """The converted weights of the checkpoint at `path` (a model directory or a checkpoint file);
+    see `load_weights`.
 
     Raises:
         CheckpointReadError: (a subclass of) when the files cannot be found or read; see
             `nxdi.effects.checkpoint.find_checkpoint`.
     """
     with checkpoint.open_checkpoint(path) as ckpt:
-        return load_weights(plan, ckpt)
+        return load_weights(plan, ckpt, refuse_nonfinite=refuse_nonfinite)
+
+
+def scan_source(
+    path: str | os.PathLike[str], plan: weights.WeightPlan, *, allow_nonfinite: bool = False
+) -> Result[checkpoint_scan.Scan, CheckpointError]:
+    """Check the checkpoint at `path` for `plan` (headers first, as `check_headers`), then read every
+    byte once (`checkpoint_scan.scan_checkpoint`): the files' identity, and the NaN and inf values
+    of the tensors the plan reads, refused unless `allow_nonfinite` (then a warning names them).
+
+    Raises:
+        CheckpointReadError: (a subclass of) when the files cannot be found or read.
+    """
+    with checkpoint.open_checkpoint(path) as ckpt:
+        checked = check_headers(plan, ckpt)
+        if isinstance(checked, Failure):
+            return Failure(checked.failure())
+        scan = checkpoint_scan.scan_checkpoint(ckpt, source_keys(plan, ckpt))
+    found = dict(scan.nonfinite)
+    if allow_nonfinite and found:
+        listed = "; ".join(f"{key} ({counts.describe()})" for key, counts in found.items())
+        why = "weights holding NaN or inf are accepted (every logit they reach will be NaN)"
+        warnings.warn(f"{weight_checks.ALLOW_NONFINITE}=1: {why}: {listed}", stacklevel=2)
+    return weight_checks.check_finite(found, allowed=allow_nonfinite).map(lambda _: scan)
 
 
 def example_weights(plan: weights.WeightPlan, path: str | os.PathLike[str]) -> Result[list[Tensor], CheckpointError]:
@@ -87,11 +154,11 @@ def example_weights(plan: weights.WeightPlan, path: str | os.PathLike[str]) -> R
     checkpoint's headers alone (no tensor data is read): all that tracing a program needs.
 
     Returns:
-        The tensors in plan order, or the CheckpointError `get_state_dict` would give.
+        The tensors in plan order, or the CheckpointError of `check_headers`.
     """
     own = [s for s in plan.steps if s.combine is not weights.Combine.ALIAS]
     with checkpoint.open_checkpoint(path) as ckpt:
-        checked = weights.check_checkpoint(plan, ckpt.shapes())
+        checked = check_headers(plan, ckpt)
         if isinstance(checked, Failure):
             return Failure(checked.failure())
         keys = checked.unwrap()

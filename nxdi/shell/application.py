@@ -20,19 +20,20 @@ from nxdi.core import families, graph_key
 from nxdi.core import weight_plan as weight_plans
 from nxdi.core.config import neuron_checks
 from nxdi.core.config.neuron_spec import NeuronSpec
-from nxdi.core.errors import problems_of, problems_result
+from nxdi.core.errors import ArtifactError, Problem, problems_of, problems_result
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.planning import partition
+from nxdi.core.planning import host_memory, partition
 from nxdi.core.programs import catalog
-from nxdi.effects import backends, engine
+from nxdi.effects import backends, engine, staging
 from nxdi.effects import env as env_mod
+from nxdi.effects import memory as host_mem
 from nxdi.effects import weight_loader as weight_io
 from nxdi.effects.backends.base import Backend
 from nxdi.effects.distributed import launch
 from nxdi.effects.runtime import StepRuntime
 from nxdi.shell.config import NeuronConfig
-from nxdi.shell.exceptions import IncompatibleConfigError, unwrap
+from nxdi.shell.exceptions import IncompatibleConfigError, exception_for, unwrap
 from nxdi.shell.inference_config import CONFIG_FILE, InferenceConfig
 
 
@@ -49,6 +50,7 @@ class NeuronApplicationBase:
 
     Raises:
         IncompatibleConfigError: the configuration cannot run on this backend (every problem listed).
+        ArtifactIntegrityError: `config` is None and the folder's neuron_config.json is unreadable.
     """
 
     _config_cls: ClassVar[type[InferenceConfig]] = InferenceConfig
@@ -66,7 +68,7 @@ class NeuronApplicationBase:
     ) -> None:
         self._backend_name = backend
         if config is None:
-            config = self.get_config_cls().load(model_path)
+            config = self._read_config(model_path)
         if neuron_config is not None:
             config.neuron_config = neuron_config
         self.validate_config(config)
@@ -97,6 +99,26 @@ class NeuronApplicationBase:
     @classmethod
     def get_config_cls(cls) -> type[InferenceConfig]:
         return cls._config_cls
+
+    @classmethod
+    def _read_config(cls, model_path: str | os.PathLike[str]) -> InferenceConfig:
+        """The config saved in the folder `model_path` (by compile()).
+
+        Raises:
+            FileNotFoundError: the folder holds no neuron_config.json.
+            ArtifactIntegrityError: it cannot be read as a configuration of this nxdi (bytes that are
+                not text, not JSON, values of the wrong type...), naming the file.
+        """
+        try:
+            return cls.get_config_cls().load(model_path)
+        except FileNotFoundError:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError, AssertionError) as e:
+            path = Path(model_path) / CONFIG_FILE
+            why = f"cannot be read as a configuration ({type(e).__name__}: {' '.join(str(e).split())})"
+            fix = "compile the model into this folder again, or pass config="
+            error = ArtifactError(problems=(Problem.of(str(path), "<unreadable>", why, fix),))
+            raise exception_for(error) from e
 
     @classmethod
     def validate_config(cls, config: InferenceConfig) -> None:
@@ -171,13 +193,35 @@ class NeuronApplicationBase:
             raise IncompatibleConfigError(f"{e}. Fix: unset it, or name one of {', '.join(backends.NAMES)}") from None
 
     def _source(self, path: str | os.PathLike[str]) -> engine.CheckpointSource:
-        """The checkpoint at `path`, converted by this model's weight plan."""
-        return engine.CheckpointSource(path=str(path), plan=self._weight_plan(self.config))
+        """The checkpoint at `path`, converted by this model's weight plan (NaN and inf weights
+        accepted only with NXDI_ALLOW_NONFINITE_WEIGHTS=1)."""
+        env = env_mod.read_env()
+        for problem in env.problems:
+            if problem.startswith("NXDI_ALLOW_NONFINITE_WEIGHTS"):
+                warnings.warn(problem, stacklevel=3)
+        allow = env.allow_nonfinite_weights
+        return engine.CheckpointSource(path=str(path), plan=self._weight_plan(self.config), allow_nonfinite=allow)
+
+    def _check_host_memory(self, backend: Backend | None) -> None:
+        """Refuse, before anything is allocated, a model whose weights, KV cache and activations do
+        not fit in the memory this host has available, when the host holds them (eager, or the cpu
+        backend; `nxdi.core.planning.host_memory`).
+
+        Raises:
+            IncompatibleConfigError: they do not fit; the message gives every figure and the fix.
+        """
+        if backend is not None and backend.name != "cpu":
+            return
+        available = host_mem.available_bytes()
+        need = host_memory.host_need_for(self.model_spec, self.spec)
+        checked = need.bind(lambda n: host_memory.check_host_memory(n, self.spec, available))
+        unwrap(checked, "Does not fit in host memory")
 
     def _open(self, root: str | os.PathLike[str] | None, checkpoint: str, *, warmup: bool) -> None:
         """Build the runtime (eager when `root` is None, else from the compiled folder), replacing
         any runtime this model had (its rank processes are stopped first)."""
         self.close()
+        self._check_host_memory(None if root is None else self._backend())
         opened = launch.open_runtime(
             self._engine_model(),
             self._source(checkpoint),
@@ -194,8 +238,10 @@ class NeuronApplicationBase:
         With tp_degree > 1 this starts the rank processes, each reading its slices of the checkpoint.
 
         Raises:
-            CheckpointValidationError: missing, unexpected or misshapen tensors (all listed).
-            IncompatibleConfigError: start_rank_id / local_ranks_size contradict how the process was started.
+            CheckpointValidationError: missing, unexpected, misshapen or non-floating tensors, or
+                tensors holding NaN or inf unless NXDI_ALLOW_NONFINITE_WEIGHTS=1 (all listed).
+            IncompatibleConfigError: start_rank_id / local_ranks_size contradict how the process was started,
+                or the weights, KV cache and activations do not fit in the host memory available.
             RankError: a rank process died or hung while starting.
         """
         self._open(None, self.model_path, warmup=False)
@@ -222,78 +268,127 @@ class NeuronApplicationBase:
         sub-model and bucket serves every rank), with `save_sharded_checkpoint` every rank's
         converted weights in `weights/tp{rank}_sharded_checkpoint.safetensors`, and last
         `manifest.json` with the sub-model, bucket and sha256 of every program. Programs whose graph
-        key, sub-model, bucket and backend version are unchanged are reused, not traced again. An
-        interrupted compile leaves no manifest, which reads as not compiled. Under torchrun, global
-        rank 0 compiles while the other ranks wait. With `debug=True` the xla backend also writes
+        key, sub-model, bucket and backend version are unchanged are reused, not traced again. The
+        whole compile is written beside the folder and swapped in at the end, so an interrupted
+        compile leaves the previous compile intact (or nothing, on a first compile), and other
+        files in the folder stay. Compiles of one folder take turns: another process's compile or
+        load of it is waited for (a warning names it; NXDI_LOCK_TIMEOUT limits the wait). Under
+        torchrun, global rank 0 compiles while the other ranks wait. With `debug=True` the xla
+        backend also writes
         each program's HLO text to `hlo/<program>.hlo.txt` in the folder; other backends keep no
         HLO, and warn.
 
+        Before tracing, every byte of the checkpoint is read once: NaN and inf weights are refused
+        (NXDI_ALLOW_NONFINITE_WEIGHTS=1 accepts them, with a warning naming them), and each file's
+        name, size, mtime and sha256 are pinned in the manifest, so that `load()` refuses the
+        checkpoint if it changes (when the weights are read from it).
+
         Raises:
+            CheckpointValidationError: missing, unexpected, misshapen or non-floating tensors, or
+                tensors holding NaN or inf (all listed); nothing is written then.
             IncompatibleConfigError: the rank settings contradict how the process was started, or
-                the xla or neuron backend (one process for every rank) is asked for under torchrun.
+                the xla or neuron backend (one process for every rank) is asked for under torchrun,
+                or (cpu backend) the loaded model would not fit in the host memory available.
+            FolderLockedError: another process held the folder longer than NXDI_LOCK_TIMEOUT seconds.
         """
         root = Path(compiled_model_path)
         env = env_mod.read_env()
-        unwrap(launch.check_placement(self._engine_model(), env, self._backend()))
+        backend = self._backend()
+        unwrap(launch.check_placement(self._engine_model(), env, backend))
+        self._check_host_memory(backend)  # what load() will refuse on this host is not compiled either
+        hlo = debug and hasattr(backend, "hlo_text")
+        if debug and not hlo:
+            warnings.warn(f"debug=True: the {backend.name} backend keeps no HLO to write", stacklevel=2)
 
         def write() -> Any:
-            self.config.save(root)
-            compiled = engine.compile_model(
-                root,
-                self._engine_model(),
-                self._source(self.model_path),
-                backend=self._backend(),
-                graph_key=self._graph_key(),
-                save_weights=self.spec.save_sharded_checkpoint,
-                cache_dir=env.compile_cache_dir,
-                record=[CONFIG_FILE],
-            )
-            return unwrap(compiled)
+            # Everything lands in a build folder that replaces the compiled one as a whole.
+            owned = (CONFIG_FILE, "programs", "manifest.json", "hlo")  # never carried over from the old folder
+            with staging.building(root, timeout=_lock_timeout(env), on_wait=_waiting, owned=owned) as build:
+                self.config.save(build.path)
+                compiled = engine.compile_model(
+                    build.path,
+                    self._engine_model(),
+                    self._source(self.model_path),
+                    backend=backend,
+                    graph_key=self._graph_key(),
+                    save_weights=self.spec.save_sharded_checkpoint,
+                    cache_dir=env.compile_cache_dir,
+                    record=[CONFIG_FILE],
+                    previous=build.target,
+                )
+                result = unwrap(compiled)
+                if hlo:
+                    unwrap(engine.write_hlo(build.path, backend, build.path / "hlo"))
+                return result
 
         self._last_compile = launch.once(self._engine_model(), env, write)
         self.is_compiled = True
-        if debug:
-            backend = self._backend()
-            if not hasattr(backend, "hlo_text"):
-                warnings.warn(f"debug=True: the {backend.name} backend keeps no HLO to write", stacklevel=2)
-            else:
-                launch.once(self._engine_model(), env, lambda: unwrap(engine.write_hlo(root, backend, root / "hlo")))
 
     def shard_weights(self, compiled_model_path: str | os.PathLike[str]) -> None:
         """Write every rank's converted weights to `compiled_model_path/weights/tp{rank}_sharded_checkpoint.safetensors`,
         one rank at a time (each reads only its slices of the checkpoint; under torchrun, rank 0 writes)."""
         model, source = self._engine_model(), self._source(self.model_path)
 
+        env = env_mod.read_env()
+
         def write() -> None:
-            for rank in range(model.tp):
-                unwrap(engine.write_weights(compiled_model_path, attrs.evolve(model, rank=rank), source))
+            lock = staging.writing(compiled_model_path, purpose="write weights", timeout=_lock_timeout(env))
+            with lock as folder:
+                for rank in range(model.tp):
+                    unwrap(engine.write_weights(folder, attrs.evolve(model, rank=rank), source))
 
-        launch.once(model, env_mod.read_env(), write)
+        launch.once(model, env, write)
 
-    def load(self, compiled_model_path: str | os.PathLike[str]) -> None:
+    def load(self, compiled_model_path: str | os.PathLike[str], *, repin_checkpoint: bool = False) -> None:
         """Load the compiled programs and the weights, without tracing; warm up unless skip_warmup.
+
+        A folder compiled without save_sharded_checkpoint reads its weights from the original
+        checkpoint, which compile() pinned (file names, sizes, sha256); a checkpoint changed since
+        is refused. `repin_checkpoint=True` (nxdi's extension) accepts it as it is now: it is
+        checked as compile() checks it (shapes, dtypes, every value) and pinned in the folder.
 
         Raises:
             FileNotFoundError: nothing is compiled at the path, or its weights are gone (the folder
                 holds none and the original checkpoint is missing).
             ArtifactIntegrityError: a file is missing or altered, or the folder was compiled by
-                another nxdi, for another configuration or backend version (every problem named).
-            CheckpointValidationError: the weights do not fit the compiled programs.
-            IncompatibleConfigError: start_rank_id / local_ranks_size contradict how the process was started.
+                another nxdi, for another configuration or backend version, or the original
+                checkpoint it reads its weights from changed since (every problem named).
+            CheckpointValidationError: the weights do not fit the compiled programs (with
+                `repin_checkpoint`: also non-floating weights, or NaN or inf ones).
+            IncompatibleConfigError: start_rank_id / local_ranks_size contradict how the process was started,
+                or the weights, KV cache and activations do not fit in the host memory available.
             RankError: a rank process died or hung while loading.
+            FolderLockedError: a compile held the folder longer than NXDI_LOCK_TIMEOUT seconds.
         """
-        self._load(compiled_model_path, warmup=not self.spec.skip_warmup)
+        self._load(compiled_model_path, warmup=not self.spec.skip_warmup, repin=repin_checkpoint)
 
-    def load_weights(self, compiled_model_path: str | os.PathLike[str]) -> None:
+    def load_weights(self, compiled_model_path: str | os.PathLike[str], *, repin_checkpoint: bool = False) -> None:
         """(Re)load the compiled programs and the weights; the KV cache starts empty (no warm-up).
 
-        Raises: as `load`.
+        Raises: as `load` (`repin_checkpoint` as there).
         """
-        self._load(compiled_model_path, warmup=False)
+        self._load(compiled_model_path, warmup=False, repin=repin_checkpoint)
 
-    def _load(self, compiled_model_path: str | os.PathLike[str], *, warmup: bool) -> None:
-        self._open(compiled_model_path, self.checkpoint_path, warmup=warmup)
+    def _load(self, compiled_model_path: str | os.PathLike[str], *, warmup: bool, repin: bool = False) -> None:
+        # Held shared while the folder is read: loads run together, a compile of it waits.
+        timeout = _lock_timeout(env_mod.read_env())
+        if repin:
+            self._repin(compiled_model_path, timeout)
+        with staging.reading(compiled_model_path, timeout=timeout, on_wait=_waiting):
+            self._open(compiled_model_path, self.checkpoint_path, warmup=warmup)
         self.is_compiled = self.is_loaded_to_neuron = True
+
+    def _repin(self, compiled_model_path: str | os.PathLike[str], timeout: float | None) -> None:
+        """Check the original checkpoint as it is now and pin it in the folder's manifest (under
+        the folder's exclusive lock; under torchrun, global rank 0 does it while the others wait)."""
+        source = self._source(self.checkpoint_path)
+
+        def write() -> None:
+            lock = staging.writing(compiled_model_path, purpose="re-pin", timeout=timeout, on_wait=_waiting)
+            with lock as folder:
+                unwrap(engine.repin_source(folder, source))
+
+        launch.once(self._engine_model(), env_mod.read_env(), write)
 
     def set_seed(self, seed: int) -> None:
         """Restart the on-device sampling random stream: the same seed gives the same draws."""
@@ -323,3 +418,16 @@ class NeuronApplicationBase:
     def __repr__(self) -> str:
         state = "loaded" if self._runtime is not None else "compiled" if self.is_compiled else "not loaded"
         return f"{type(self).__name__}({self.model_path!r}, {state})"
+
+
+def _waiting(message: str) -> None:
+    """Say that compile() or load() waits for another process holding the folder."""
+    warnings.warn(message, stacklevel=2)
+
+
+def _lock_timeout(env: env_mod.Env) -> float | None:
+    """NXDI_LOCK_TIMEOUT, warning when it was set to something that is not a number of seconds."""
+    for problem in env.problems:
+        if problem.startswith("NXDI_LOCK_TIMEOUT"):
+            warnings.warn(problem, stacklevel=3)
+    return env.lock_timeout

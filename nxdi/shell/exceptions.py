@@ -8,10 +8,12 @@ from returns.result import Failure, Result, Success
 
 from nxdi.core.errors import ArtifactError, CheckpointError, ConfigError
 from nxdi.effects.distributed.errors import RankError
+from nxdi.effects.folder_lock import FolderLockedError
 
 __all__ = [
     "ArtifactIntegrityError",
     "CheckpointValidationError",
+    "FolderLockedError",
     "IncompatibleConfigError",
     "LogitMatchingValidationError",
     "MissingAttributesError",

@@ -160,11 +160,13 @@ def test_a_folder_compiled_by_an_older_nxdi_is_refused(compiled: Path, tmp_path:
     doc = json.loads((old / "manifest.json").read_text())
     for program in doc["programs"]:  # format 1 named its programs instead of recording phase and bucket
         program["name"] = f"{program.pop('phase')}_{program.pop('bucket')}"
-    (old / "manifest.json").write_text(json.dumps(doc | {"format": 1}))
-    with pytest.raises(
-        ArtifactIntegrityError, match=r"older nxdi \(manifest format 1; this nxdi reads 2\).*compile again"
-    ):
-        NeuronLlamaForCausalLM(old).load(old)
+    from nxdi.effects.artifacts import FORMAT
+
+    for version in range(1, FORMAT):  # 2 did not pin the original checkpoint
+        (old / "manifest.json").write_text(json.dumps(doc | {"format": version}))
+        expected = rf"older nxdi \(manifest format {version}; this nxdi reads {FORMAT}\).*compile again"
+        with pytest.raises(ArtifactIntegrityError, match=expected):
+            NeuronLlamaForCausalLM(old).load(old)
 
 
 def test_load_weights_alone_brings_a_model_up(compiled: Path, llama: tuple[Path, object]) -> None:

@@ -234,3 +234,16 @@ def test_the_manifest_records_phase_and_bucket_and_an_older_format_is_refused(co
     (compiled / "manifest.json").write_text(json.dumps(doc | {"format": 1}))
     with pytest.raises(ArtifactIntegrityError, match=r"older nxdi \(manifest format 1.*compile again"):
         unwrap(artifacts.load_programs(compiled, BACKEND))
+
+
+def test_a_build_folder_links_the_unchanged_programs_of_the_previous_folder(compiled: Path, tmp_path: Path) -> None:
+    build = tmp_path / "build"
+    before = (compiled / "manifest.json").read_text()
+    result = artifacts.compile_programs(
+        build, requests(buckets=(4, 8)), graph_key="key-a", backend=BACKEND, previous=compiled
+    )
+    assert result.traced == ("token_generation_8",) and result.reused == ("token_generation_4",)
+    rel = "programs/token_generation_4.pt2"
+    assert (build / rel).stat().st_ino == (compiled / rel).stat().st_ino  # a hard link, no copy
+    assert (compiled / "manifest.json").read_text() == before  # the previous folder is only read
+    assert is_successful(artifacts.load_programs(build, BACKEND))

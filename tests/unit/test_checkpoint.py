@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -196,3 +198,82 @@ def test_write_safetensors_is_atomic_and_handles_shared_tensors(tmp_path: Path) 
         checkpoint.write_safetensors(target, {"bad": "not a tensor"})  # type: ignore[dict-item]
     assert target.read_bytes() == before, "a failed write leaves the old file intact"
     assert [p.name for p in target.parent.iterdir()] == ["w.safetensors"]
+
+
+# --- every checkpoint file resolves to a regular file ------------------------------------------------
+
+
+def _bounded(action: Callable[[], Any]) -> BaseException | None:
+    """Run `action` in a daemon thread: opening a FIFO by mistake blocks forever, which must fail
+    the test rather than hang it. Returns what it raised (None when it returned)."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            action()
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(20)
+    assert outcome, "the reader blocked (it opened something that is not a regular file)"
+    return outcome[0]
+
+
+IRREGULAR = {
+    "symlink-to-dev-zero": (
+        lambda p: os.symlink("/dev/zero", p),
+        "a symlink to /dev/zero, which is a character device",
+    ),
+    "fifo": (os.mkfifo, "a FIFO (named pipe)"),
+    "directory": (os.mkdir, "a directory"),
+    "broken-symlink": (lambda p: os.symlink(p.parent / "gone.safetensors", p), "a broken symlink"),
+}
+
+
+@pytest.mark.parametrize("kind", list(IRREGULAR))
+def test_a_checkpoint_file_that_is_not_a_regular_file_is_refused_saying_what_it_is(
+    kind: str, tiny_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    make, what = IRREGULAR[kind]
+    path = _copy(tiny_checkpoint("llama", SaveFormat.BIN), tmp_path / "ckpt")  # a fallback exists
+    make(path / "model.safetensors")
+    before = _digests(path)
+    caught = _bounded(lambda: checkpoint.open_checkpoint(path))
+    assert isinstance(caught, checkpoint.NotARegularFileError) and isinstance(caught, ValueError)
+    message = str(caught)
+    assert f"model.safetensors is {what}" in message and "must be regular files" in message
+    assert "no checkpoint" not in message, "not mistaken for a missing checkpoint, nor skipped for the .bin"
+    assert _digests(path) == before
+
+
+@pytest.mark.parametrize("kind", ["symlink-to-dev-zero", "fifo", "directory"])
+def test_an_index_shard_that_is_not_a_regular_file_is_refused_naming_it(kind: str, tmp_path: Path) -> None:
+    make, what = IRREGULAR[kind]
+    path = _sharded(
+        tmp_path, {"a": "one.safetensors", "b": "two.safetensors"}, {"one.safetensors": {"a": torch.ones(1)}}
+    )
+    make(path / "two.safetensors")
+    caught = _bounded(lambda: checkpoint.open_checkpoint(path))
+    assert isinstance(caught, checkpoint.NotARegularFileError)
+    assert f"two.safetensors is {what}" in str(caught) and "model.safetensors.index.json" in str(caught)
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)  # a FIFO passed as the checkpoint itself
+    caught = _bounded(lambda: checkpoint.find_checkpoint(fifo))
+    assert isinstance(caught, checkpoint.NotARegularFileError) and "pipe.safetensors is a FIFO" in str(caught)
+
+
+def test_symlinks_to_regular_files_elsewhere_are_read(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    """The Hugging Face cache layout: snapshot entries are symlinks into a blobs folder elsewhere."""
+    for fmt in (SaveFormat.SAFETENSORS, SaveFormat.SAFETENSORS_SHARDED):
+        src = tiny_checkpoint("llama", fmt)
+        blobs, snapshot = tmp_path / fmt.value / "blobs", tmp_path / fmt.value / "snapshots" / "abc"
+        blobs.mkdir(parents=True)
+        snapshot.mkdir(parents=True)
+        for f in src.iterdir():
+            blob = blobs / hashlib.sha256(f.read_bytes()).hexdigest()
+            shutil.copy(f, blob)
+            os.symlink(os.path.relpath(blob, snapshot), snapshot / f.name)
+        assert checkpoint.read_state_dict(snapshot).keys() == checkpoint.read_state_dict(src).keys()

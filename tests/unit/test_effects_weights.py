@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from returns.result import Failure
+from returns.result import Failure, Success
 
 from nxdi.core import families
 from nxdi.core import weight_plan as weights
@@ -77,3 +77,68 @@ def test_a_bad_checkpoint_lists_every_problem_and_reads_no_tensor(
     }
     assert "has shape (5, 64), expected (32, 64)" in err.render()
     assert reads == [], "nothing is read from a checkpoint that fails the check"
+
+
+# --- dtypes and values --------------------------------------------------------------------------------
+
+
+def _llama_with(tiny_model: Any, tmp_path: Path, **changes: torch.Tensor) -> Path:
+    state = {k: v.detach().clone() for k, v in tiny_model("llama").state_dict().items()} | changes
+    write_checkpoint_file(tmp_path / "model.safetensors", state)
+    return tmp_path
+
+
+Q0 = "model.layers.0.self_attn.q_proj.weight"
+UP1 = "model.layers.1.mlp.up_proj.weight"
+NORM = "model.norm.weight"
+
+
+def test_non_floating_weights_are_all_refused_from_the_headers(
+    tiny_checkpoint: Callable[..., Path], tiny_model: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = tiny_model("llama").state_dict()
+    path = _llama_with(
+        tiny_model,
+        tmp_path,
+        **{Q0: (state[Q0] * 100).to(torch.int32), NORM: state[NORM] > 0, UP1: torch.zeros(3, 3)},
+    )
+    before = (path / "model.safetensors").read_bytes()
+    reads: list[str] = []
+    monkeypatch.setattr(checkpoint.Checkpoint, "read", lambda self, key: reads.append(key))
+    plan = plan_of(_spec(tiny_checkpoint("llama")))
+    for result in (
+        weight_io.get_state_dict(path, plan),
+        weight_io.example_weights(plan, path),
+        weight_io.scan_source(path, plan),
+    ):
+        err = result.failure()
+        assert [(p.field, p.value) for p in err.problems if "floating" in p.reason] == [
+            (Q0, "'int32'"),
+            (NORM, "'bool'"),
+        ]
+        assert UP1 in err.fields(), "shape and dtype problems are listed together"
+    assert reads == [], "refused from the headers: no tensor read"
+    assert (path / "model.safetensors").read_bytes() == before
+
+
+def test_nan_and_inf_weights_are_refused_when_asked_naming_each_tensor(
+    tiny_checkpoint: Callable[..., Path], tiny_model: Any, tmp_path: Path
+) -> None:
+    state = tiny_model("llama").state_dict()
+    q, norm = state[Q0].clone(), state[NORM].clone()
+    q[0, 0], q[3, 5], norm[7] = float("nan"), float("inf"), float("-inf")
+    path = _llama_with(tiny_model, tmp_path, **{Q0: q, NORM: norm})
+    plan = plan_of(_spec(tiny_checkpoint("llama")))
+    assert isinstance(weight_io.get_state_dict(path, plan), Success), "not checked unless asked (get_state_dict)"
+    for result in (weight_io.get_state_dict(path, plan, refuse_nonfinite=True), weight_io.scan_source(path, plan)):
+        err = result.failure()
+        assert {p.field: p.value for p in err.problems} == {
+            Q0: "'1 NaN and 1 inf of 4096 values'",
+            NORM: "'1 inf of 64 values'",
+        }
+        assert "NXDI_ALLOW_NONFINITE_WEIGHTS=1" in err.render()
+    with pytest.warns(
+        UserWarning, match=r"NXDI_ALLOW_NONFINITE_WEIGHTS=1: .* accepted.*q_proj\.weight \(1 NaN and 1 inf"
+    ):
+        scan = weight_io.scan_source(path, plan, allow_nonfinite=True).unwrap()
+    assert dict(scan.nonfinite)[Q0].nan == 1

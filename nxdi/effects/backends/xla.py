@@ -38,6 +38,7 @@ from typing import Any
 import attrs
 import torch
 from returns.result import Failure, Result, Success
+from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import Tensor
@@ -129,6 +130,17 @@ def _dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r} in an XLA program's parameter map")
     return dtype
+
+
+def _parameter(raw: Any) -> Parameter:
+    """One entry of a saved parameter map. Raises ValueError/TypeError/KeyError on a malformed one."""
+    kind, name, index, shape, dtype = (raw[k] for k in ("kind", "name", "index", "shape", "dtype"))
+    ints = isinstance(index, int) and isinstance(shape, list) and all(isinstance(d, int) for d in shape)
+    names = isinstance(name, str) and isinstance(dtype, str)
+    if kind not in ("weight", "cache", "input", "constant") or not names or not ints:
+        raise ValueError(f"malformed parameter entry {raw!r}")
+    _dtype(dtype)
+    return Parameter(kind=kind, name=name, index=index, shape=tuple(shape), dtype=dtype)
 
 
 def _kind(signature: Signature, index: int) -> tuple[str, str]:
@@ -282,13 +294,10 @@ class XlaBackend:
                 raw = json.loads(z.read(PARAMETERS))
                 stored = load_safetensors(z.read(CONSTANTS))
                 neff = z.read(NEFF) if NEFF in z.namelist() else None
-        except (zipfile.BadZipFile, KeyError, TypeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: not a saved XLA program ({e})") from e
-        parameters = tuple(
-            Parameter(kind=p["kind"], name=p["name"], index=p["index"], shape=tuple(p["shape"]), dtype=p["dtype"])
-            for p in raw["parameters"]
-        )
-        constants = tuple(stored[f"constant{i}"] for i in range(len(stored)))
+            parameters = tuple(_parameter(p) for p in raw["parameters"])
+            constants = tuple(stored[f"constant{i}"] for i in range(len(stored)))
+        except (zipfile.BadZipFile, EOFError, KeyError, TypeError, ValueError, SafetensorError) as e:
+            raise ValueError(f"{path}: not a saved XLA program ({type(e).__name__}: {e})") from e
         hlo = HloProgram(module=module, text=text, parameters=parameters, constants=constants, neff=neff)
         return CompiledProgram(name=name, signature=signature, backend=self.name, payload=hlo)
 

@@ -10,12 +10,12 @@ programs to HLO; the folder itself keeps the HloModuleProto of each in `programs
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 from nxdi.core import families
 from nxdi.effects.backends import NAMES as BACKENDS
+from nxdi.shell.cli import checks
+from nxdi.shell.cli.errors import UsageError
 from nxdi.shell.cli.flags import add_neuron_config_flags, neuron_config_kwargs
 
 
@@ -32,30 +32,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def run(args: argparse.Namespace) -> int:
+    """Raises the documented exceptions and UsageError (`nxdi` reports them, exit 2); the output
+    folder and --dump-hlo are checked before compiling."""
     from nxdi.effects import engine
     from nxdi.shell.config import NeuronConfig
-    from nxdi.shell.exceptions import IncompatibleConfigError, unwrap
+    from nxdi.shell.exceptions import unwrap
     from nxdi.shell.inference_config import load_pretrained_config
-    from nxdi.shell.models import MODEL_TYPES, model_type_of
 
-    out = Path(args.compiled_model_path)
-    try:
-        model_type = args.model_type or model_type_of(args.model_path)
-        cls = MODEL_TYPES[model_type]["causal-lm"]
-        config = cls.get_config_cls()(
-            NeuronConfig(**neuron_config_kwargs(args)), load_config=load_pretrained_config(args.model_path)
-        )
-        model = cls(args.model_path, config, backend=args.backend)
-        backend = model._backend()
-        if args.dump_hlo is not None and not hasattr(backend, "hlo_text"):
-            raise ValueError(f"--dump-hlo: the {backend.name} backend keeps no HLO; use --backend xla")
-        start = time.perf_counter()
-        model.compile(out)
-        print(f"[nxdi compile] {backend.name}: compiled into {out} in {time.perf_counter() - start:.1f}s")
-        if args.dump_hlo is not None:
-            written = unwrap(engine.write_hlo(out, backend, args.dump_hlo))
-            print(f"[nxdi compile] wrote the HLO text of {len(written)} programs to {args.dump_hlo}")
-    except (IncompatibleConfigError, FileNotFoundError, ValueError, KeyError, ImportError) as exc:
-        print(f"nxdi compile: {exc}", file=sys.stderr)
-        return 2
+    cls = checks.model_class(args.model_type, args.model_path)
+    out = checks.output_folder(args.compiled_model_path)
+    if args.dump_hlo is not None:
+        checks.output_folder(args.dump_hlo, "--dump-hlo")
+    config = cls.get_config_cls()(
+        NeuronConfig(**neuron_config_kwargs(args)), load_config=load_pretrained_config(args.model_path)
+    )
+    model = cls(args.model_path, config, backend=args.backend)
+    backend = model._backend()
+    if args.dump_hlo is not None and not hasattr(backend, "hlo_text"):
+        raise UsageError(f"--dump-hlo: the {backend.name} backend keeps no HLO. Fix: use --backend xla")
+    start = time.perf_counter()
+    model.compile(out)
+    print(f"[nxdi compile] {backend.name}: compiled into {out} in {time.perf_counter() - start:.1f}s")
+    if args.dump_hlo is not None:
+        written = unwrap(engine.write_hlo(out, backend, args.dump_hlo))
+        print(f"[nxdi compile] wrote the HLO text of {len(written)} programs to {args.dump_hlo}")
     return 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from nxdi.core import graph_key
@@ -11,7 +10,7 @@ from nxdi.core.config import codec
 from nxdi.core.families import parse_model_spec
 from nxdi.shell.cli import reference
 from nxdi.shell.cli.flags import add_neuron_config_flags, neuron_config_kwargs
-from nxdi.shell.exceptions import IncompatibleConfigError, unwrap
+from nxdi.shell.exceptions import unwrap
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -47,12 +46,9 @@ def run(args: argparse.Namespace) -> int:
         rows = reference.reference_rows()
         print(reference.render_markdown(rows) if args.markdown else reference.render_text(rows), end="")
         return 0
-    try:
-        neuron = NeuronConfig(**neuron_config_kwargs(args))
-        hf = _hf_config(args.model_path)
-    except (IncompatibleConfigError, FileNotFoundError) as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    # IncompatibleConfigError, FileNotFoundError, PermissionError: `nxdi` reports them (exit 2).
+    neuron = NeuronConfig(**neuron_config_kwargs(args))
+    hf = _hf_config(args.model_path)
     doc: dict[str, object] = {**{k: v for k, v in hf.items() if k not in ("torch_dtype", "dtype")}}
     doc["neuron_config"] = codec.neuron_spec_to_dict(neuron.spec)
     model = parse_model_spec(hf).value_or(None) if hf else None

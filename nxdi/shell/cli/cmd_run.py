@@ -21,6 +21,8 @@ from typing import Any
 
 from nxdi.core import families
 from nxdi.effects.backends import NAMES as BACKENDS
+from nxdi.shell.cli import checks
+from nxdi.shell.cli.errors import UsageError
 from nxdi.shell.cli.flags import add_neuron_config_flags, neuron_config_kwargs
 
 ACCURACY_MODES = ("skip-accuracy-check", "token-matching", "logit-matching")
@@ -37,6 +39,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--prompt", action="append", default=[], help="a text prompt (repeat for a batch)")
     p.add_argument("--input-ids", action="append", default=[], help='token ids of one prompt, e.g. "1 5 7"')
     p.add_argument("--skip-compile", action="store_true", help="load an existing compiled model")
+    p.add_argument(
+        "--repin-checkpoint",
+        action="store_true",
+        help="accept the original checkpoint as it is now, though it changed since compile (checked as compile does)",
+    )
     p.add_argument("--backend", choices=BACKENDS, default=None, help="default: NXDI_BACKEND, else cpu")
     p.add_argument("--on-device-sampling", action="store_true", help="sample inside the compiled model")
     p.add_argument("--do-sample", action="store_true")
@@ -70,83 +77,100 @@ def _neuron_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
-def _inputs(args: argparse.Namespace, batch: int) -> tuple[Any, Any, Any]:
-    """(input_ids [B, W], attention_mask [B, W], tokenizer or None), left padded like a tokenizer."""
+def _tokenizer(args: argparse.Namespace) -> Any:
+    """The tokenizer of --tokenizer-path (default --model-path), padding on the left.
+
+    Raises:
+        UsageError: there is none there.
+    """
+    from transformers import AutoTokenizer
+
+    where = args.tokenizer_path or args.model_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, padding_side="left")
+    except (OSError, ValueError):  # transformers' ways of saying there is none
+        flag = "--tokenizer-path" if args.tokenizer_path else "--model-path"
+        fix = "give --tokenizer-path, or token ids with --input-ids '1 5 7'"
+        raise UsageError(f"--prompt needs a tokenizer; {flag} {where!r} has none it can load. Fix: {fix}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _prompt_rows(args: argparse.Namespace) -> tuple[list[list[int]] | None, Any]:
+    """(--input-ids as token rows, None) or (None, the tokenizer of --prompt), checked before any compile.
+
+    Raises:
+        UsageError: neither is given, an --input-ids value is empty or not integers, or --prompt
+            has no tokenizer.
+    """
+    if args.prompt:
+        return None, _tokenizer(args)
+    if not args.input_ids:
+        raise UsageError("give --prompt TEXT (with a tokenizer) or --input-ids 'ID ID ...'")
+    return checks.token_rows(args.input_ids), None
+
+
+def _inputs(args: argparse.Namespace, batch: int, rows: list[list[int]] | None, tokenizer: Any) -> tuple[Any, Any]:
+    """(input_ids [B, W], attention_mask [B, W]), left padded like a tokenizer."""
     import torch
 
-    tokenizer = None
-    if args.prompt:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path, padding_side="left")
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
+    if rows is None:
         prompts = (args.prompt * batch)[: max(batch, len(args.prompt))]
         enc = tokenizer(prompts, return_tensors="pt", padding=True)
-        return enc["input_ids"], enc["attention_mask"], tokenizer
-    if not args.input_ids:
-        raise ValueError("give --prompt TEXT (with a tokenizer) or --input-ids 'ID ID ...'")
-    rows = [[int(t) for t in row.replace(",", " ").split()] for row in args.input_ids]
+        return enc["input_ids"], enc["attention_mask"]
     rows = (rows * batch)[: max(batch, len(rows))]
     width = max(len(r) for r in rows)
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return ids, mask, None
+    return ids, mask
 
 
-def _build(args: argparse.Namespace) -> Any:
+def _build(args: argparse.Namespace, rows: list[list[int]] | None) -> Any:
+    """Compile (unless --skip-compile) and load the model; every argument is checked before compiling
+    (the output folder, the token ids against the vocabulary and max_context_length) or, with
+    --skip-compile, before loading."""
     from nxdi.shell.config import NeuronConfig
     from nxdi.shell.inference_config import load_pretrained_config
-    from nxdi.shell.models import MODEL_TYPES, model_type_of
 
-    model_type = args.model_type or model_type_of(args.model_path)
-    cls = MODEL_TYPES[model_type][args.task_type]
+    cls = checks.model_class(args.model_type, args.model_path, args.task_type)
     compiled = Path(args.compiled_model_path)
     if not args.skip_compile:
+        checks.output_folder(args.compiled_model_path)
         config = cls.get_config_cls()(
             NeuronConfig(**_neuron_kwargs(args)), load_config=load_pretrained_config(args.model_path)
         )
+        if rows is not None:
+            checks.check_vocab(rows, config.model_spec().vocab_size)
+            checks.check_length(rows, config.neuron_config.spec)
         t = time.perf_counter()
         print(f"[nxdi run] compiling into {compiled} ...", flush=True)
         cls(args.model_path, config, backend=args.backend).compile(compiled)
         print(f"[nxdi run] compiled in {time.perf_counter() - t:.1f}s", flush=True)
     model = cls(compiled, backend=args.backend)
+    if rows is not None:
+        checks.check_vocab(rows, model.model_spec.vocab_size)
+        checks.check_length(rows, model.spec)
     t = time.perf_counter()
-    model.load(compiled)
+    model.load(compiled, repin_checkpoint=args.repin_checkpoint)
     print(f"[nxdi run] loaded in {time.perf_counter() - t:.1f}s", flush=True)
     return model
 
 
 def run(args: argparse.Namespace) -> int:
-    from nxdi.shell.exceptions import IncompatibleConfigError, RankError
-
-    try:
-        model = _build(args)
-    except (IncompatibleConfigError, FileNotFoundError, ValueError, KeyError) as exc:
-        print(f"nxdi run: {exc}", file=sys.stderr)
-        return 2
-    except RankError as exc:
-        print(f"nxdi run: {exc}", file=sys.stderr)
-        return 1
+    """Raises the documented exceptions and UsageError (`nxdi` reports them, exit 2) and RankError (exit 1)."""
+    rows, tokenizer = _prompt_rows(args)
+    model = _build(args, rows)
     with model:  # stops the rank processes (tp_degree > 1) however the run ends
-        try:
-            return _generate(args, model)
-        except RankError as exc:
-            print(f"nxdi run: {exc}", file=sys.stderr)
-            return 1
+        return _generate(args, model, rows, tokenizer)
 
 
-def _generate(args: argparse.Namespace, model: Any) -> int:
+def _generate(args: argparse.Namespace, model: Any, rows: list[list[int]] | None, tokenizer: Any) -> int:
     from transformers import GenerationConfig
 
-    from nxdi.shell.exceptions import IncompatibleConfigError
     from nxdi.shell.generation import HuggingFaceGenerationAdapter
 
-    try:
-        ids, mask, tokenizer = _inputs(args, model.spec.batch_size)
-    except (IncompatibleConfigError, FileNotFoundError, ValueError, KeyError) as exc:
-        print(f"nxdi run: {exc}", file=sys.stderr)
-        return 2
+    ids, mask = _inputs(args, model.spec.batch_size, rows, tokenizer)
     model.set_seed(args.seed)
     # --max-new-tokens is the NeuronConfig attribute (runtime-only, so it never forces a recompile).
     new = args.nc_max_new_tokens or model.spec.max_new_tokens or model.spec.max_length - int(mask.sum(-1).max())
