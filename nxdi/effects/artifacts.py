@@ -6,7 +6,7 @@ Layout of a compiled-model folder:
     neuron_config.json                                 the shell writes it
     weights/tp{rank}_sharded_checkpoint.safetensors    the weights writer (once, for every program)
     programs/<phase>_<bucket><suffix>                  one program per sub-model and bucket, no weights
-    manifest.json                                      written last: see `Manifest`
+    manifest.json                                      written last: see `nxdi.effects.manifest`
 
 Rules:
 - A folder is compiled exactly when `manifest.json` exists; it is written last.
@@ -39,9 +39,8 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
 import attrs
 from returns.pipeline import is_successful
@@ -53,116 +52,40 @@ from nxdi.core.errors import ArtifactError, Problem
 from nxdi.effects import files
 from nxdi.effects.backends.base import Backend, CompiledProgram, FlatProgram, Signature
 from nxdi.effects.checkpoint_scan import SourceFile
+from nxdi.effects.manifest import (
+    FORMAT,
+    MANIFEST,
+    PROGRAM_FORMAT,
+    PROGRAMS,
+    FileRecord,
+    Manifest,
+    ProgramRecord,
+    read_manifest,
+    record_file,
+    replace_source,
+    sha256_file,
+    verify,
+)
 
-MANIFEST = "manifest.json"
-PROGRAMS = "programs"
-FORMAT = 3
-"""Manifest format: 3 pins the original checkpoint (`source`), which load() checks when it reads
-its weights from there; 2 recorded phase and bucket per program (1 encoded them in the file name).
-A format-2 folder is refused ("compile again"): it cannot show that its checkpoint is unchanged."""
-PROGRAM_FORMAT = 2
-"""The saved programs' own format, part of every program's cache key. Manifest format 3 did not
-change the programs, so this stays 2 and cached programs stay valid."""
-_CHUNK = 1 << 22
-
-
-def _programs(values: Iterable[ProgramRecord]) -> tuple[ProgramRecord, ...]:
-    return tuple(values)  # typed converters: mypy cannot see element types through a bare `tuple`
-
-
-def _files(values: Iterable[FileRecord]) -> tuple[FileRecord, ...]:
-    return tuple(values)
-
-
-def _sources(values: Iterable[SourceFile]) -> tuple[SourceFile, ...]:
-    return tuple(values)
-
-
-@attrs.frozen(kw_only=True)
-class FileRecord:
-    """One file of the folder, by content."""
-
-    path: str
-    """Relative to the folder, `/`-separated."""
-    sha256: str
-    size: int
-    """Bytes."""
-
-
-@attrs.frozen(kw_only=True)
-class ProgramRecord:
-    """One compiled program in the folder."""
-
-    phase: Phase
-    bucket: int
-    file: str
-    """Relative path of the program file (also listed in `Manifest.files`)."""
-    signature: Signature
-    cache_key: str
-    """`program_key(...)` it was compiled under."""
-
-
-@attrs.frozen(kw_only=True)
-class Manifest:
-    """What a compiled-model folder holds and what made it."""
-
-    graph_key: str
-    """The caller's hash of every graph-affecting setting."""
-    backend: str
-    backend_version: str
-    programs: tuple[ProgramRecord, ...] = attrs.field(converter=_programs)
-    files: tuple[FileRecord, ...] = attrs.field(converter=_files)
-    source: tuple[SourceFile, ...] = attrs.field(default=(), converter=_sources)
-    """The original checkpoint's files when compiled (names relative to it, sizes, mtimes,
-    sha256): load() refuses a changed checkpoint when it reads the weights from it."""
-    format: int = FORMAT
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return {
-            "format": self.format,
-            "graph_key": self.graph_key,
-            "backend": self.backend,
-            "backend_version": self.backend_version,
-            "programs": [
-                {
-                    "phase": p.phase.value,
-                    "bucket": p.bucket,
-                    "file": p.file,
-                    "cache_key": p.cache_key,
-                    "signature": p.signature.to_json(),
-                }
-                for p in self.programs
-            ],
-            "files": {f.path: {"sha256": f.sha256, "size": f.size} for f in self.files},
-            "source": [f.to_json() for f in self.source],
-        }
-
-    @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> Manifest:
-        """The inverse of `to_json`. Raises KeyError/TypeError/ValueError on a malformed document."""
-        programs = tuple(
-            ProgramRecord(
-                phase=Phase(p["phase"]),
-                bucket=int(p["bucket"]),
-                file=str(p["file"]),
-                cache_key=str(p["cache_key"]),
-                signature=Signature.from_json(p["signature"]),
-            )
-            for p in raw["programs"]
-        )
-        records = tuple(
-            FileRecord(path=str(k), sha256=str(v["sha256"]), size=int(v["size"])) for k, v in raw["files"].items()
-        )
-        return cls(
-            graph_key=str(raw["graph_key"]),
-            backend=str(raw["backend"]),
-            backend_version=str(raw["backend_version"]),
-            programs=programs,
-            files=records,
-            source=tuple(SourceFile.from_json(f) for f in raw["source"]),
-            format=int(raw["format"]),
-        )
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "PROGRAMS",
+    "PROGRAM_FORMAT",
+    "CompileResult",
+    "FileRecord",
+    "Manifest",
+    "ProgramRecord",
+    "ProgramRequest",
+    "compile_programs",
+    "load_programs",
+    "program_key",
+    "read_manifest",
+    "record_file",
+    "replace_source",
+    "sha256_file",
+    "verify",
+]
 
 
 @attrs.frozen(eq=False, kw_only=True)
@@ -195,73 +118,6 @@ def program_key(graph_key: str, name: str, backend: str, backend_version: str) -
     """The compile-cache key of one program (hex sha256). Pure."""
     doc = json.dumps([PROGRAM_FORMAT, graph_key, name, backend, backend_version], separators=(",", ":"))
     return hashlib.sha256(doc.encode()).hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def record_file(directory: Path, rel: str) -> FileRecord:
-    """The content record of `directory/rel`."""
-    path = directory / rel
-    return FileRecord(path=rel, sha256=sha256_file(path), size=path.stat().st_size)
-
-
-def read_manifest(directory: str | os.PathLike[str]) -> Result[Manifest, ArtifactError]:
-    """The folder's manifest, or an ArtifactError (`not_found` when there is none; another format refused)."""
-    path = Path(directory) / MANIFEST
-    if not path.is_file():
-        problem = Problem.of(str(path), "<missing>", "no compiled model here", "compile() the model into this folder")
-        return Failure(ArtifactError(problems=(problem,), not_found=True))
-    fix = "delete the folder and compile again"
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        version = raw.get("format") if isinstance(raw, dict) else None
-        if version != FORMAT:
-            who = "an older" if isinstance(version, int) and version < FORMAT else "another"
-            why = f"was written by {who} nxdi (manifest format {version}; this nxdi reads {FORMAT})"
-            return Failure(ArtifactError(problems=(Problem.of(f"{path}:format", version, why, "compile again"),)))
-        return Success(Manifest.from_json(raw))
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        return Failure(ArtifactError(problems=(Problem.of(str(path), type(e).__name__, f"is malformed ({e})", fix),)))
-
-
-def replace_source(directory: str | os.PathLike[str], source: Iterable[SourceFile]) -> Result[Manifest, ArtifactError]:
-    """Pin another checkpoint identity in the folder's manifest (rewritten atomically; nothing
-    else in it changes). The caller holds the folder's lock exclusively.
-
-    Returns:
-        The new manifest, or the ArtifactError of `read_manifest`.
-    """
-    root = Path(directory)
-
-    def write(manifest: Manifest) -> Manifest:
-        new = attrs.evolve(manifest, source=source)
-        files.write_text_atomic(root / MANIFEST, json.dumps(new.to_json(), indent=1, sort_keys=True))
-        return new
-
-    return read_manifest(root).map(write)
-
-
-def verify(directory: str | os.PathLike[str], manifest: Manifest) -> Result[Manifest, ArtifactError]:
-    """Check every recorded file's size and sha256; the error names each bad file."""
-    root, problems = Path(directory), []
-    fix = "the file was changed after compiling; compile again (or restore the folder)"
-    for rec in manifest.files:
-        path = root / rec.path
-        if not path.is_file():
-            problems.append(Problem.of(str(path), "<missing>", "is listed in manifest.json but missing", fix))
-        elif path.stat().st_size != rec.size:
-            size = path.stat().st_size
-            problems.append(Problem.of(str(path), size, f"has {size} bytes; manifest.json says {rec.size}", fix))
-        elif sha256_file(path) != rec.sha256:
-            problems.append(Problem.of(str(path), "sha256 mismatch", "content differs from manifest.json", fix))
-    return Failure(ArtifactError(problems=problems)) if problems else Success(manifest)
 
 
 def _compatibility(
