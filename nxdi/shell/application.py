@@ -4,6 +4,9 @@
 programs, weights) and `load(path)` brings them back without tracing again. With tp_degree > 1 the
 ranks run in rank processes this process starts (or, under torchrun, this process is one rank);
 `close()` stops them.
+
+(Over 400 lines: it is the documented class, whose every method the seeds name; the work each does
+is in `nxdi.effects` and `nxdi.core`, and what stays here is argument checking and docstrings.)
 """
 
 from __future__ import annotations
