@@ -204,10 +204,16 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
     def _token(
         self, runtime: StepRuntime, ids: Tensor, positions: Tensor, rows: Tensor, params: Tensor
     ) -> tuple[Tensor | None, Tensor | None]:
-        needed = int(positions.max()) + 1
-        bucket = unwrap(buckets.select_bucket(self._tables[Phase.TOKEN], needed))
-        x = StepInputs(input_ids=ids, position_ids=positions, last_index=torch.zeros(ids.shape[0], dtype=torch.int64))
-        return self._run_batched(runtime, Phase.TOKEN, bucket, x, rows, params, self.spec.tkg_batch_size)
+        """Decode `ids` [B, W] at `positions` [B, W]: W token-generation steps, one column each (a row
+        continuing from a cached prefix); the outputs are the last step's."""
+        out: tuple[Tensor | None, Tensor | None] = (None, None)
+        for col in range(ids.shape[1]):
+            at = positions[:, col : col + 1]
+            bucket = unwrap(buckets.select_bucket(self._tables[Phase.TOKEN], int(at.max()) + 1))
+            last = torch.zeros(ids.shape[0], dtype=torch.int64)
+            x = StepInputs(input_ids=ids[:, col : col + 1], position_ids=at, last_index=last)
+            out = self._run_batched(runtime, Phase.TOKEN, bucket, x, rows, params, self.spec.tkg_batch_size)
+        return out
 
     def _run_batched(
         self,

@@ -76,11 +76,18 @@ def test_generation_past_seq_len_raises_before_starting(loaded_model: Callable[.
         model.forward(torch.tensor([[5]]), position_ids=torch.tensor([[32]]))
 
 
-def test_several_tokens_in_a_token_generation_call_are_refused_not_dropped(loaded_model: Callable[..., Any]) -> None:
+def test_several_tokens_after_a_cached_prefix_are_honoured_not_dropped(
+    loaded_model: Callable[..., Any], tiny_model: Callable[[str], Any]
+) -> None:
+    """Positions 10..12 continue a 10-token cached row: three decode steps, the last one's logits."""
     model = loaded_model("llama", batch_size=1)
+    model.reset()
     model.forward(torch.tensor([PROMPTS[0]]))
-    with pytest.raises(IncompatibleConfigError, match=r"input_ids=\(1, 3\): 3 tokens per row.*start at 10"):
-        model.forward(torch.tensor([[5, 6, 7]]), position_ids=torch.tensor([[10, 11, 12]]))
+    logits = model.forward(torch.tensor([[5, 6, 7]]), position_ids=torch.tensor([[10, 11, 12]])).logits[0, -1]
+    expected = hf_logits(tiny_model("llama"), [*PROMPTS[0], 5, 6, 7])[-1]
+    assert (logits - expected).abs().max() <= 1e-4 * expected.abs().max()
+    with pytest.raises(IncompatibleConfigError, match=r"position_ids\[0\]=\[13, 15, 16\]: row 0 decodes 3 tokens"):
+        model.forward(torch.tensor([[5, 6, 7]]), position_ids=torch.tensor([[13, 15, 16]]))
 
 
 def test_bad_sampling_params_rows_are_all_listed(loaded_model: Callable[..., Any]) -> None:

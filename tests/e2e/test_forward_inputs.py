@@ -177,8 +177,8 @@ def test_every_problem_of_a_call_is_listed_at_once(model: Any) -> None:
 def calls(draw: st.DrawFn) -> dict[str, Any]:
     """A forward() call as a client might make it, often wrong."""
     rows = draw(st.integers(1, 3))
-    decode = draw(st.booleans())  # one token per row at a drawn position, else anything
-    width = 1 if decode else draw(st.integers(1, 6))
+    decode = draw(st.booleans())  # tokens continuing each row from a drawn position, else anything
+    width = draw(st.integers(1, 3)) if decode else draw(st.integers(1, 6))
     ids = draw(
         st.lists(
             st.lists(st.integers(-2, VOCAB + 1) | st.integers(3, 40), min_size=width, max_size=width),
@@ -195,7 +195,8 @@ def calls(draw: st.DrawFn) -> dict[str, Any]:
         )
         call["attention_mask"] = torch.tensor(mask)
     if decode:
-        call["position_ids"] = torch.tensor(draw(st.lists(st.integers(0, 14), min_size=rows, max_size=rows)))[:, None]
+        starts = torch.tensor(draw(st.lists(st.integers(0, 14), min_size=rows, max_size=rows)))[:, None]
+        call["position_ids"] = starts + torch.arange(width) * draw(st.sampled_from([1, 1, 1, 2]))
     elif draw(st.booleans()):
         start = draw(st.sampled_from([0, 0, 1, 3, 8, 12]))
         step = draw(st.sampled_from([1, 1, 1, 0, 2]))
@@ -236,7 +237,8 @@ def expected_sequences(call: dict[str, Any], held: dict[int, list[int]]) -> list
         else:
             p = int(positions[r, 0])
             cached = held.get(seq_ids[r], [])
-            if width != 1 or not cached or p > len(cached) or p >= 64:
+            consecutive = torch.equal(positions[r], p + torch.arange(width))
+            if not consecutive or not cached or p > len(cached) or p + width > 64:
                 return None
             out.append([*cached[:p], *tokens])
     return out

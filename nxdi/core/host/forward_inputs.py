@@ -9,10 +9,11 @@ problem is listed at once, naming the argument, the row and the value:
 - `attention_mask` [B, W'] with W' >= W (a decode may pass the mask of the whole sequence): 0/1.
 - `position_ids` [B, W] (or [B] with W == 1): integers; where given they are honoured, so they must
   agree with the cache. A call whose smallest position is 0 encodes prompts, and each row's real
-  tokens then sit at positions 0..n-1 (a prefill that starts after a cached prefix is prefix
-  caching, which this engine does not run). Any other call decodes one token per row, at a position
-  no later than the tokens its cache row holds (earlier rewinds the row: the later entries are
-  overwritten as generation goes on), and never on a row with nothing cached.
+  tokens then sit at positions 0..n-1. Any other call decodes: each row's tokens at
+  consecutive positions starting no later than the tokens its cache row holds (earlier rewinds the
+  row: the later entries are overwritten as generation goes on), and never on a row with nothing
+  cached. Several tokens per row continue the row from a cached prefix; they run as that many
+  token-generation steps.
 - `seq_ids` [B]: integer cache rows in [0, cache_rows), distinct.
 """
 
@@ -54,7 +55,7 @@ class ForwardInputs:
         if self.phase is Phase.CONTEXT:
             lengths = self.attention_mask.sum(1).clamp(max=capacity).tolist()
             return dict(zip(rows, lengths, strict=True))
-        return {s: p + 1 for s, p in zip(rows, self.position_ids[:, 0].tolist(), strict=True)}
+        return {s: p + 1 for s, p in zip(rows, self.position_ids[:, -1].tolist(), strict=True)}
 
 
 @attrs.frozen(kw_only=True)
@@ -108,8 +109,8 @@ def _filled(ids: Tensor, mask: Tensor | None, positions: Tensor | None) -> tuple
         assert mask is not None
         if w == mask.shape[1]:
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        else:  # one new token per row after a mask covering the whole sequence so far
-            positions = (mask.sum(-1, keepdim=True) - 1).clamp(min=0)[:, -w:]
+        else:  # new tokens after a mask covering the whole sequence so far
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -w:]
     if mask is None:
         cols = torch.arange(w)[None, :]
         mask = (positions >= cols).to(torch.int64) if w > 1 else torch.ones(b, 1, dtype=torch.int64)
@@ -132,8 +133,8 @@ def _context_problems(mask: Tensor, positions: Tensor, given: bool) -> list[Prob
                 f"positions 0..{n - 1}, not {got[:8]}{'...' if n > 8 else ''}"
             )
             fix = (
-                "pass the positions of the whole prompt from 0 (prefilling after a cached prefix is not "
-                "supported), or decode that row in a call of its own"
+                "pass the positions of the whole prompt from 0, or continue that row from its cache in a "
+                "call of its own"
             )
             problems.append(Problem.of(f"position_ids[{b}]", got[:8], why, fix))
     return problems
@@ -230,14 +231,14 @@ def check_forward_inputs(
     problems += row_problems
     if phase is Phase.CONTEXT:
         problems += _context_problems(filled_mask, filled_positions, given=position_ids is not None)
-    elif w > 1:  # only speculation decodes several tokens per row, and it is refused at load
-        why = (
-            f"{w} tokens per row in a token-generation call (position_ids start at {int(filled_positions.min())}, "
-            "not 0); token generation takes one new token per row"
-        )
-        fix = "pass only the newest token, or the whole sequence from position 0 to encode it again"
-        problems.append(Problem.of("input_ids", tuple(ids.shape), why, fix))
-    else:
+    steps = filled_positions[:, :1] + torch.arange(w)
+    consecutive = torch.equal(filled_positions, steps)
+    if phase is Phase.TOKEN and not consecutive:
+        r = next(r for r in range(b) if not torch.equal(filled_positions[r], steps[r]))
+        got = filled_positions[r].tolist()
+        why = f"row {r} decodes {w} tokens at positions {got}: the tokens of a decode follow each other"
+        problems.append(Problem.of(f"position_ids[{r}]", got, why, "pass consecutive positions, or one token per row"))
+    if phase is Phase.TOKEN and consecutive:
         top = int(filled_positions.max())
         if top >= limits.max_length:
             why = f"position {top} is past max_length={limits.max_length} (seq_len); generation cannot continue"
