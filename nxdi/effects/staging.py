@@ -230,6 +230,22 @@ def building(
 
 
 @contextlib.contextmanager
+def _held(
+    directory: str | os.PathLike[str],
+    *,
+    shared: bool,
+    purpose: str,
+    timeout: float | None,
+    on_wait: Callable[[str], None],
+) -> Iterator[Path]:
+    """The folder's lock held (after recovering an interrupted swap); yields the folder's real path."""
+    target = _resolve(directory)
+    with folder_lock.locked(target, shared=shared, purpose=purpose, timeout=timeout, on_wait=on_wait):
+        recover(target)
+        yield target
+
+
+@contextlib.contextmanager
 def reading(
     directory: str | os.PathLike[str],
     *,
@@ -243,9 +259,7 @@ def reading(
     Raises:
         FolderLockedError: a compile held the folder past `timeout` seconds.
     """
-    target = _resolve(directory)
-    with folder_lock.locked(target, shared=True, purpose=purpose, timeout=timeout, on_wait=on_wait):
-        recover(target)
+    with _held(directory, shared=True, purpose=purpose, timeout=timeout, on_wait=on_wait) as target:
         yield target
 
 
@@ -263,7 +277,5 @@ def writing(
     Raises:
         FolderLockedError: another process held the folder past `timeout` seconds.
     """
-    target = _resolve(directory)
-    with folder_lock.locked(target, shared=False, purpose=purpose, timeout=timeout, on_wait=on_wait):
-        recover(target)
+    with _held(directory, shared=False, purpose=purpose, timeout=timeout, on_wait=on_wait) as target:
         yield target

@@ -65,7 +65,6 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.kv_cache_populated = False
         self._cached = [0] * self.spec.kv_cache_batch_size
         """Tokens each KV cache row holds (what forward() checks positions against)."""
         self._tables = {
@@ -79,9 +78,13 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         prompts are refused, or cut to their first `context_capacity` tokens with allow_input_truncation."""
         return self._tables[Phase.CONTEXT].largest
 
+    @property
+    def kv_cache_populated(self) -> bool:
+        """Whether some KV cache row holds a sequence (a prompt was encoded since the last reset)."""
+        return any(self._cached)
+
     def reset(self) -> None:
         """Start a new batch: the next call must encode prompts (no row holds anything to decode from)."""
-        self.kv_cache_populated = False
         self._cached = [0] * len(self._cached)
 
     def reset_kv_cache(self) -> None:
@@ -151,7 +154,6 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         params = self._sampling_rows(sampling_params, call.input_ids.shape[0])
         if call.phase is Phase.CONTEXT:
             logits, tokens = self._context(runtime, call.input_ids, call.attention_mask, call.seq_ids, params)
-            self.kv_cache_populated = True
         else:
             logits, tokens = self._token(runtime, call.input_ids, call.position_ids, call.seq_ids, params)
         for row, held in call.cached_after(self.context_capacity).items():

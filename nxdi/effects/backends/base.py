@@ -27,8 +27,10 @@ let `bind` check weights by name and shape, and report every mismatch at once.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Protocol
 
 import attrs
@@ -169,3 +171,15 @@ class Backend(Protocol):
         """End a step: run whatever the backend deferred (an XLA execution) and return `tensors`,
         the step's outputs, on the host."""
         ...
+
+
+def import_optional(name: str, error: type[ImportError], hint: str) -> ModuleType:
+    """Import `name`, a backend's optional dependency, imported only when the backend is used.
+
+    Raises:
+        error: it cannot be imported; the message is `hint` (how to install it) and the import's failure.
+    """
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise error(f"{hint} (import {name!r} failed: {e})") from e

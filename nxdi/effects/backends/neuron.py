@@ -22,7 +22,6 @@ that run where a device exists.
 
 from __future__ import annotations
 
-import importlib
 import shutil
 import subprocess
 import tempfile
@@ -37,7 +36,7 @@ from torch import Tensor
 
 from nxdi.core.errors import CheckpointError
 from nxdi.core.programs.collectives import Collectives
-from nxdi.effects.backends import xla
+from nxdi.effects.backends import base, xla
 from nxdi.effects.backends.base import CompiledProgram, FlatProgram, LoadedProgram, Signature, WeightSet
 
 FORMAT = 2
@@ -63,10 +62,7 @@ class NeuronCompileError(RuntimeError):
 
 
 def _import(name: str) -> ModuleType:
-    try:
-        return importlib.import_module(name)
-    except ImportError as e:
-        raise NeuronUnavailableError(f"{INSTALL_HINT} (import {name!r} failed: {e})") from e
+    return base.import_optional(name, NeuronUnavailableError, INSTALL_HINT)
 
 
 def _neuronx() -> ModuleType:

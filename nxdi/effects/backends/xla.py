@@ -26,7 +26,6 @@ shape that depends on data) and compute what the CPU engine computes.
 from __future__ import annotations
 
 import functools
-import importlib
 import itertools
 import json
 import zipfile
@@ -45,6 +44,7 @@ from torch import Tensor
 
 from nxdi.core.errors import CheckpointError, Problem
 from nxdi.core.programs.collectives import Collectives
+from nxdi.effects.backends import base
 from nxdi.effects.backends.base import CompiledProgram, FlatProgram, LoadedProgram, Signature, WeightSet
 
 FORMAT = 1
@@ -69,10 +69,7 @@ class XlaUnavailableError(ImportError):
 
 
 def _import(name: str) -> ModuleType:
-    try:
-        return importlib.import_module(name)
-    except ImportError as e:
-        raise XlaUnavailableError(f"{INSTALL_HINT} (import {name!r} failed: {e})") from e
+    return base.import_optional(name, XlaUnavailableError, INSTALL_HINT)
 
 
 @functools.cache
