@@ -381,11 +381,20 @@ def compile_model(
 
 
 def rank_weights(root: Path, model: EngineModel, source: CheckpointSource) -> Result[dict[str, Tensor], Any]:
-    """This rank's weights for the compiled folder `root`: its shard file there, else its slices of
-    the original checkpoint, which must be the one pinned at compile (an ArtifactError when neither
-    exists, or when the checkpoint changed since: see `checkpoint_scan.check_pinned`)."""
-    shard = root / sharded_weights(model.rank)
-    if shard.is_file():
+    """This rank's weights for the compiled folder `root`: its shard file there when the manifest
+    lists it (written by this compile, or by `write_shards` since), else its slices of the original
+    checkpoint, which must be the one pinned at compile (an ArtifactError when neither exists, or
+    when the checkpoint changed since: see `checkpoint_scan.check_pinned`). A shard the manifest
+    does not list (left by an earlier compile) is never read: nothing says which weights it holds."""
+    return artifacts.read_manifest(root).bind(lambda manifest: _rank_weights(root, manifest, model, source))
+
+
+def _rank_weights(
+    root: Path, manifest: artifacts.Manifest, model: EngineModel, source: CheckpointSource
+) -> Result[dict[str, Tensor], Any]:
+    rel = sharded_weights(model.rank)
+    if rel in {f.path for f in manifest.files}:
+        shard = root / rel
         try:
             with checkpoint.open_checkpoint(shard) as ckpt:
                 tensors = dict(ckpt.iter_tensors())
@@ -407,8 +416,25 @@ def rank_weights(root: Path, model: EngineModel, source: CheckpointSource) -> Re
         fix = "restore the checkpoint, or compile with save_sharded_checkpoint=True"
         return Failure(ArtifactError(problems=(Problem.of(source.path, "<missing>", why, fix),), not_found=True))
     # The programs were traced, and the values checked, for the checkpoint as it was at compile.
-    pinned = artifacts.read_manifest(root).bind(lambda m: checkpoint_scan.check_pinned(m.source, found))
-    return pinned.bind(lambda _: read_weights(model, source))
+    return checkpoint_scan.check_pinned(manifest.source, found).bind(lambda _: read_weights(model, source))
+
+
+def write_shards(root: str | os.PathLike[str], model: EngineModel, source: CheckpointSource) -> Result[Path, Any]:
+    """Write every rank's weights into the folder `root`, one rank at a time, and, when `root` is
+    compiled, list them in its manifest so that loading uses them (see `rank_weights`). The
+    caller holds the folder's lock exclusively.
+
+    Returns:
+        The folder, or the CheckpointError of reading the weights.
+    """
+    folder = Path(root)
+    for rank in range(model.tp):
+        written = write_weights(folder, attrs.evolve(model, rank=rank), source)
+        if isinstance(written, Failure):
+            return written
+    if not (folder / artifacts.MANIFEST).is_file():
+        return Success(folder)  # not compiled yet: compile() writes its own weights, or none
+    return artifacts.add_files(folder, [sharded_weights(r) for r in range(model.tp)]).map(lambda _: folder)
 
 
 def repin_source(root: str | os.PathLike[str], source: CheckpointSource) -> Result[artifacts.Manifest, Any]:

@@ -186,6 +186,24 @@ def replace_source(directory: str | os.PathLike[str], source: Iterable[SourceFil
     return read_manifest(root).map(write)
 
 
+def add_files(directory: str | os.PathLike[str], rels: Iterable[str]) -> Result[Manifest, ArtifactError]:
+    """Record the files `rels` (relative paths) in the folder's manifest, replacing their old
+    records (rewritten atomically). The caller holds the folder's lock exclusively.
+
+    Returns:
+        The new manifest, or the ArtifactError of `read_manifest` (nothing compiled there).
+    """
+    root, added = Path(directory), [record_file(Path(directory), r) for r in rels]
+
+    def write(manifest: Manifest) -> Manifest:
+        kept = [f for f in manifest.files if f.path not in {a.path for a in added}]
+        new = attrs.evolve(manifest, files=(*kept, *added))
+        files.write_text_atomic(root / MANIFEST, json.dumps(new.to_json(), indent=1, sort_keys=True))
+        return new
+
+    return read_manifest(root).map(write)
+
+
 def verify(directory: str | os.PathLike[str], manifest: Manifest) -> Result[Manifest, ArtifactError]:
     """Check every recorded file's size and sha256; the error names each bad file."""
     root, problems = Path(directory), []

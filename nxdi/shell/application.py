@@ -16,7 +16,6 @@ import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
-import attrs
 import torch
 
 from nxdi.core import families, graph_key
@@ -305,7 +304,9 @@ class NeuronApplicationBase:
 
         def write() -> Any:
             # Everything lands in a build folder that replaces the compiled one as a whole.
-            owned = (CONFIG_FILE, "programs", "manifest.json", "hlo")  # never carried over from the old folder
+            # Never carried over from the old folder: a compile writes its own (weights only with
+            # save_sharded_checkpoint; an old folder's shards were made for another compile).
+            owned = (CONFIG_FILE, "programs", "manifest.json", "hlo", "weights")
             with staging.building(root, timeout=_lock_timeout(env), on_wait=_waiting, owned=owned) as build:
                 self.config.save(build.path)
                 compiled = engine.compile_model(
@@ -329,7 +330,9 @@ class NeuronApplicationBase:
 
     def shard_weights(self, compiled_model_path: str | os.PathLike[str]) -> None:
         """Write every rank's converted weights to `compiled_model_path/weights/tp{rank}_sharded_checkpoint.safetensors`,
-        one rank at a time (each reads only its slices of the checkpoint; under torchrun, rank 0 writes)."""
+        one rank at a time (each reads only its slices of the checkpoint; under torchrun, rank 0 writes).
+        In a compiled folder they are listed in its manifest, and `load()` then reads them instead of
+        the checkpoint; a later compile() replaces them (it writes its own only with save_sharded_checkpoint)."""
         model, source = self._engine_model(), self._source(self.model_path)
 
         env = env_mod.read_env()
@@ -337,8 +340,7 @@ class NeuronApplicationBase:
         def write() -> None:
             lock = staging.writing(compiled_model_path, purpose="write weights", timeout=_lock_timeout(env))
             with lock as folder:
-                for rank in range(model.tp):
-                    unwrap(engine.write_weights(folder, attrs.evolve(model, rank=rank), source))
+                unwrap(engine.write_shards(folder, model, source))
 
         launch.once(model, env, write)
 

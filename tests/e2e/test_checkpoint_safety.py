@@ -208,3 +208,29 @@ def test_a_model_file_linking_to_a_device_is_refused_saying_so(
             NotARegularFileError, match=r"model\.safetensors is a symlink to /dev/zero, which is a character"
         ):
             bring_up(_model(path))
+
+
+def test_shards_of_an_earlier_compile_are_never_loaded_as_this_compiles_weights(
+    tiny_checkpoint: Callable[..., Path], tiny_model: Any, tmp_path: Path
+) -> None:
+    """Checkpoint A compiled with its shards saved, then checkpoint B (same shapes) compiled into the
+    same folder without: loading gives B's weights. Shards count only when the manifest lists them."""
+    a = _checkpoint(tiny_checkpoint, tiny_model, tmp_path / "a")
+    b = _checkpoint(tiny_checkpoint, tiny_model, tmp_path / "b", **{Q0: lambda t: t * 2})
+    folder = tmp_path / "compiled"
+    _model(a, save_sharded_checkpoint=True).compile(folder)
+    _model(b).compile(folder)
+    assert not (folder / "weights").exists(), "the earlier compile's shards are dropped with it"
+    (folder / "weights").mkdir()  # a stray shard of A put back by hand is not read either
+    shutil.copy(tmp_path / "a" / "model.safetensors", folder / "weights" / "tp0_sharded_checkpoint.safetensors")
+    loaded = NeuronLlamaForCausalLM(folder)
+    loaded.load(folder)
+    eager_b = _model(b)
+    eager_b.to_cpu()
+    torch.testing.assert_close(_logits(loaded), _logits(eager_b))
+
+    _model(b).shard_weights(folder)  # listed in the manifest now: load reads them, not the checkpoint
+    shutil.rmtree(b)
+    again = NeuronLlamaForCausalLM(folder)
+    again.load(folder)
+    torch.testing.assert_close(_logits(again), _logits(eager_b))

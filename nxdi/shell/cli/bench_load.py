@@ -5,8 +5,8 @@
 
 Three phases on one checkpoint (a random `--shape` built into the work dir, as `bench generate`
 does, or `--model-path`), each against the bound "largest checkpoint tensor + one rank's shard":
-- driver, `shard_weights()`: this process converts every rank's weights and writes them to
-  `weights/tp{rank}_sharded_checkpoint.safetensors`, one rank at a time;
+- driver, `shard_weights()` into the compiled folder: this process converts every rank's weights
+  and writes them to `weights/tp{rank}_sharded_checkpoint.safetensors`, one rank at a time;
 - ranks, `to_cpu()`: every rank process reads its slices of the original checkpoint;
 - ranks, `load()`: every rank process reads its presharded file.
 The figure is the peak of *anonymous* resident memory during the phase minus what the process held
@@ -91,6 +91,7 @@ def measure(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     folder = Path(args.work_dir) / f"sharded-{path.name}-tp{args.tp_degree}"
     shutil.rmtree(folder, ignore_errors=True)
     model = cls(path, config)
+    model.compile(folder)  # the programs; shard_weights() then lists its shards beside them
 
     t = time.perf_counter()
     memory.reset_peak()  # the peak resident size of this phase only
@@ -113,7 +114,6 @@ def measure(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     eager = _rank_rows(model._require_runtime().probe(), bound)
     model.close()
 
-    model.compile(folder)  # the programs beside the shards written above
     loader = cls(folder)
     t = time.perf_counter()
     loader.load(folder)
