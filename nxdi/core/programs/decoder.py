@@ -27,7 +27,8 @@ from torch import Tensor
 
 from nxdi.core.model_spec import MlpKind, ModelSpec
 from nxdi.core.planning.partition import Partition
-from nxdi.core.programs import flash_decoding, inputs, kv_cache, layers
+from nxdi.core.programs import block_kv, flash_decoding, inputs, kv_cache, layers
+from nxdi.core.programs.block_kv import BlockInputs
 from nxdi.core.programs.collectives import SINGLE, Collectives
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
@@ -139,6 +140,7 @@ def _attention(
     spec: ModelSpec,
     part: Partition,
     coll: Collectives,
+    blocks: BlockInputs | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Self-attention over this rank's heads of normed x [N, E] (N = B*S).
 
@@ -154,7 +156,10 @@ def _attention(
         assert w.q_norm is not None and w.k_norm is not None, "qk_norm needs q_norm and k_norm weights"
         q, k = layers.rms_norm(q, w.q_norm, spec.norm_eps), layers.rms_norm(k, w.k_norm, spec.norm_eps)
     q, k = layers.apply_rope(q, *rope), layers.apply_rope(k, *rope)
-    if part.kv_group > 1:
+    if blocks is not None:
+        assert mask is not None, "a block step has a mask per layer"
+        o, k_cache, v_cache = _block_attention(q, k, v, k_cache, v_cache, mask, blocks)
+    elif part.kv_group > 1:
         o, k_cache, v_cache = flash_decoding.attend(
             q, k, v, k_cache, v_cache, slots=slots, window=window, group=part.kv_group, coll=coll
         )
@@ -165,6 +170,21 @@ def _attention(
         o = layers.attend(q, k_cache, v_cache, mask)  # [B, S, H_r*D]
     bias = w.o_bias if part.tp == 1 else None  # with ranks, the bias is added once, after the sum
     return F.linear(o.view(b * s, h * d), w.o, bias), k_cache, v_cache  # this rank's share of [N, E]
+
+
+def _block_attention(
+    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, blocks: BlockInputs
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention of q [B, S, H, D] over the segments' cached prefixes and this step's k, v [B, S, K, D];
+    then the step's keys and values written at their slots. Returns [B, S, H*D] and the caches.
+
+    This step's keys pass through the cache dtype, as they would if they were read back from the
+    cache, so a block step computes what a contiguous one does."""
+    ks, vs = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    keys = torch.cat((block_kv.gather(k_cache, blocks.block_table), ks.transpose(1, 2)), dim=2)
+    values = torch.cat((block_kv.gather(v_cache, blocks.block_table), vs.transpose(1, 2)), dim=2)
+    o = layers.attend(q, keys, values, mask)
+    return o, block_kv.write(k_cache, ks, blocks.slot_mapping), block_kv.write(v_cache, vs, blocks.slot_mapping)
 
 
 def _mlp(m: MLP, x: Tensor, spec: ModelSpec, part: Partition) -> tuple[Tensor, Tensor | None]:
@@ -196,13 +216,26 @@ def _masks(slots: Tensor, length: int, spec: ModelSpec, part: Partition) -> list
     return out
 
 
-def _rope_tables(x: StepInputs, slots: Tensor, spec: ModelSpec, w: DecoderWeights) -> tuple[Tensor, Tensor]:
-    """cos/sin [B, S, 1, D] at every token's slot (= its position for real tokens)."""
+def _block_masks(
+    positions: Tensor, blocks: BlockInputs, block_size: int, spec: ModelSpec, part: Partition
+) -> list[Tensor | None]:
+    """Each layer's mask over `[prefixes | this step]` [B, 1, G*S, R*P + S]; one per distinct window."""
+    groups = part.q_heads // part.kv_heads
+    built: dict[int | None, Tensor] = {}
+    for i in range(spec.num_layers):
+        window = spec.layer_window(i)
+        if window not in built:
+            seen = block_kv.visible(positions, blocks, block_size=block_size, window=window)
+            built[window] = layers.fold_mask(seen, groups)
+    return [built[spec.layer_window(i)] for i in range(spec.num_layers)]
+
+
+def _rope_tables(positions: Tensor, seq_len: Tensor, spec: ModelSpec, w: DecoderWeights) -> tuple[Tensor, Tensor]:
+    """cos/sin [B, S, 1, D] at `positions` [B, S]; `seq_len`, the longest real sequence (dynamic NTK)."""
     assert spec.rope is not None, "the dense decoder uses rotary positions"
-    seq_len = slots.gather(1, x.last_index[:, None]).max() + 1  # longest real sequence (dynamic NTK)
     cos, sin = layers.rope_cos_sin(
         spec.rope,
-        slots,
+        positions,
         head_dim=spec.head_dim,
         max_positions=spec.max_position_embeddings,
         dtype=w.embed.dtype,
@@ -252,6 +285,7 @@ def forward(
     part: Partition | None = None,
     coll: Collectives = SINGLE,
     all_logits: bool = False,
+    blocks: BlockInputs | None = None,
 ) -> tuple[Tensor, KVCache]:
     """One decoder step over the cache view `cache` (T slots), on one rank's shard.
 
@@ -263,18 +297,29 @@ def forward(
         part: what this rank holds (`Partition.single(spec)` when None: one rank).
         coll: the collectives connecting the ranks (`SINGLE` for one rank).
         all_logits: return logits of all S tokens instead of the last real one per row.
+        blocks: with a block cache (`cache` is then L layers of [N+1, bs, K_r, D], see
+            `nxdi.core.programs.block_kv`): where each token reads and writes; `x.last_index` is
+            then unused (each segment's output token is `blocks.out_index`).
 
     Returns:
-        logits [B, 1, V] fp32 (or [B, S, V] with `all_logits`), the same on every rank, and the
-        cache with this step's keys and values written at the tokens' slots; every other slot
-        unchanged. Inputs are not mutated.
+        logits [B, 1, V] fp32 (or [B, S, V] with `all_logits`; [B, R, V] with `blocks`, one per
+        segment), the same on every rank, and the cache with this step's keys and values written
+        at the tokens' slots; every other slot unchanged. Inputs are not mutated.
     """
     part = Partition.single(spec) if part is None else part
     b, s = x.input_ids.shape
     sp = part.sequence_parallel and s > 1  # context encoding only: a decode step has one token
-    slots = inputs.write_slots(x)  # [B, S]
-    rope = _rope_tables(x, slots, spec, w)
-    masks = _masks(slots, cache.length, spec, part)
+    if blocks is None:
+        slots = inputs.write_slots(x)  # [B, S]
+        rope = _rope_tables(slots, slots.gather(1, x.last_index[:, None]).max() + 1, spec, w)
+        masks = _masks(slots, cache.length, spec, part)
+        out_index = x.last_index[:, None]  # [B, 1]
+    else:
+        assert part.kv_group == 1, "a block cache is not split over the sequence (flash decoding)"
+        slots = x.position_ids.clamp(min=0)  # a padding token's position is any value
+        rope = _rope_tables(slots, torch.where(blocks.segment >= 0, slots, 0).max() + 1, spec, w)
+        masks = _block_masks(slots, blocks, int(cache.k[0].shape[1]), spec, part)
+        out_index = blocks.out_index  # [B, R]
     h = _embed(w, x.input_ids.reshape(-1), spec, part, coll)  # [B*S, E]
     if sp:
         h = coll.scatter(h.view(b, s, -1), 1).reshape(-1, h.shape[-1])  # [B*S/tp, E]
@@ -294,6 +339,7 @@ def forward(
             spec=spec,
             part=part,
             coll=coll,
+            blocks=blocks,
         )
         h = h + _reduce(a, lw.attn.o_bias if part.tp > 1 else None, coll, part, b=b, sp=sp)
         normed = layers.rms_norm(h, lw.post_norm, spec.norm_eps)
@@ -303,7 +349,7 @@ def forward(
         vs.append(v_cache)
     h = (_gather_sequence(h, coll, b=b) if sp else h).view(b, s, -1)
     if not all_logits:
-        h = h.gather(1, x.last_index[:, None, None].expand(b, 1, h.shape[-1]))  # [B, 1, E]
+        h = h.gather(1, out_index[:, :, None].expand(b, out_index.shape[1], h.shape[-1]))  # [B, R, E]
     logits = F.linear(layers.rms_norm(h, w.norm, spec.norm_eps), w.lm_head)  # [B, S', V_r]
     if part.tp > 1:
         logits = coll.all_gather(logits, -1)[..., : spec.vocab_size]  # [B, S', V] on every rank

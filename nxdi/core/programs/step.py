@@ -23,6 +23,7 @@ from torch import Tensor
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning.partition import Partition
 from nxdi.core.programs import sampling
+from nxdi.core.programs.block_kv import BlockInputs
 from nxdi.core.programs.collectives import SINGLE, Collectives
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
@@ -56,18 +57,23 @@ def step(
     *,
     spec: StepSpec,
     coll: Collectives = SINGLE,
+    blocks: BlockInputs | None = None,
 ) -> tuple[Tensor | None, Tensor | None, KVCache]:
     """Run `forward` for one step (on one rank's shard, meeting the others through `coll`) and sample
     if the spec says so. Every rank gets the whole logits, so every rank samples the same tokens.
 
+    With `blocks` (a block KV cache, `nxdi.core.programs.block_kv`) each row returns one output per
+    segment: logits [B, R, V], and `params` [B*R, 3] / `uniforms` [B*R] hold a row per segment.
+
     Returns:
         logits [B, 1, V] fp32 (None when only tokens were asked for), tokens [B] int64 (None
-        without on-device sampling), and the updated cache view.
+        without on-device sampling; [B*R] with blocks), and the updated cache (view).
     """
-    logits, cache = forward(weights, cache, x, spec=spec.model, part=spec.partition, coll=coll)
+    extra = {} if blocks is None else {"blocks": blocks}
+    logits, cache = forward(weights, cache, x, spec=spec.model, part=spec.partition, coll=coll, **extra)
     if not spec.on_device_sampling:
         return logits, None, cache
-    last = logits[:, -1]  # [B, V]
+    last = logits.reshape(-1, logits.shape[-1])  # [B*R, V]: one output per row (and segment)
     tokens = sampling.select(last, params, uniforms, do_sample=spec.do_sample, global_topk=spec.global_topk)
     return (logits if spec.output_logits else None), tokens, cache
 
