@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, settings
 # Fixture modules shared by every test directory.
 pytest_plugins = [
     "tests.support.checkpoint_fixtures",  # session-scoped tiny Hugging Face checkpoints: tiny_model, tiny_checkpoint
+    "tests.support.compat_fixtures",  # compat_package: compat/ (neuronx_distributed_inference.*) on sys.path for a test
 ]
 
 settings.register_profile("dev", max_examples=25, deadline=1000)

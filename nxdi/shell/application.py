@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from nxdi.core import families, graph_key
+from nxdi.core import graph_key
 from nxdi.core import weight_plan as weight_plans
 from nxdi.core.config import neuron_checks
 from nxdi.core.config.neuron_spec import NeuronSpec
@@ -34,9 +34,11 @@ from nxdi.effects import weight_loader as weight_io
 from nxdi.effects.backends.base import Backend
 from nxdi.effects.distributed import launch
 from nxdi.effects.runtime import StepRuntime
+from nxdi.shell import inner_model
 from nxdi.shell.config import NeuronConfig
 from nxdi.shell.exceptions import IncompatibleConfigError, exception_for, unwrap
 from nxdi.shell.inference_config import CONFIG_FILE, InferenceConfig
+from nxdi.shell.inner_model import NeuronBaseModel
 
 
 class NeuronApplicationBase:
@@ -57,6 +59,10 @@ class NeuronApplicationBase:
 
     _config_cls: ClassVar[type[InferenceConfig]] = InferenceConfig
     """What `get_config_cls` returns (the family's InferenceConfig for `nxdi.shell.models` classes)."""
+    _model_cls: ClassVar[type[NeuronBaseModel]] = NeuronBaseModel
+    """The inner model: the config bound to the program that runs it (`nxdi.shell.inner_model`; the
+    family's `Neuron<Family>Model` for `nxdi.shell.models` classes). Clients pass it on as NxDI's
+    `FusedSpecNeuronConfig(worker_cls=...)`."""
     _STATE_DICT_MODEL_PREFIX: ClassVar[str] = weight_plans.STATE_DICT_MODEL_PREFIX
     _NEW_STATE_DICT_MODEL_PREFIX: ClassVar[str] = weight_plans.NEW_STATE_DICT_MODEL_PREFIX
 
@@ -100,7 +106,14 @@ class NeuronApplicationBase:
 
     @classmethod
     def get_config_cls(cls) -> type[InferenceConfig]:
+        """The InferenceConfig class of this model (`LlamaInferenceConfig` for `NeuronLlamaForCausalLM`)."""
         return cls._config_cls
+
+    @classmethod
+    def get_neuron_config_cls(cls) -> type[NeuronConfig]:
+        """The NeuronConfig class of this model: its config class's (`LlamaNeuronConfig`,
+        `MoENeuronConfig` for a MoE family, else `NeuronConfig`), as a serving client builds it first."""
+        return cls.get_config_cls().get_neuron_config_cls()
 
     @classmethod
     def _read_config(cls, model_path: str | os.PathLike[str]) -> InferenceConfig:
@@ -142,9 +155,7 @@ class NeuronApplicationBase:
     @staticmethod
     def _program_of(config: InferenceConfig) -> catalog.Program:
         """The program of the config's model (IncompatibleConfigError when none runs it)."""
-        model = config.model_spec()
-        program = families.record_for(model.model_type).bind(lambda record: catalog.program_for(record, model))
-        return unwrap(program, "This model cannot run on the CPU backend")
+        return inner_model.program_of(config)
 
     @classmethod
     def _weight_plan(cls, config: InferenceConfig) -> weight_plans.WeightPlan:

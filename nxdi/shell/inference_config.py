@@ -175,6 +175,12 @@ class InferenceConfig:
     def get_neuron_config_cls(cls) -> type[NeuronConfig]:
         return cls._neuron_config_cls
 
+    def get_text_config(self) -> Any:
+        """The text model's config: `text_config` when the model has one (multimodal), else this config
+        (what serving clients read `vocab_size` from)."""
+        text = self.__dict__.get("text_config")
+        return self if text is None else text
+
     def validate_config(self) -> None:
         """Check required attributes (all missing ones listed) and the model attributes."""
         missing = [name for name in self.get_required_attributes() if not hasattr(self, name)]
@@ -281,6 +287,7 @@ def load_pretrained_config(
 
     The checkpoint's `dtype` (or `torch_dtype`) becomes neuron_config.torch_dtype unless the
     NeuronConfig was given a torch_dtype explicitly. Nested configs become SimpleNamespaces.
+    `transformers_version` is the one the checkpoint's config.json records (not the installed one).
 
     Raises:
         ValueError: both or neither of the two arguments given.
@@ -298,6 +305,10 @@ def load_pretrained_config(
             assert model_path_or_name is not None  # checked above: exactly one of the two is given
             config = hf_configs.read_hf_config(model_path_or_name)
         data = config.to_dict()
+        # to_dict() writes the installed transformers version; keep the one the checkpoint was saved with.
+        version = getattr(config, "transformers_version", None)
+        if version is not None:
+            data["transformers_version"] = version
         if model_path_or_name is not None and Path(model_path_or_name).exists():
             # Absolute, so a compiled model that reads its weights from here loads from any directory.
             data["_name_or_path"] = str(Path(model_path_or_name).resolve())
@@ -309,6 +320,8 @@ def load_pretrained_config(
         for key, value in list(data.items()):
             if hasattr(getattr(config, key, None), "to_dict") and isinstance(value, Mapping):
                 data[key] = types.SimpleNamespace(**value)
+                if version is not None:
+                    data[key].transformers_version = version
         rope = data.get("rope_parameters")
         if "rope_theta" not in data and isinstance(rope, Mapping) and "rope_theta" in rope:
             data["rope_theta"] = rope["rope_theta"]  # newer transformers nest it; NxDI requires it top level

@@ -3,7 +3,8 @@
 For every family record (`nxdi.core.families`) with shell class names, this module provides its
 `<Family>InferenceConfig` (required and derived attributes from the record), its documented
 NeuronConfig subclass if any (`LlamaNeuronConfig`, `MixtralNeuronConfig`, ...), and, for families
-the engine runs, `Neuron<Family>ForCausalLM`. They are ordinary classes one level below the
+the engine runs, `Neuron<Family>ForCausalLM` and its inner model `Neuron<Family>Model` (its
+`_model_cls`, `nxdi.shell.inner_model`). They are ordinary classes one level below the
 documented bases, built on first attribute access (importing this module does no work), with this
 module as their `__module__`, so they pickle and serialize by reference like hand-written ones.
 Adding a family adds its classes here without touching this file.
@@ -21,6 +22,7 @@ from nxdi.shell import hf_configs
 from nxdi.shell.causal_lm import NeuronBaseForCausalLM
 from nxdi.shell.config import MoENeuronConfig, NeuronConfig
 from nxdi.shell.inference_config import InferenceConfig
+from nxdi.shell.inner_model import NeuronBaseModel
 
 _built: dict[str, Any] = {}
 
@@ -45,8 +47,9 @@ def _build(record: FamilyRecord) -> None:
         _family=record,
         _neuron_config_cls=base,
     )
-    if names.causal_lm is not None:
-        _make(names.causal_lm, NeuronBaseForCausalLM, f"{record.name} causal LM.", _config_cls=config)
+    if names.causal_lm is not None and names.model is not None:
+        inner = _make(names.model, NeuronBaseModel, f"The {record.name} program bound to a config.", _family=record)
+        _make(names.causal_lm, NeuronBaseForCausalLM, f"{record.name} causal LM.", _config_cls=config, _model_cls=inner)
 
 
 def model_types() -> dict[str, dict[str, type]]:

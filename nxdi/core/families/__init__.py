@@ -46,7 +46,8 @@ def class_names() -> dict[str, FamilyRecord]:
     out: dict[str, FamilyRecord] = {}
     for record in RECORDS:
         if record.classes is not None:
-            for name in (record.classes.inference_config, record.classes.neuron_config, record.classes.causal_lm):
+            names = record.classes
+            for name in (names.inference_config, names.neuron_config, names.causal_lm, names.model):
                 if name is not None:
                     out[name] = record
     return out

@@ -38,6 +38,12 @@ class ClassNames:
     neuron_config: str | None = None
     """A NeuronConfig subclass the family documents (`LlamaNeuronConfig`), if any."""
 
+    @property
+    def model(self) -> str | None:
+        """The inner model class, named after `causal_lm` as NxDI names it (`NeuronLlamaForCausalLM`
+        -> `NeuronLlamaModel`): what the causal LM's `_model_cls` holds. None without a causal LM."""
+        return None if self.causal_lm is None else self.causal_lm.removesuffix("ForCausalLM") + "Model"
+
 
 def _frozen_map(value: Mapping[str, Any]) -> Mapping[str, Any]:
     return dict(value)

@@ -1,0 +1,1 @@
+"""NxDI's `models` package: configuration, application bases, one package per model family."""

@@ -1,0 +1,24 @@
+"""NxDI's `models.config`: the configuration classes."""
+
+from nxdi.shell.config import (
+    ChunkedPrefillConfig,
+    MoENeuronConfig,
+    NeuronConfig,
+    OnDeviceSamplingConfig,
+    to_torch_dtype,
+)
+from nxdi.shell.exceptions import IncompatibleConfigError
+from nxdi.shell.inference_config import FusedSpecNeuronConfig, InferenceConfig
+from nxdi.shell.lora_serving import LoraServingConfig
+
+__all__ = [
+    "ChunkedPrefillConfig",
+    "FusedSpecNeuronConfig",
+    "IncompatibleConfigError",
+    "InferenceConfig",
+    "LoraServingConfig",
+    "MoENeuronConfig",
+    "NeuronConfig",
+    "OnDeviceSamplingConfig",
+    "to_torch_dtype",
+]

@@ -1,0 +1,5 @@
+"""NxDI's `models.mixtral.modeling_mixtral`: nxdi's mixtral classes (`nxdi.shell.models`)."""
+
+from nxdi.shell.models import MixtralInferenceConfig, MixtralNeuronConfig
+
+__all__ = ["MixtralInferenceConfig", "MixtralNeuronConfig"]

@@ -1,0 +1,1 @@
+"""NxDI's `models.qwen3` package."""

@@ -1,0 +1,1 @@
+"""NxDI's `modules` package: padding, sampling helpers, LoRA serving."""
