@@ -6,7 +6,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from returns.result import Failure, Success
 
-from nxdi.core.planning import buckets, padding
+from nxdi.core.config.neuron_spec import Phase
+from nxdi.core.config.sub_specs import ChunkedPrefillSpec
+from nxdi.core.planning import block_buckets, buckets, padding
 from nxdi.testing.strategies.plans import bucket_tables
 
 
@@ -125,3 +127,120 @@ def test_batch_plans_cover_every_row_once_and_restore_the_order(seq_ids: list[in
 def test_batch_plans_reject_duplicate_or_negative_ids(seq_ids: list[int]) -> None:
     ok = len(set(seq_ids)) == len(seq_ids) and min(seq_ids) >= 0
     assert isinstance(padding.batch_plan(seq_ids, compiled_batch=4), Success) == ok
+
+
+# --- block KV: prefix caching and chunked prefill (block_buckets) -------------------------------
+
+_sizes = st.sets(st.integers(min_value=1, max_value=4096), min_size=1, max_size=6).map(lambda s: tuple(sorted(s)))
+
+
+@st.composite
+def prefix_tables(draw: st.DrawFn) -> block_buckets.PrefixTable:
+    """Valid prefix-caching tables: CTE (prefix starting at 0, sometimes with a (512, 0) bucket) or TKG."""
+    kind = draw(st.sampled_from([Phase.CONTEXT, Phase.TOKEN]))
+    active = (1,) if kind is Phase.TOKEN else tuple(sorted({*draw(_sizes), *draw(st.sampled_from([(), (512,)]))}))
+    prefix = draw(_sizes)
+    if kind is Phase.CONTEXT:
+        prefix = (0, *prefix)
+    return block_buckets.PrefixTable(kind=kind, active=active, prefix=prefix, max_length=max(*active, *prefix))
+
+
+def _fits(table: block_buckets.PrefixTable, active: int, prefix: int) -> list[tuple[int, int]]:
+    if table.kind is Phase.CONTEXT:  # cached tokens beyond the prefix bucket are recomputed in the prefill
+        return [(a, p) for a, p in table.buckets() if active <= a and active + prefix <= a + p]
+    return [(a, p) for a, p in table.buckets() if active <= a and prefix + active <= p]
+
+
+_active = st.integers(min_value=1, max_value=5000)
+_prefix = st.integers(min_value=0, max_value=9000)
+
+
+@given(prefix_tables(), _active, _prefix)
+def test_prefix_selection_returns_the_smallest_fit_or_a_failure(
+    table: block_buckets.PrefixTable, active: int, prefix: int
+) -> None:
+    fits = _fits(table, active, prefix)
+    match block_buckets.select_prefix_bucket(table, active, prefix, recompute_short_contexts=False):
+        case Success(bucket):
+            assert bucket == min(fits) and bucket in table.buckets()
+        case Failure(err):
+            assert not fits and err.problems
+            assert err.fields() <= {"prefill_length", "active_length", "prefix_length"}
+            assert all(p.fix for p in err.problems)
+
+
+@given(prefix_tables(), _active, _prefix)
+def test_short_contexts_take_the_512_bucket_else_the_smallest_fit(
+    table: block_buckets.PrefixTable, active: int, prefix: int
+) -> None:
+    plain = block_buckets.select_prefix_bucket(table, active, prefix, recompute_short_contexts=False)
+    chosen = block_buckets.select_prefix_bucket(table, active, prefix)
+    short = table.kind is Phase.CONTEXT and 256 < active + prefix <= 512 and (512, 0) in table.buckets()
+    assert chosen == (Success((512, 0)) if short else plain)
+
+
+@given(prefix_tables(), _active, _prefix)
+def test_prefix_truncation_always_selects_a_compiled_bucket(
+    table: block_buckets.PrefixTable, active: int, prefix: int
+) -> None:
+    bucket = block_buckets.select_prefix_bucket(table, active, prefix, allow_input_truncation=True).unwrap()
+    assert bucket in table.buckets()
+
+
+_bucket_lists = st.none() | st.lists(st.integers(min_value=-2, max_value=5000), max_size=5)
+
+
+@given(st.integers(min_value=1, max_value=1 << 14), st.booleans(), _bucket_lists, _bucket_lists, _bucket_lists)
+def test_prefix_tables_respect_their_limits_or_name_the_field(
+    limit: int, bucketing: bool, prefill: list[int] | None, prefixes: list[int] | None, tokens: list[int] | None
+) -> None:
+    ctx = block_buckets.prefix_context_table(
+        max_context_length=limit, enable_bucketing=bucketing, prefill_buckets=prefill, prefix_buckets=prefixes
+    )
+    match ctx:
+        case Success(t):
+            assert t.prefix[0] == 0 and max(*t.active, *t.prefix) <= limit
+            if not bucketing or prefill is None:
+                assert t.active[-1] == limit
+        case Failure(err):
+            assert bucketing and err.fields() <= {"context_encoding_buckets", "prefix_buckets"}
+    match block_buckets.prefix_token_table(max_length=limit, enable_bucketing=bucketing, token_buckets=tokens):
+        case Success(t):
+            assert t.active == (1,) and t.prefix[-1] <= limit
+            if not bucketing or tokens is None:
+                assert t.prefix[-1] == limit and (not bucketing or t.prefix[0] == min(256, limit))
+        case Failure(err):
+            assert bucketing and err.fields() == {"token_generation_buckets"}
+
+
+@st.composite
+def chunked_tables(draw: st.DrawFn) -> block_buckets.ChunkedPrefillTable:
+    q = draw(st.sampled_from([1, 16, 128, 256]))
+    config = ChunkedPrefillSpec(
+        max_num_seqs=draw(st.integers(min_value=1, max_value=16)),
+        kernel_q_tile_size=q,
+        kernel_kv_tile_size=draw(st.sampled_from([128, 512, 1024])),
+    )
+    max_ctx = draw(st.integers(min_value=1, max_value=8192))
+    max_len = draw(st.integers(min_value=max_ctx, max_value=16384))
+    table = block_buckets.chunked_prefill_table(
+        max_context_length=max_ctx, max_length=max_len, enable_bucketing=draw(st.booleans()), config=config
+    ).unwrap()
+    # every bucket stays inside its limits: chunks are q-tile multiples up to max_ctx rounded up
+    # to a tile (or max_ctx itself without bucketing), tiles at most the whole tile grid
+    assert table.tiles[-1] == table.max_num_tiles
+    assert all(c % q == 0 or c == max_ctx for c in table.chunks)
+    assert table.chunks[-1] in (max_ctx, -(-max_ctx // q) * q)
+    return table
+
+
+@given(chunked_tables(), st.integers(min_value=1, max_value=10000), st.integers(min_value=0, max_value=3000))
+def test_chunked_selection_returns_the_smallest_fit_or_a_failure(
+    table: block_buckets.ChunkedPrefillTable, chunk: int, tiles: int
+) -> None:
+    fits = [(c, t) for c, t in table.buckets() if chunk <= c and tiles <= t]
+    match block_buckets.select_chunked_bucket(table, chunk, tiles):
+        case Success(bucket):
+            assert bucket == min(fits)
+        case Failure(err):
+            assert not fits and err.fields() <= {"chunk_length", "num_tiles"}

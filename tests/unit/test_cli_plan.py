@@ -56,6 +56,18 @@ def test_llama_8b_on_trn1_text(models: dict[str, Path], capsys: pytest.CaptureFi
     assert "No problems" in out
 
 
+def test_block_kv_tables_replace_the_plain_ones(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    prefix = ("--seq-len", "2048", "--enable-bucketing", "--is-block-kv-layout", "--is-prefix-caching")
+    status, out, _ = _plan(capsys, models["llama-8b"], *L8_TRN1, *prefix, "--pa-block-size", "32")
+    assert status == 0 and "prefill 1024: prefix 0, 512, 1024, 2048" in out and "active 1: prefix 256, 512" in out
+    chunked = ("--seq-len", "1024", "--batch-size", "2", "--enable-bucketing", "--is-block-kv-layout")
+    chunked += ("--enable-chunked-prefill", "--max-num-seqs", "2", "--kernel-kv-tile-size", "512")
+    status, doc = _plan_json(capsys, models["llama-8b"], *L8_TRN1, *chunked)
+    assert status == 0 and doc["buckets"]["axes"]["context_encoding"] == ["chunk", "tiles"]
+    assert doc["buckets"]["context_encoding"] == [[q, t] for q in (128, 512, 1024) for t in (1, 16, 32)]
+    assert doc["buckets"]["token_generation"] == [128, 256, 512, 1024]
+
+
 def test_llama_8b_on_trn1_json(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     status, doc = _plan_json(
         capsys, models["llama-8b"], *L8_TRN1, "--batch-size", "4", "--seq-len", "2048", "--enable-bucketing"

@@ -14,6 +14,7 @@ Theory of operation:
 - 2-D tables (`token_generation_batches`) pair each compiled batch size (descending) with every
   sequence bucket (ascending); selection takes the smallest batch that holds the input batch, then the
   smallest sequence bucket that fits.
+- The block KV layout's 2-D tables (prefix caching, chunked prefill) are in `block_buckets`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from returns.result import Failure, Result, Success
 from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.errors import ConfigError, Problem, problems_of
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.planning import buckets, kv_layout, lora, memory, sharding
+from nxdi.core.planning import block_buckets, buckets, kv_layout, lora, memory, sharding
 from nxdi.core.platform import INSTANCES, PLATFORMS, Platform
 
 
@@ -49,6 +49,9 @@ class Plan:
     kv_cache: kv_layout.KVLayout
     memory: memory.MemoryPlan
     lora: lora.LoraCapacity | None
+    block: block_buckets.BlockTables | None = None
+    """Prefix-caching / chunked-prefill tables, compiled instead of the plain CTE (and, with prefix
+    caching, TKG) tables; None without those features."""
     problems: tuple[Problem, ...] = ()
     """Why this configuration will not run as asked (empty when it will)."""
     warnings: tuple[str, ...] = ()
@@ -74,13 +77,23 @@ def _table(t: buckets.BucketTable) -> list[Any]:
 
 
 def _buckets_dict(p: Plan) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "context_encoding": _table(p.context_encoding),
-        "token_generation": _table(p.token_generation),
+    """Each compiled table, and under `axes` what its entries are (a 2-D table lists pairs)."""
+    ctx, tkg = _table(p.context_encoding), _table(p.token_generation)
+    axes: dict[str, list[str]] = {
+        "context_encoding": ["seq"],
+        "token_generation": ["batch", "seq"] if p.token_generation.is_2d else ["seq"],
     }
+    b = p.block
+    if b is not None and b.chunked_prefill is not None:
+        ctx, axes["context_encoding"] = [list(x) for x in b.chunked_prefill.buckets()], ["chunk", "tiles"]
+    elif b is not None and b.prefix_context is not None:
+        ctx, axes["context_encoding"] = [list(x) for x in b.prefix_context.buckets()], ["prefill", "prefix"]
+    if b is not None and b.prefix_token is not None:
+        tkg, axes["token_generation"] = [list(x) for x in b.prefix_token.buckets()], ["active", "prefix"]
+    out: dict[str, Any] = {"context_encoding": ctx, "token_generation": tkg}
     if p.speculation is not None:
-        out["speculation"] = _table(p.speculation)
-    return out
+        out["speculation"], axes["speculation"] = _table(p.speculation), ["seq"]
+    return {**out, "axes": axes}
 
 
 def _sharding_dict(s: sharding.ShardPlan) -> dict[str, Any]:
@@ -231,11 +244,12 @@ def plan_for(
     where = _platform(spec, platform, instance)
     ctx, tkg = buckets.context_table_for(spec), buckets.token_table_for(spec)
     spec_table = buckets.speculation_table_for(spec) if spec.speculation_length > 0 else Success(None)
+    block = block_buckets.block_tables_for(spec)
     shard, kv = sharding.shard_plan_for(model, spec), kv_layout.kv_layout_for(model, spec)
     mem = memory.memory_plan_for(model, spec, platform=where, instance=instance)
     capacity = mem.bind(lambda m: _lora_capacity(model, spec, m, lora_request))
-    match ctx, tkg, spec_table, shard, kv, mem, capacity:
-        case Success(c), Success(t), Success(s), Success(sh), Success(k), Success(m), Success(cap):
+    match ctx, tkg, spec_table, block, shard, kv, mem, capacity:
+        case Success(c), Success(t), Success(s), Success(bl), Success(sh), Success(k), Success(m), Success(cap):
             plan = Plan(
                 platform=where,
                 instance=instance,
@@ -243,6 +257,7 @@ def plan_for(
                 context_encoding=c,
                 token_generation=t,
                 speculation=s,
+                block=bl,
                 sharding=sh,
                 kv_cache=k,
                 memory=m,
@@ -250,5 +265,5 @@ def plan_for(
                 warnings=(*sh.notes, *_lnc_note(spec, where)),
             )
             return Success(attrs.evolve(plan, problems=_verdict(spec, plan)))
-    problems = dict.fromkeys(problems_of(ctx, tkg, spec_table, shard, kv, mem, capacity))
+    problems = dict.fromkeys(problems_of(ctx, tkg, spec_table, block, shard, kv, mem, capacity))
     return Failure(ConfigError(problems=tuple(problems)))

@@ -18,6 +18,7 @@ BENCHES: dict[str, str] = {
     "plan": "nxdi.shell.cli.bench_plan",
     "generate": "nxdi.shell.cli.bench_generate",
     "load": "nxdi.shell.cli.bench_load",
+    "serve": "nxdi.shell.cli.bench_serve",
 }
 
 DEFAULT_BENCHES: tuple[str, ...] = ("plan",)

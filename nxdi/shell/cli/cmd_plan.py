@@ -73,6 +73,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--instance", help=f"EC2 instance type ({', '.join(INSTANCES)})")
     p.add_argument("--json", action="store_true", help="print the plan as a JSON document")
     _add_lora_flags(p)
+    _add_chunked_prefill_flags(p)
     add_neuron_config_flags(p)
     p.set_defaults(run=run)
 
@@ -93,6 +94,23 @@ def _add_lora_flags(p: argparse.ArgumentParser) -> None:
         help="shard each adapter's linear layer across the TP group (default) or duplicate it on every core",
     )
     g.add_argument("--max-loras", type=int, help="adapters resident on device: counted in memory and checked")
+
+
+def _add_chunked_prefill_flags(p: argparse.ArgumentParser) -> None:
+    """chunked_prefill_config as the reference's inference demo spells it (it has no NeuronConfig flag)."""
+    g = p.add_argument_group("chunked prefill (needs --is-block-kv-layout)")
+    g.add_argument("--enable-chunked-prefill", action="store_true", help="set chunked_prefill_config")
+    g.add_argument("--max-num-seqs", type=int, help="sequences per chunked-prefill call (max_num_seqs)")
+    g.add_argument("--kernel-q-tile-size", type=int, help="query tile of the chunked-prefill kernel (default 128)")
+    g.add_argument("--kernel-kv-tile-size", type=int, help="KV tile of the chunked-prefill kernel (default 1024)")
+
+
+def _chunked_prefill_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """`chunked_prefill_config` from the flags; the core checks the values."""
+    if not args.enable_chunked_prefill:
+        return None
+    names = ("max_num_seqs", "kernel_q_tile_size", "kernel_kv_tile_size")
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
 _LORA_DESTS = ("lora_rank", "lora_target_modules", "lora_adapter_mb", "lora_memory_gb", "lora_shard_linear_layer")
@@ -209,6 +227,9 @@ def _neuron_kwargs(args: argparse.Namespace, hf: dict[str, Any]) -> tuple[dict[s
     lora_config = _lora_config(args)
     if lora_config is not None:
         kwargs["lora_config"] = lora_config
+    chunked = _chunked_prefill_config(args)
+    if chunked is not None:
+        kwargs["chunked_prefill_config"] = chunked
     return kwargs, source
 
 

@@ -14,7 +14,7 @@ import attrs
 
 from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.planning import buckets
+from nxdi.core.planning import block_buckets, buckets
 from nxdi.core.planning.plan import Plan
 
 GIB = 1 << 30
@@ -160,11 +160,41 @@ def _table_lines(name: str, t: buckets.BucketTable) -> list[str]:
     return [f"  {name if i == 0 else '':<24}batch {b}: {lengths}" for i, b in enumerate(t.batch_sizes)]
 
 
+def _pair_lines(name: str, rows: tuple[int, ...], cols: tuple[int, ...], axes: tuple[str, str]) -> list[str]:
+    """A 2-D table as one line per row value: `prefill 512: prefix 0, 512, 1024`."""
+    shown = ", ".join(str(c) for c in cols)
+    return [f"  {name if i == 0 else '':<24}{axes[0]} {r}: {axes[1]} {shown}" for i, r in enumerate(rows)]
+
+
+def _block_lines(b: block_buckets.BlockTables, p: Plan) -> list[str]:
+    """The block-KV tables, in place of the plain ones they replace."""
+    if b.chunked_prefill is not None:
+        c = b.chunked_prefill
+        ctx = _pair_lines("chunked prefill", c.chunks, c.tiles, ("chunk", "tiles"))
+        ctx.append(f"  {'':<24}(tiles of {c.q_tile_size} x {c.kv_tile_size} tokens; {c.max_num_tiles} in all)")
+    elif b.prefix_context is not None:
+        ctx = _pair_lines(
+            "context (prefix cache)", b.prefix_context.active, b.prefix_context.prefix, ("prefill", "prefix")
+        )
+    else:
+        ctx = _table_lines("context encoding", p.context_encoding)
+    if b.prefix_token is not None:
+        t = b.prefix_token
+        return ctx + _pair_lines("token gen, prefix cache", t.active, t.prefix, ("active", "prefix"))
+    return ctx + _table_lines("token generation", p.token_generation)
+
+
 def _bucket_lines(p: Plan) -> list[str]:
-    tables = [("context encoding", p.context_encoding), ("token generation", p.token_generation)]
+    if p.block is not None:
+        lines = _block_lines(p.block, p)
+    else:
+        lines = [
+            *_table_lines("context encoding", p.context_encoding),
+            *_table_lines("token generation", p.token_generation),
+        ]
     if p.speculation is not None:
-        tables.append((f"speculation (+{p.speculation.extra_tokens})", p.speculation))
-    return ["Buckets"] + [line for name, t in tables for line in _table_lines(name, t)]
+        lines += _table_lines(f"speculation (+{p.speculation.extra_tokens})", p.speculation)
+    return ["Buckets", *lines]
 
 
 def _lora_lines(p: Plan, *, memory_given: bool) -> list[str]:
