@@ -5,7 +5,7 @@ Layout of a compiled-model folder:
 
     neuron_config.json                                 the shell writes it
     weights/tp{rank}_sharded_checkpoint.safetensors    the weights writer (once, for every program)
-    programs/<phase>_<bucket><suffix>                  one program per sub-model and bucket, no weights
+    programs/<name><suffix>                            one program per ProgramKey, no weights
     manifest.json                                      written last: see `nxdi.effects.manifest`
 
 Rules:
@@ -19,8 +19,8 @@ Rules:
 - Compiling into a live folder (no `previous`) deletes its manifest before writing anything, so an
   interrupted compile there leaves a folder that reads as "nothing compiled", never a half-valid one.
 - Every file is written to a temporary name in its folder and renamed into place.
-- The manifest records each program's sub-model (phase) and bucket as fields, and the sha256 and
-  size of every program (and of any file the caller asks it to record). Loading checks them all
+- The manifest records each program's key (phase, length, batch, tokens; see
+  `nxdi.core.planning.program_key`) as fields, and the sha256 and size of every program (and of any file the caller asks it to record). Loading checks them all
   and names each file that is missing, truncated or altered; a file that passes the check but
   cannot be read back (a backend's deserializer fails on it) is named too (`ArtifactError`).
 - The manifest also pins the original checkpoint (`source`: each file's name, size, mtime and
@@ -28,7 +28,9 @@ Rules:
   refuses a checkpoint that changed since (`engine.rank_weights`), and `replace_source` re-pins.
 - The manifest carries a format number. A folder written by another format (an older nxdi) is
   refused with "compile again", before anything else in it is read.
-- Compile cache: a program's key hashes the caller's graph key, the program name, the backend and
+- Program files are named by `program_key.program_names` (`token_generation_256`,
+  `token_generation_256_b2`, ...), from the keys alone, so a folder's names follow from its manifest.
+- Compile cache: a program's cache key hashes the caller's graph key, the program name, the backend and
   the backend version (torch version and saved format). Compiling an unchanged configuration again
   reuses the folder's programs; with `cache_dir`, programs are also reused across folders.
 """
@@ -47,8 +49,8 @@ from returns.pipeline import is_successful
 from returns.result import Failure, Result, Success
 from torch import Tensor
 
-from nxdi.core.config.neuron_spec import Phase
 from nxdi.core.errors import ArtifactError, Problem
+from nxdi.core.planning.program_key import ProgramKey, program_names
 from nxdi.effects import files
 from nxdi.effects.backends.base import Backend, CompiledProgram, FlatProgram, Signature
 from nxdi.effects.checkpoint_scan import SourceFile
@@ -92,19 +94,13 @@ __all__ = [
 
 @attrs.frozen(eq=False, kw_only=True)
 class ProgramRequest:
-    """One program to compile: its sub-model and bucket, the pure flat program, its signature, examples."""
+    """One program to compile: its key, the pure flat program, its signature, examples."""
 
-    phase: Phase
-    bucket: int = attrs.field(validator=attrs.validators.gt(0))
+    key: ProgramKey
     fn: FlatProgram
     signature: Signature
     example: Callable[[], Sequence[Tensor]]
     """Builds the W + C + I example tensors; called only when the program must be traced."""
-
-    @property
-    def name(self) -> str:
-        """`context_encoding_128`, ...: the program's file name stem and its name in messages."""
-        return f"{self.phase.value}_{self.bucket}"
 
 
 @attrs.frozen(kw_only=True)
@@ -143,11 +139,11 @@ def _compatibility(
 
 def load_programs(
     directory: str | os.PathLike[str], backend: Backend, *, graph_key: str | None = None
-) -> Result[dict[tuple[Phase, int], CompiledProgram], ArtifactError]:
+) -> Result[dict[ProgramKey, CompiledProgram], ArtifactError]:
     """Every program of a compiled folder, verified and deserialized (no tracing).
 
     Returns:
-        (phase, bucket) -> program, or an ArtifactError: no manifest (`not_found`), a manifest of
+        key -> program, or an ArtifactError: no manifest (`not_found`), a manifest of
         another format or malformed, missing/altered files (each named), or another backend,
         version or graph key.
     """
@@ -160,13 +156,14 @@ def load_programs(
 
 def _deserialize(
     root: Path, manifest: Manifest, backend: Backend
-) -> Result[dict[tuple[Phase, int], CompiledProgram], ArtifactError]:
+) -> Result[dict[ProgramKey, CompiledProgram], ArtifactError]:
     """Every program read back by the backend; an ArtifactError names each file it cannot read."""
     programs, problems = {}, []
+    names = program_names(p.key for p in manifest.programs)
     for p in manifest.programs:
         path = root / p.file
         try:
-            programs[(p.phase, p.bucket)] = backend.load(path, p.signature, name=f"{p.phase.value}_{p.bucket}")
+            programs[p.key] = backend.load(path, p.signature, name=names[p.key])
         except ImportError:
             raise  # the backend's toolchain is missing: not the file's fault
         except Exception as e:  # a deserializer fed bad bytes can raise anything
@@ -219,7 +216,7 @@ def _reusable(directory: Path) -> dict[str, ProgramRecord]:
     return {}
 
 
-def _place(req: ProgramRequest, target: Path, key: str, ctx: _Context) -> bool:
+def _place(req: ProgramRequest, name: str, target: Path, key: str, ctx: _Context) -> bool:
     """Put the program at `target`: from the folder, the cache, or by tracing. True when traced."""
     old = ctx.reusable.get(key)
     if old is not None:
@@ -229,7 +226,7 @@ def _place(req: ProgramRequest, target: Path, key: str, ctx: _Context) -> bool:
         return False  # same key, intact: keep it (linked from the previous folder)
     if _from_cache(ctx.cache_dir, key, target):
         return False
-    program = ctx.backend.compile(req.fn, req.signature, req.example(), name=req.name)
+    program = ctx.backend.compile(req.fn, req.signature, req.example(), name=name)
     _publish(lambda tmp: ctx.backend.save(program, tmp), target)
     _to_cache(ctx.cache_dir, key, target)
     return True
@@ -260,7 +257,7 @@ def compile_programs(
 
     Args:
         directory: the compiled-model folder (created if needed).
-        requests: one per sub-model and bucket; names must be unique.
+        requests: one per program key; keys must be unique.
         graph_key: hash of the graph-affecting configuration (part of every program's cache key).
         backend: traces, saves and (later) loads the programs.
         cache_dir: optional cache shared across folders (e.g. `Env.compile_cache_dir`).
@@ -273,13 +270,15 @@ def compile_programs(
             compiled in place (its manifest is deleted first).
 
     Raises:
-        ValueError: two requests for one (phase, bucket). Exceptions from tracing propagate; the
+        ValueError: two requests for one key. Exceptions from tracing propagate; the
             folder is then left without a manifest (reads as not compiled).
     """
     root = Path(directory)
-    names = [r.name for r in requests]
-    if len(set(names)) != len(names):
-        raise ValueError(f"two requests for one sub-model and bucket among {names}")
+    keys = [r.key for r in requests]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"two requests for one program among {[k.describe() for k in keys]}")
+    named = program_names(keys)
+    names = [named[k] for k in keys]
     version = backend.version()
     old = root if previous is None else Path(previous)
     reusable = _reusable(old)
@@ -288,14 +287,12 @@ def compile_programs(
     cache = None if cache_dir is None else Path(cache_dir)
     ctx = _Context(directory=root, previous=old, backend=backend, cache_dir=cache, reusable=reusable)
     programs, traced = [], []
-    for req in requests:
-        key = program_key(graph_key, req.name, backend.name, version)
-        rel = f"{PROGRAMS}/{req.name}{backend.suffix}"
-        if _place(req, root / rel, key, ctx):
-            traced.append(req.name)
-        programs.append(
-            ProgramRecord(phase=req.phase, bucket=req.bucket, file=rel, signature=req.signature, cache_key=key)
-        )
+    for req, name in zip(requests, names, strict=True):
+        key = program_key(graph_key, name, backend.name, version)
+        rel = f"{PROGRAMS}/{name}{backend.suffix}"
+        if _place(req, name, root / rel, key, ctx):
+            traced.append(name)
+        programs.append(ProgramRecord(key=req.key, file=rel, signature=req.signature, cache_key=key))
     _remove_stale(root, {p.file for p in programs})
     rels = [p.file for p in programs] + [r for r in record if r not in {p.file for p in programs}]
     manifest = Manifest(

@@ -7,9 +7,10 @@ this process runs (0 of 1 without tensor parallelism). Weights always come from 
 `CheckpointSource` (the original checkpoint and the model's weight plan), read through the rank's
 plan, so a rank reads only its slices. From it:
 
-- `compile_model(root, model, source, ...)` traces one step program per sub-model and bucket
-  (reusing unchanged ones; the same program serves every rank, traced from the checkpoint's headers
-  alone), writes every rank's weights when asked (`save_sharded_checkpoint`), the manifest last.
+- `compile_model(root, model, source, ...)` traces one step program per `ProgramKey` (sub-model,
+  bucket, batch: `EngineModel.program_keys`), reusing unchanged ones; the same program serves
+  every rank, traced from the checkpoint's headers alone. It writes every rank's weights when
+  asked (`save_sharded_checkpoint`), the manifest last.
 - `load_model(root, model, source, ...)` reads the programs back without tracing, binds them to
   this rank's weights (its shard file in the folder, else its slices of the original checkpoint)
   and returns a ready `Runtime`, warmed up when asked. Every expected failure is a Result.
@@ -39,12 +40,13 @@ import torch
 from returns.result import Failure, Result, Success
 from torch import Tensor
 
-from nxdi.core.config.neuron_spec import NeuronSpec, Phase
+from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.errors import ArtifactError, CheckpointError, Problem
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import buckets, sharding
 from nxdi.core.planning.partition import Partition, check_partition
+from nxdi.core.planning.program_key import ProgramKey, program_keys
 from nxdi.core.planning.rank_weights import rank_plan
 from nxdi.core.programs import catalog, kv_cache
 from nxdi.core.programs.collectives import RANK_INPUT, SINGLE, Collectives, with_rank
@@ -148,18 +150,17 @@ class EngineModel:
             output_logits=self.spec.output_logits,
         )
 
-    def buckets(self) -> dict[Phase, tuple[int, ...]]:
-        """The compiled sequence buckets per sub-model (the planners' tables, which a parsed spec has)."""
-        tables = {Phase.CONTEXT: buckets.context_table_for(self.spec), Phase.TOKEN: buckets.token_table_for(self.spec)}
-        out = {}
-        for phase, table in tables.items():
-            assert isinstance(table, Success), f"a validated spec has valid bucket tables: {table}"
-            out[phase] = table.unwrap().lengths
-        return out
+    def tables(self) -> tuple[buckets.BucketTable, buckets.BucketTable]:
+        """The context-encoding and token-generation bucket tables (a parsed spec has valid ones)."""
+        context, token = buckets.context_table_for(self.spec), buckets.token_table_for(self.spec)
+        assert isinstance(context, Success), f"a validated spec has valid bucket tables: {context}"
+        assert isinstance(token, Success), f"a validated spec has valid bucket tables: {token}"
+        return context.unwrap(), token.unwrap()
 
-    def batch(self, phase: Phase) -> int:
-        """Rows of the programs of `phase`."""
-        return self.spec.ctx_batch_size if phase is Phase.CONTEXT else self.spec.tkg_batch_size
+    def program_keys(self) -> tuple[ProgramKey, ...]:
+        """Every program the model compiles: per context bucket, and per (batch bucket, length
+        bucket) of token generation (`program_key.program_keys`)."""
+        return program_keys(*self.tables())
 
     def weight_names(self, plan: WeightPlan) -> tuple[str, ...]:
         """The weights a program binds, in order: the rank plan's own tensors (an alias is bound once)."""
@@ -237,10 +238,9 @@ def _signature(model: EngineModel, names: Sequence[str]) -> Signature:
     return Signature(weights=tuple(names), cache=cache, inputs=model.inputs, outputs=outputs)
 
 
-def _example(model: EngineModel, weights: Sequence[Tensor], phase: Phase, bucket: int) -> list[Tensor]:
-    batch = model.batch(phase)
-    x, params, uniforms = example_inputs(batch=batch, tokens=bucket if phase is Phase.CONTEXT else 1)
-    cache = model.empty_cache(length=bucket, batch=batch)
+def _example(model: EngineModel, weights: Sequence[Tensor], key: ProgramKey) -> list[Tensor]:
+    x, params, uniforms = example_inputs(batch=key.batch, tokens=key.tokens)
+    cache = model.empty_cache(length=key.length, batch=key.batch)
     rank = [torch.tensor(model.rank)] if model.tp > 1 else []
     return [*weights, *cache.to_tensors(), *x.to_tensors(), params, uniforms, *rank]
 
@@ -260,7 +260,7 @@ def _bound(backend: Backend, loaded: LoadedProgram, rank: int) -> Program:
 
 def runtime_for(
     model: EngineModel,
-    programs: Mapping[tuple[Phase, int], Program],
+    programs: Mapping[ProgramKey, Program],
     weights: Any,
     backend: Backend | None = None,
     *,
@@ -285,9 +285,9 @@ def runtime_for(
 
 def warm_up(runtime: Runtime, model: EngineModel) -> None:
     """Run every program once on example inputs, then clear the cache (first calls allocate)."""
-    for phase, bucket in runtime.programs:
-        x, params, _ = example_inputs(batch=model.batch(phase), tokens=bucket if phase is Phase.CONTEXT else 1)
-        runtime.run(phase, bucket, x, rows=None, params=params)
+    for key in runtime.programs:
+        x, params, _ = example_inputs(batch=key.batch, tokens=key.tokens)
+        runtime.run(key, x, rows=None, params=params)
     runtime.reset_cache()
 
 
@@ -300,7 +300,7 @@ def eager_runtime(model: EngineModel, source: CheckpointSource) -> Result[Runtim
     def build(tensors: Mapping[str, Tensor]) -> Runtime:
         value = model.program.weights(tensors, spec=model.model)
         program = functools.partial(step, model.program.forward, value, spec=model.step_spec, coll=model.collectives())
-        programs = {(phase, b): program for phase, lengths in model.buckets().items() for b in lengths}
+        programs = dict.fromkeys(model.program_keys(), program)
         return runtime_for(model, programs, value)
 
     return read_weights(model, source, check_values=True).map(build)
@@ -356,14 +356,12 @@ def compile_model(
     def requests(example: Sequence[Tensor]) -> list[ProgramRequest]:
         return [
             ProgramRequest(
-                phase=phase,
-                bucket=bucket,
+                key=key,
                 fn=flat,
                 signature=signature,
-                example=functools.partial(_example, model, example, phase, bucket),
+                example=functools.partial(_example, model, example, key),
             )
-            for phase, lengths in model.buckets().items()
-            for bucket in lengths
+            for key in model.program_keys()
         ]
 
     return weight_loader.example_weights(model.weight_plan(source.plan), source.path).map(
@@ -452,19 +450,19 @@ def repin_source(root: str | os.PathLike[str], source: CheckpointSource) -> Resu
 
 def bind_programs(
     backend: Backend,
-    programs: Mapping[tuple[Phase, int], Any],
+    programs: Mapping[ProgramKey, Any],
     rank: int,
     names: Sequence[str],
     tensors: Mapping[str, Tensor],
-) -> Result[dict[tuple[Phase, int], Program], CheckpointError]:
+) -> Result[dict[ProgramKey, Program], CheckpointError]:
     """Every compiled program bound to the weights `tensors` (by signature name) for `rank`.
 
     Returns:
-        The runtime's programs by (phase, bucket), or a CheckpointError listing every weight that
+        The runtime's programs by key, or a CheckpointError listing every weight that
         does not fit a program (prefixed with the program's name).
     """
     weight_set = WeightSet(tensors=tuple(tensors[n] for n in names))
-    bound: dict[tuple[Phase, int], Program] = {}
+    bound: dict[ProgramKey, Program] = {}
     problems: list[Problem] = []
     for key, compiled in programs.items():
         match backend.bind(compiled, weight_set):
@@ -528,7 +526,7 @@ def write_hlo(
         raise ValueError(f"the {backend.name} backend keeps no HLO; compile with the xla backend (NXDI_BACKEND=xla)")
     out = Path(directory)
 
-    def write(programs: Mapping[tuple[Phase, int], Any]) -> list[Path]:
+    def write(programs: Mapping[ProgramKey, Any]) -> list[Path]:
         out.mkdir(parents=True, exist_ok=True)
         written = []
         for program in programs.values():

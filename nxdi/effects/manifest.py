@@ -20,19 +20,24 @@ from returns.result import Failure, Result, Success
 
 from nxdi.core.config.neuron_spec import Phase
 from nxdi.core.errors import ArtifactError, Problem
+from nxdi.core.planning.program_key import ProgramKey
 from nxdi.effects import files
 from nxdi.effects.backends.base import Signature
 from nxdi.effects.checkpoint_scan import SourceFile
 
 MANIFEST = "manifest.json"
 PROGRAMS = "programs"
-FORMAT = 3
-"""Manifest format: 3 pins the original checkpoint (`source`), which load() checks when it reads
-its weights from there; 2 recorded phase and bucket per program (1 encoded them in the file name).
-A format-2 folder is refused ("compile again"): it cannot show that its checkpoint is unchanged."""
+FORMAT = 4
+"""Manifest format: 4 records each program's whole key (phase, length, batch, tokens), so programs
+of one length but several batch sizes (token_generation_batches) or token counts are told apart;
+3 pinned the original checkpoint (`source`), which load() checks when it reads its weights from
+there; 2 recorded phase and bucket per program (1 encoded them in the file name). Older folders
+are refused ("compile again"): a format-3 record does not say a program's batch, and a format-2
+folder cannot show that its checkpoint is unchanged."""
 PROGRAM_FORMAT = 2
-"""The saved programs' own format, part of every program's cache key. Manifest format 3 did not
-change the programs, so this stays 2 and cached programs stay valid."""
+"""The saved programs' own format, part of every program's cache key. Manifest formats 3 and 4
+did not change the programs (nor, for models without batch buckets, their names), so this stays 2
+and cached programs stay valid."""
 _CHUNK = 1 << 22
 
 
@@ -63,8 +68,8 @@ class FileRecord:
 class ProgramRecord:
     """One compiled program in the folder."""
 
-    phase: Phase
-    bucket: int
+    key: ProgramKey
+    """Which program: sub-model and static shapes."""
     file: str
     """Relative path of the program file (also listed in `Manifest.files`)."""
     signature: Signature
@@ -96,8 +101,10 @@ class Manifest:
             "backend_version": self.backend_version,
             "programs": [
                 {
-                    "phase": p.phase.value,
-                    "bucket": p.bucket,
+                    "phase": p.key.phase.value,
+                    "length": p.key.length,
+                    "batch": p.key.batch,
+                    "tokens": p.key.tokens,
                     "file": p.file,
                     "cache_key": p.cache_key,
                     "signature": p.signature.to_json(),
@@ -113,8 +120,12 @@ class Manifest:
         """The inverse of `to_json`. Raises KeyError/TypeError/ValueError on a malformed document."""
         programs = tuple(
             ProgramRecord(
-                phase=Phase(p["phase"]),
-                bucket=int(p["bucket"]),
+                key=ProgramKey(
+                    phase=Phase(p["phase"]),
+                    length=int(p["length"]),
+                    batch=int(p["batch"]),
+                    tokens=int(p["tokens"]),
+                ),
                 file=str(p["file"]),
                 cache_key=str(p["cache_key"]),
                 signature=Signature.from_json(p["signature"]),

@@ -1,8 +1,8 @@
-"""The loaded model: the KV cache, and one step program per sub-model and bucket.
+"""The loaded model: the KV cache, and one step program per `ProgramKey` (sub-model, bucket, batch).
 Effects: owns and mutates the KV cache tensors, draws random numbers from a seeded generator.
 
 A `Runtime` is what `load()` / `to_cpu()` produce (`nxdi.effects.engine`). It runs a step on a
-*view* of the cache (the first `bucket` slots, and the rows the caller names) and writes the
+*view* of the cache (the first `key.length` slots, and the rows the caller names) and writes the
 program's updated view back in place, so the cache lives in one set of tensors for the life of the
 model. Programs are interchangeable, the eager pure step or whatever a backend compiled from it, as
 long as they keep one calling convention, with their weights already bound (see `Program`).
@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from nxdi.core.config.neuron_spec import Phase
+from nxdi.core.planning.program_key import ProgramKey
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 
@@ -47,7 +47,8 @@ class RandomStream:
 class StepRuntime(Protocol):
     """What the shell drives: a `Runtime` here, or a runtime whose ranks run in other processes."""
 
-    def buckets(self, phase: Phase) -> tuple[int, ...]: ...
+    @property
+    def programs(self) -> Mapping[ProgramKey, Any]: ...
 
     def set_seed(self, seed: int) -> None: ...
 
@@ -55,8 +56,7 @@ class StepRuntime(Protocol):
 
     def run(
         self,
-        phase: Phase,
-        bucket: int,
+        key: ProgramKey,
         x: StepInputs,
         *,
         rows: Tensor | None,
@@ -74,7 +74,7 @@ class Runtime:
         self,
         *,
         cache: KVCache,
-        programs: Mapping[tuple[Phase, int], Program],
+        programs: Mapping[ProgramKey, Program],
         weights: Any = None,
         seed: int = 0,
         deterministic: bool = False,
@@ -105,10 +105,6 @@ class Runtime:
             # that comes from another graph, so warm-up would otherwise not cover generation.
             self.reset_cache()
 
-    def buckets(self, phase: Phase) -> tuple[int, ...]:
-        """The buckets compiled for `phase`, ascending."""
-        return tuple(sorted(b for p, b in self.programs if p is phase))
-
     def set_seed(self, seed: int) -> None:
         """Restart the sampling random stream (same seed, same draws)."""
         self.random.set_seed(seed)
@@ -133,21 +129,22 @@ class Runtime:
 
     def run(
         self,
-        phase: Phase,
-        bucket: int,
+        key: ProgramKey,
         x: StepInputs,
         *,
         rows: Tensor | None,
         params: Tensor,
         uniforms: Tensor | None = None,
     ) -> tuple[Tensor | None, Tensor | None]:
-        """Run the `(phase, bucket)` program on cache rows `rows` (None: rows 0..B-1 in order).
+        """Run the program `key` on cache rows `rows` (None: rows 0..B-1 in order).
 
         Args:
-            x: inputs [B, S]; S is the bucket in context encoding and 1 in token generation.
+            x: inputs [B, S], B = `key.batch` and S = `key.tokens` (the bucket in context
+                encoding, 1 in token generation).
             rows: [B] cache rows (seq_ids) the batch rows read and write. -1 marks a padding row:
                 it reads some row and writes nothing, so padding never clobbers another
-                sequence's cache (there may be no unused row to give it).
+                sequence's cache (there may be no unused row to give it). A row may be named
+                twice (garbage rows): one of its writers' values is kept.
             params: [B, 3] sampling parameters.
             uniforms: [B] random draws for sampling (default: drawn from this runtime's stream;
                 ranks of one model are all given the driver's, so they sample alike).
@@ -157,7 +154,7 @@ class Runtime:
         """
         draws = self.random.draw(x.input_ids.shape[0]) if uniforms is None else uniforms
         with self._mode():
-            logits, tokens = self._step(self.programs[(phase, bucket)], bucket, x, rows, params, draws)
+            logits, tokens = self._step(self.programs[key], key.length, x, rows, params, draws)
             # Nothing else of the step is referenced any more, so finishing it (an XLA execution)
             # computes only the outputs and the cache, whose buffers it then updates in place.
             logits, tokens = self.finish((logits, tokens))
@@ -215,9 +212,10 @@ def _updated(full: Tensor, part: Tensor, bucket: int, rows: Tensor | None, lead:
 
 def _blend_rows(full: Tensor, part: Tensor, rows: Tensor, dim: int) -> Tensor:
     """`full` with row `rows[j]` (along `dim`) replaced by `part`'s row j for every real row (-1:
-    padding), in static shapes: which part row lands where is a one-hot match, not a host index."""
+    padding), in static shapes: which part row lands where is a one-hot match, not a host index.
+    A row named twice (a garbage row) takes the last of its part rows."""
     match = rows[None, :] == torch.arange(full.shape[dim], device=rows.device)[:, None]  # [R, B]
-    source = (match.long() * torch.arange(rows.shape[0], device=rows.device)[None, :]).sum(1)  # [R]
+    source = (match.long() * torch.arange(rows.shape[0], device=rows.device)[None, :]).amax(1)  # [R]
     shape = [1] * full.dim()
     shape[dim] = full.shape[dim]
     return torch.where(match.any(1).view(shape), part.index_select(dim, source), full)

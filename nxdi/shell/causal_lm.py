@@ -3,9 +3,12 @@
 Routing (as NxDI): a call whose smallest position id is 0 is a prefill and runs the
 context-encoding sub-model; any other call runs token generation on the populated KV cache.
 Inputs are fitted to the compiled shapes on the host: prompts are compacted to right padding and
-padded to the smallest bucket that fits, batches smaller than compiled are completed with pad rows
-(repeating the first row, on unused cache rows) and larger ones split into chunks; outputs come
-back in the caller's row order.
+padded to the smallest bucket that fits; a batch is split into chunks of the largest compiled batch
+and each chunk padded to the smallest compiled batch that holds it (`token_generation_batches`
+compiles several for token generation), with pad rows that repeat the first row and write no cache
+row; outputs come back in the caller's row order. seq_ids that name no sequence go to the garbage
+rows (`kv_cache_padding_size`) or, -1 under `apply_seq_ids_mask`, write nothing (see
+`nxdi.core.host.forward_inputs`).
 """
 
 from __future__ import annotations
@@ -14,14 +17,13 @@ import warnings
 from typing import Any
 
 import torch
-from returns.result import Result
 from torch import Tensor
 
 from nxdi.core import sampling_params as sampling_params_core
 from nxdi.core.config.neuron_spec import Phase
-from nxdi.core.errors import ConfigError
 from nxdi.core.host import batching, forward_inputs
-from nxdi.core.planning import buckets, padding
+from nxdi.core.planning import buckets
+from nxdi.core.planning.program_key import ProgramKey
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.effects.runtime import StepRuntime
 from nxdi.shell.application import NeuronApplicationBase
@@ -101,6 +103,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             vocab_size=self.model_spec.vocab_size,
             cache_rows=self.spec.kv_cache_batch_size,
             max_length=self.spec.max_length,
+            garbage_rows=self.spec.kv_cache_padding_size,
+            mask_seq_ids=self.spec.apply_seq_ids_mask,
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> CausalLMOutput:
@@ -134,7 +138,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                 integer tensors of consistent shapes, ids outside the vocabulary, a mask other than 0/1,
                 positions that disagree with the KV cache (see `nxdi.core.host.forward_inputs`), a
                 prompt longer than max_context_length without allow_input_truncation, a position past
-                max_length, bad sampling params or seq_ids.
+                max_length, bad sampling params, or seq_ids out of range or duplicate (without
+                kv_cache_padding_size) or negative (without it or, for -1, apply_seq_ids_mask).
 
         Warns:
             UserWarning: a prompt is cut to max_context_length (allow_input_truncation=True).
@@ -153,9 +158,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         )
         params = self._sampling_rows(sampling_params, call.input_ids.shape[0])
         if call.phase is Phase.CONTEXT:
-            logits, tokens = self._context(runtime, call.input_ids, call.attention_mask, call.seq_ids, params)
+            logits, tokens = self._context(runtime, call.input_ids, call.attention_mask, call.cache_rows, params)
         else:
-            logits, tokens = self._token(runtime, call.input_ids, call.position_ids, call.seq_ids, params)
+            logits, tokens = self._token(runtime, call.input_ids, call.position_ids, call.cache_rows, params)
         for row, held in call.cached_after(self.context_capacity).items():
             self._cached[row] = held
         ods = self.spec.on_device_sampling_config is not None
@@ -201,7 +206,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             )
         pad = self.model_spec.pad_token_id or 0
         x = batching.context_inputs(compacted, lengths, bucket=bucket, pad_token_id=pad)
-        return self._run_batched(runtime, Phase.CONTEXT, bucket, x, rows, params, self.spec.ctx_batch_size)
+        return self._run_batched(runtime, Phase.CONTEXT, bucket, x, rows, params)
 
     def _token(
         self, runtime: StepRuntime, ids: Tensor, positions: Tensor, rows: Tensor, params: Tensor
@@ -214,7 +219,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             bucket = unwrap(buckets.select_bucket(self._tables[Phase.TOKEN], int(at.max()) + 1))
             last = torch.zeros(ids.shape[0], dtype=torch.int64)
             x = StepInputs(input_ids=ids[:, col : col + 1], position_ids=at, last_index=last)
-            out = self._run_batched(runtime, Phase.TOKEN, bucket, x, rows, params, self.spec.tkg_batch_size)
+            out = self._run_batched(runtime, Phase.TOKEN, bucket, x, rows, params)
         return out
 
     def _run_batched(
@@ -225,22 +230,19 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         x: StepInputs,
         rows: Tensor,
         params: Tensor,
-        compiled: int,
     ) -> tuple[Tensor | None, Tensor | None]:
-        """Pad or split the batch to the compiled batch size, run, and restore the caller's order."""
-        plan = unwrap(self._batch_plan(rows.tolist(), compiled), "Invalid seq_ids")
+        """Run `x` on the `phase` programs of `bucket`, the batch fitted to their batch sizes
+        (`batching.plan_runs`; `rows` [B]: each row's cache row), and restore the caller's order."""
+        key = ProgramKey.context if phase is Phase.CONTEXT else ProgramKey.token
         logits_out: list[tuple[tuple[int, ...], Tensor]] = []
         tokens_out: list[tuple[tuple[int, ...], Tensor]] = []
-        for chunk in plan.chunks:
+        for chunk in batching.plan_runs(rows.tolist(), self._tables[phase].batch_sizes):
             source = torch.tensor(chunk.source_rows)
-            # Padding rows write nowhere: the planner's pad ids may name rows that other sequences own.
-            run_rows = torch.tensor([-1 if pad else s for s, pad in zip(chunk.seq_ids, chunk.is_pad, strict=True)])
-            identity = chunk.seq_ids == tuple(range(compiled)) and not any(chunk.is_pad)
             logits, tokens = runtime.run(
-                phase,
-                bucket,
+                key(bucket, chunk.batch),
                 batching.select_rows(x, source),
-                rows=None if identity else run_rows,
+                # Padding rows (-1) write nowhere: there may be no unused cache row to give them.
+                rows=None if chunk.in_order else torch.tensor(chunk.cache_rows),
                 params=params.index_select(0, source),
             )
             take = torch.tensor(chunk.output_rows)
@@ -249,10 +251,6 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             if tokens is not None:
                 tokens_out.append((chunk.user_rows, tokens.index_select(0, take)))
         return _gather(logits_out, len(rows)), _gather(tokens_out, len(rows))
-
-    def _batch_plan(self, seq_ids: list[int], compiled: int) -> Result[padding.BatchPlan, ConfigError]:
-        """The planner's batch plan (seq_ids were checked against the cache rows already)."""
-        return padding.batch_plan(seq_ids, compiled_batch=compiled)
 
 
 _IGNORED = frozenset({"use_cache", "output_attentions", "output_hidden_states", "return_dict", "past_key_values"})

@@ -158,11 +158,12 @@ def test_a_folder_compiled_by_an_older_nxdi_is_refused(compiled: Path, tmp_path:
     old = tmp_path / "old"
     shutil.copytree(compiled, old)
     doc = json.loads((old / "manifest.json").read_text())
-    for program in doc["programs"]:  # format 1 named its programs instead of recording phase and bucket
-        program["name"] = f"{program.pop('phase')}_{program.pop('bucket')}"
+    for program in doc["programs"]:  # formats 2 and 3 recorded phase and bucket, not the whole program key
+        program["bucket"] = program.pop("length")
+        del program["batch"], program["tokens"]
     from nxdi.effects.artifacts import FORMAT
 
-    for version in range(1, FORMAT):  # 2 did not pin the original checkpoint
+    for version in range(1, FORMAT):  # 2 did not pin the original checkpoint, 1 named its programs
         (old / "manifest.json").write_text(json.dumps(doc | {"format": version}))
         expected = rf"older nxdi \(manifest format {version}; this nxdi reads {FORMAT}\).*compile again"
         with pytest.raises(ArtifactIntegrityError, match=expected):

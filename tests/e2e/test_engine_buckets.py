@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from nxdi.core.config.neuron_spec import Phase
-from tests.support.engine_fixtures import PROMPTS, bucket_calls, nxdi_generate, runtime_of
+from nxdi.core.planning.program_key import ProgramKey
+from tests.support.engine_fixtures import PROMPTS, nxdi_generate, program_calls, runtime_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -38,24 +38,24 @@ def test_bucketing_on_and_off_give_the_same_tokens_and_every_bucket_runs(
 ) -> None:
     bucketed, plain = loaded_model(variant, **BUCKETED), loaded_model(variant, **UNBUCKETED)
     assert set(runtime_of(bucketed).programs) == {
-        *((Phase.CONTEXT, b) for b in CONTEXT_BUCKETS),
-        *((Phase.TOKEN, b) for b in TOKEN_BUCKETS),
+        *(ProgramKey.context(b, 4) for b in CONTEXT_BUCKETS),
+        *(ProgramKey.token(b, 4) for b in TOKEN_BUCKETS),
     }
-    assert set(runtime_of(plain).programs) == {(Phase.CONTEXT, 16), (Phase.TOKEN, 64)}
+    assert set(runtime_of(plain).programs) == {ProgramKey.context(16, 4), ProgramKey.token(64, 4)}
     runs = [[(3, 4, 5)], [PROMPTS[0][:8]], [PROMPTS[2]], list(PROMPTS)]  # lengths 3, 8 (exact fit), 14, batch
-    seen: set[tuple[Phase, int]] = set()
+    seen: set[ProgramKey] = set()
     for prompts in runs:
-        with bucket_calls(bucketed) as calls:
+        with program_calls(bucketed) as calls:
             on = nxdi_generate(bucketed, prompts, max_new_tokens=NEW)
-        with bucket_calls(plain) as plain_calls:
+        with program_calls(plain) as plain_calls:
             off = nxdi_generate(plain, prompts, max_new_tokens=NEW)
         assert torch.equal(on, off), prompts
-        assert {(p, b) for p, b, _ in plain_calls} == {(Phase.CONTEXT, 16), (Phase.TOKEN, 64)}
+        assert set(plain_calls) == {ProgramKey.context(16, 4), ProgramKey.token(64, 4)}
         # the exact buckets, call by call: the prompt's, then one per new token but the last
         longest = max(len(p) for p in prompts)
-        expected = [(Phase.CONTEXT, _smallest(CONTEXT_BUCKETS, longest))]
-        expected += [(Phase.TOKEN, _smallest(TOKEN_BUCKETS, longest + k + 1)) for k in range(NEW - 1)]
-        assert [(p, b) for p, b, _ in calls] == expected
+        expected = [ProgramKey.context(_smallest(CONTEXT_BUCKETS, longest), 4)]
+        expected += [ProgramKey.token(_smallest(TOKEN_BUCKETS, longest + k + 1), 4) for k in range(NEW - 1)]
+        assert calls == expected
         seen |= set(expected)
     assert seen == set(runtime_of(bucketed).programs), "every compiled bucket ran"
     assert torch.equal(on, hf_greedy(variant, PROMPTS, NEW))
@@ -66,12 +66,15 @@ def test_automatic_buckets_cover_long_prompts(
 ) -> None:
     """No explicit tables: powers of two from 128, then the maximum; a 130-token prompt takes 256."""
     model = loaded_model("llama", batch_size=1, seq_len=256, enable_bucketing=True)
-    assert set(runtime_of(model).programs) == {(ph, b) for ph in (Phase.CONTEXT, Phase.TOKEN) for b in (128, 256)}
+    assert set(runtime_of(model).programs) == {
+        *(ProgramKey.context(b, 1) for b in (128, 256)),
+        *(ProgramKey.token(b, 1) for b in (128, 256)),
+    }
     prompt = [3 + (i * 7) % 150 for i in range(130)]
-    with bucket_calls(model) as calls:
+    with program_calls(model) as calls:
         ours = nxdi_generate(model, [prompt], max_new_tokens=4)
-    assert [(p, b) for p, b, _ in calls] == [(Phase.CONTEXT, 256)] + [(Phase.TOKEN, 256)] * 3
+    assert calls == [ProgramKey.context(256, 1)] + [ProgramKey.token(256, 1)] * 3
     assert torch.equal(ours, hf_greedy("llama", [prompt], 4))
-    with bucket_calls(model) as calls:
+    with program_calls(model) as calls:
         nxdi_generate(model, [prompt[:128]], max_new_tokens=3)  # exactly 128: the 128 bucket, not the next
-    assert [(p, b) for p, b, _ in calls] == [(Phase.CONTEXT, 128), (Phase.TOKEN, 256), (Phase.TOKEN, 256)]
+    assert calls == [ProgramKey.context(128, 1), ProgramKey.token(256, 1), ProgramKey.token(256, 1)]

@@ -18,12 +18,12 @@ from nxdi.testing.checkpoints import write_checkpoint_file
 from tests.support.engine_fixtures import (
     PAD,
     PROMPTS,
-    bucket_calls,
     hf_generate,
     hf_logits,
     load_model,
     nxdi_generate,
     padded,
+    program_calls,
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -69,7 +69,7 @@ def test_generation_past_seq_len_raises_before_starting(loaded_model: Callable[.
     prompt = [PROMPTS[0]]
     assert nxdi_generate(model, prompt, max_new_tokens=23).shape == (1, 23)
     for limit in ({"max_new_tokens": 24}, {"max_length": 34}):
-        with bucket_calls(model) as calls, pytest.raises(IncompatibleConfigError, match=r"max_length=32.*Fix: raise"):
+        with program_calls(model) as calls, pytest.raises(IncompatibleConfigError, match=r"max_length=32.*Fix: raise"):
             nxdi_generate(model, prompt, **limit)
         assert calls == [], "nothing ran"
     with pytest.raises(IncompatibleConfigError, match=r"position 32 is past max_length=32"):

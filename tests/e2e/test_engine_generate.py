@@ -114,14 +114,14 @@ def test_a_batch_larger_than_compiled_is_split(
 ) -> None:
     """6 rows on a batch-4 program: two calls, the second padded; every cache row is in use, so
     the padding rows must not write anywhere (with 6 cache rows there is no spare row)."""
-    from tests.support.engine_fixtures import bucket_calls
+    from tests.support.engine_fixtures import program_calls
 
     six = [*PROMPTS, (20, 21, 22), (30,)]
     model = loaded_model("llama", **config)
-    with bucket_calls(model) as calls:
+    with program_calls(model) as calls:
         ours = nxdi_generate(model, six, max_new_tokens=12)
     compiled = config["batch_size"]
-    assert {rows for _, _, rows in calls} == {compiled}
+    assert {key.batch for key in calls} == {compiled}
     assert len(calls) == -(-len(six) // compiled) * 12  # every step splits into ceil(B / compiled) calls
     assert torch.equal(ours, hf_greedy("llama", six, 12))
     assert torch.equal(ours, _row_by_row(loaded_model("llama", batch_size=1), six, max_new_tokens=12))
@@ -132,13 +132,13 @@ def test_a_context_batch_of_one_splits_prefill_into_single_rows(
 ) -> None:
     """ctx_batch_size=1 (continuous-batching style): prefill runs row by row, decoding batched."""
     from nxdi.core.config.neuron_spec import Phase
-    from tests.support.engine_fixtures import bucket_calls
+    from tests.support.engine_fixtures import program_calls
 
     model = loaded_model("llama", batch_size=4, ctx_batch_size=1)
-    with bucket_calls(model) as calls:
+    with program_calls(model) as calls:
         ours = nxdi_generate(model, PROMPTS, max_new_tokens=6)
-    assert [rows for phase, _, rows in calls if phase is Phase.CONTEXT] == [1, 1, 1, 1]
-    assert {rows for phase, _, rows in calls if phase is Phase.TOKEN} == {4}
+    assert [key.batch for key in calls if key.phase is Phase.CONTEXT] == [1, 1, 1, 1]
+    assert {key.batch for key in calls if key.phase is Phase.TOKEN} == {4}
     assert torch.equal(ours, hf_greedy("llama", PROMPTS, 6))
 
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nxdi.shell.exceptions import IncompatibleConfigError
-from tests.support.engine_fixtures import PROMPTS, bucket_calls, hf_logits, padded
+from tests.support.engine_fixtures import PROMPTS, hf_logits, padded, program_calls
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -34,7 +34,7 @@ def model(loaded_model: Callable[..., Any]) -> Any:
 
 def refused(model: Any, match: str, *args: Any, **kwargs: Any) -> IncompatibleConfigError:
     """The call raises IncompatibleConfigError matching `match`, and runs nothing."""
-    with bucket_calls(model) as calls, pytest.raises(IncompatibleConfigError, match=match) as caught:
+    with program_calls(model) as calls, pytest.raises(IncompatibleConfigError, match=match) as caught:
         model.forward(*args, **kwargs)
     assert calls == []
     return caught.value

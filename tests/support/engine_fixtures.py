@@ -194,15 +194,16 @@ def runtime_of(model: Any) -> Any:
 
 
 @contextmanager
-def bucket_calls(model: Any) -> Iterator[list[tuple[Any, int, int]]]:
-    """Record every program call as (phase, bucket, batch rows), in order, by wrapping Runtime.run."""
+def program_calls(model: Any) -> Iterator[list[Any]]:
+    """Record the `ProgramKey` of every program call, in order, by wrapping Runtime.run."""
     runtime = runtime_of(model)
-    calls: list[tuple[Any, int, int]] = []
+    calls: list[Any] = []
     original = runtime.run
 
-    def spy(phase: Any, bucket: int, x: Any, **kwargs: Any) -> Any:
-        calls.append((phase, bucket, int(x.input_ids.shape[0])))
-        return original(phase, bucket, x, **kwargs)
+    def spy(key: Any, x: Any, **kwargs: Any) -> Any:
+        assert int(x.input_ids.shape[0]) == key.batch, (key, x.input_ids.shape)
+        calls.append(key)
+        return original(key, x, **kwargs)
 
     runtime.run = spy
     try:

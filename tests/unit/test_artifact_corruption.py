@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nxdi.core.config.neuron_spec import Phase
+from nxdi.core.planning.program_key import ProgramKey
 from nxdi.effects import artifacts
 from nxdi.effects.backends import xla
 from nxdi.effects.backends.base import CompiledProgram
@@ -110,7 +110,7 @@ def _assert_named(load: Callable[[], object], path: Path) -> None:
 def cpu_folder(tmp_path: Path) -> Path:
     requests = [
         artifacts.ProgramRequest(
-            phase=Phase.TOKEN, bucket=s, fn=cp.step, signature=cp.SIGNATURE, example=lambda s=s: cp.example(s)
+            key=ProgramKey.token(s, cp.B), fn=cp.step, signature=cp.SIGNATURE, example=lambda s=s: cp.example(s)
         )
         for s in (1, 4)
     ]
@@ -152,7 +152,8 @@ def xla_folder(tmp_path: Path) -> Path:
     (tmp_path / "programs").mkdir()
     program = CompiledProgram(name="token_generation_4", signature=cp.SIGNATURE, backend="xla", payload=hlo)
     OfflineXla().save(program, tmp_path / rel)
-    record = artifacts.ProgramRecord(phase=Phase.TOKEN, bucket=4, file=rel, signature=cp.SIGNATURE, cache_key="k")
+    key = ProgramKey.token(4, cp.B)
+    record = artifacts.ProgramRecord(key=key, file=rel, signature=cp.SIGNATURE, cache_key="k")
     manifest = artifacts.Manifest(
         graph_key="k",
         backend="xla",
@@ -207,7 +208,9 @@ def _program_field(key: str, value: object) -> Callable[[dict[str, object]], obj
 MANIFESTS: dict[str, Callable[[dict[str, object]], object]] = {
     "programs not a list": lambda doc: {**doc, "programs": 5},
     "an unknown phase": _program_field("phase", "decode"),
-    "a bucket that is not a number": _program_field("bucket", "four"),
+    "a length that is not a number": _program_field("length", "four"),
+    "a batch of no rows": _program_field("batch", 0),
+    "no tokens per row": _program_field("tokens", None),
     "a signature of the wrong type": _program_field("signature", {"weights": 5}),
     "files not an object": lambda doc: {**doc, "files": ["programs/token_generation_4.pt2"]},
     "a file entry of the wrong type": lambda doc: {**doc, "files": dict.fromkeys(doc["files"], 5)},  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from returns.pipeline import is_successful
 
-from nxdi.core.config.neuron_spec import Phase
+from nxdi.core.planning.program_key import ProgramKey
 from nxdi.effects import artifacts
 from nxdi.effects.backends.base import FlatProgram, WeightSet
 from nxdi.effects.backends.cpu import CpuBackend
@@ -27,7 +27,7 @@ BACKEND = CpuBackend()
 def requests(fn: FlatProgram = cp.step, buckets: tuple[int, ...] = (1, 4)) -> list[artifacts.ProgramRequest]:
     return [
         artifacts.ProgramRequest(
-            phase=Phase.TOKEN, bucket=s, fn=fn, signature=cp.SIGNATURE, example=lambda s=s: cp.example(s)
+            key=ProgramKey.token(s, cp.B), fn=fn, signature=cp.SIGNATURE, example=lambda s=s: cp.example(s)
         )
         for s in buckets
     ]
@@ -54,14 +54,14 @@ def test_load_in_a_fresh_process_gives_identical_outputs_without_tracing(compile
         def refuse(*args, **kwargs):
             raise AssertionError("load traced or compiled again")
         torch.export.export = torch.compile = torch.jit.trace = refuse
-        from nxdi.core.config.neuron_spec import Phase
+        from nxdi.core.planning.program_key import ProgramKey
         from nxdi.effects import artifacts
         from nxdi.effects.backends.base import WeightSet
         from nxdi.effects.backends.cpu import CpuBackend
         from tests.support import cpu_programs as cp
         backend = CpuBackend()
         programs = artifacts.load_programs({str(compiled)!r}, backend, graph_key="key-a").unwrap()
-        loaded = backend.bind(programs[(Phase.TOKEN, 4)], WeightSet(tensors=cp.weights(0))).unwrap()
+        loaded = backend.bind(programs[ProgramKey.token(4, cp.B)], WeightSet(tensors=cp.weights(0))).unwrap()
         (y,), (cache,) = backend.run(loaded, [torch.zeros(cp.B, cp.T, cp.E)], cp.inputs(1, 4, 0))
         assert cp.CALLS["n"] == 0, "the program body ran"
         torch.save({{"y": y, "cache": cache}}, {str(out)!r})
@@ -118,8 +118,7 @@ def test_program_files_hold_no_weight_bytes(compiled: Path) -> None:
     w = torch.randn(512, 512)  # 1 MiB of weights: far larger than the program files
     big = [
         artifacts.ProgramRequest(
-            phase=Phase.CONTEXT,
-            bucket=s,
+            key=ProgramKey.context(s, cp.B),
             fn=cp.step,
             signature=cp.SIGNATURE,
             example=lambda s=s: (
@@ -140,7 +139,7 @@ def test_program_files_hold_no_weight_bytes(compiled: Path) -> None:
 
 
 def test_rebinding_new_weights_uses_them(compiled: Path) -> None:
-    program = unwrap(artifacts.load_programs(compiled, BACKEND))[(Phase.TOKEN, 1)]
+    program = unwrap(artifacts.load_programs(compiled, BACKEND))[ProgramKey.token(1, cp.B)]
     for seed in (3, 4):
         w = cp.weights(seed)
         (y,), _ = BACKEND.run(
@@ -219,21 +218,37 @@ def test_recorded_files_are_verified_too(tmp_path: Path) -> None:
         unwrap(artifacts.load_programs(tmp_path, BACKEND))
 
 
-def test_each_sub_model_and_bucket_is_compiled_once(tmp_path: Path) -> None:
+def test_each_program_key_is_compiled_once(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="must be > 0"):
-        artifacts.ProgramRequest(phase=Phase.TOKEN, bucket=0, fn=cp.step, signature=cp.SIGNATURE, example=lambda: ())
-    with pytest.raises(ValueError, match="two requests for one sub-model and bucket"):
+        ProgramKey.token(0, cp.B)
+    with pytest.raises(ValueError, match="two requests for one program"):
         artifacts.compile_programs(tmp_path, requests(buckets=(1, 1)), graph_key="k", backend=BACKEND)
 
 
-def test_the_manifest_records_phase_and_bucket_and_an_older_format_is_refused(compiled: Path) -> None:
+def test_the_manifest_records_the_program_keys_and_older_formats_are_refused(compiled: Path) -> None:
     manifest = artifacts.read_manifest(compiled).unwrap()
-    assert {(p.phase, p.bucket) for p in manifest.programs} == {(Phase.TOKEN, 1), (Phase.TOKEN, 4)}
+    assert {p.key for p in manifest.programs} == {ProgramKey.token(1, cp.B), ProgramKey.token(4, cp.B)}
     doc = json.loads((compiled / "manifest.json").read_text())
-    assert [(p["phase"], p["bucket"]) for p in doc["programs"]] == [("token_generation", 1), ("token_generation", 4)]
-    (compiled / "manifest.json").write_text(json.dumps(doc | {"format": 1}))
-    with pytest.raises(ArtifactIntegrityError, match=r"older nxdi \(manifest format 1.*compile again"):
-        unwrap(artifacts.load_programs(compiled, BACKEND))
+    fields = [(p["phase"], p["length"], p["batch"], p["tokens"]) for p in doc["programs"]]
+    assert fields == [("token_generation", 1, cp.B, 1), ("token_generation", 4, cp.B, 1)]
+    for version in range(1, artifacts.FORMAT):  # 3 recorded phase and bucket only, not the batch
+        (compiled / "manifest.json").write_text(json.dumps(doc | {"format": version}))
+        with pytest.raises(ArtifactIntegrityError, match=rf"older nxdi \(manifest format {version}.*compile again"):
+            unwrap(artifacts.load_programs(compiled, BACKEND))
+
+
+def test_programs_of_one_length_and_several_batch_sizes_are_told_apart(tmp_path: Path) -> None:
+    """Batch buckets: the phase's largest batch keeps the plain name, the others get `_b<batch>`."""
+    keys = [ProgramKey.token(4, 1), ProgramKey.token(4, cp.B), ProgramKey.token(1, cp.B)]
+    reqs = [
+        artifacts.ProgramRequest(key=k, fn=cp.step, signature=cp.SIGNATURE, example=lambda k=k: cp.example(k.length))
+        for k in keys
+    ]
+    result = artifacts.compile_programs(tmp_path, reqs, graph_key="k", backend=BACKEND)
+    assert result.traced == ("token_generation_4_b1", "token_generation_4", "token_generation_1")
+    names = sorted(p.name for p in (tmp_path / "programs").iterdir())
+    assert names == ["token_generation_1.pt2", "token_generation_4.pt2", "token_generation_4_b1.pt2"]
+    assert set(unwrap(artifacts.load_programs(tmp_path, BACKEND))) == set(keys)
 
 
 def test_a_build_folder_links_the_unchanged_programs_of_the_previous_folder(compiled: Path, tmp_path: Path) -> None:

@@ -102,8 +102,8 @@ SPMD_PROCESS = """
 import json, sys
 import torch
 import torch_xla.debug.metrics as met
-from nxdi.core.config.neuron_spec import Phase
 from nxdi.core.programs.inputs import StepInputs
+from nxdi.core.planning.program_key import ProgramKey
 from nxdi.effects.backends.xla import XlaBackend
 from nxdi.effects.distributed import spmd
 from nxdi.shell.config import NeuronConfig
@@ -122,10 +122,10 @@ met.clear_all()
 params = torch.tensor([[1, 1.0, 1.0]] * 2)
 ids = torch.randint(0, 100, (2, 16))
 x = StepInputs(input_ids=ids, position_ids=torch.arange(16).expand(2, 16), last_index=torch.tensor([15, 9]))
-runtime.run(Phase.CONTEXT, 16, x, rows=None, params=params)
+runtime.run(ProgramKey.context(16, 2), x, rows=None, params=params)
 for position in range(16, 40):  # both token-generation buckets
     x = StepInputs(input_ids=ids[:, :1], position_ids=torch.tensor([[position]] * 2), last_index=torch.tensor([0, 0]))
-    runtime.run(Phase.TOKEN, 32 if position < 32 else 64, x, rows=None, params=params)
+    runtime.run(ProgramKey.token(32 if position < 32 else 64, 2), x, rows=None, params=params)
 fallbacks = [n for n in met.counter_names() if n.startswith("aten::")]
 print(json.dumps({"at_load": at_load, "aliases": aliases, "stepping": met.counter_value("UncachedCompile") or 0,
                   "fallbacks": fallbacks}))

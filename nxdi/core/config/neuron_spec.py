@@ -251,12 +251,13 @@ class NeuronSpec:
     kv_cache_padding_size: int = _batching(
         0,
         "Extra KV-cache rows that absorb discarded writes; default 0 (1 with attention DP on trn1 or without cascaded attention).",
+        cpu_note="they take out-of-range and duplicate seq_ids, which are refused without them",
         bounds=(0, MAX_BATCH),
     )
     apply_seq_ids_mask: bool = _batching(
         False,
         "Redirect KV writes of rows whose seq_id is -1 to a pad slot (cache gets 128 extra positions).",
-        cpu="out-of-range seq_ids are refused instead",
+        cpu_note="rows of seq_id -1 write no cache row at all, so no extra positions are needed",
     )
     on_device_sampling_config: OnDeviceSamplingSpec | None = _sampling(
         None,
@@ -292,7 +293,7 @@ class NeuronSpec:
     token_generation_batches: tuple[int, ...] | None = _bucketing(
         None,
         "Batch-size buckets for token generation, each 1..tkg_batch_size; not with speculation, prefix caching or block KV.",
-        cpu=OnCpu.REFUSED,
+        cpu_note="a decode batch runs on the smallest batch bucket that holds it",
         bounds=(1, MAX_BATCH),
     )
     quantized: bool = _quantization(False, "Load quantized weights from quantized_checkpoints_path.", cpu=OnCpu.REFUSED)

@@ -1,4 +1,5 @@
-"""Host-side preparation of step inputs: compact padded prompts, pad to a bucket, pick batch rows. Pure.
+"""Host-side preparation of step inputs: compact padded prompts, pad to a bucket, pick batch rows,
+fit a batch to the compiled batch sizes. Pure.
 
 Callers may pad prompts on either side (or anywhere: only `attention_mask` says which columns are
 real). The programs want right padding with the last real token's index known, so prompts are
@@ -7,9 +8,14 @@ first compacted: each row's real tokens move to the front, in order.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 import torch
+from returns.result import Success
 from torch import Tensor
 
+from nxdi.core.planning import padding
 from nxdi.core.programs.inputs import StepInputs
 
 
@@ -44,3 +50,57 @@ def select_rows(x: StepInputs, rows: Tensor) -> StepInputs:
         position_ids=x.position_ids.index_select(0, rows),
         last_index=x.last_index.index_select(0, rows),
     )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunChunk:
+    """One program call of a batch: which caller rows it carries and where each run row goes."""
+
+    batch: int
+    """B: rows of the program it runs."""
+    user_rows: tuple[int, ...]
+    """Caller rows carried, in the caller's order."""
+    source_rows: tuple[int, ...]
+    """Per run row, the caller row whose inputs it gets (padding rows repeat the chunk's first row)."""
+    cache_rows: tuple[int, ...]
+    """Per run row, the cache row it reads and writes; -1 for padding rows (they write nothing)."""
+    output_rows: tuple[int, ...]
+    """Per entry of `user_rows`, the run row that holds its outputs."""
+
+    @property
+    def in_order(self) -> bool:
+        """The run rows are cache rows 0..B-1 in order (the runtime then slices instead of gathering)."""
+        return self.cache_rows == tuple(range(self.batch))
+
+
+def plan_runs(cache_rows: Sequence[int], batch_sizes: Sequence[int]) -> tuple[RunChunk, ...]:
+    """Fit a batch to compiled batch sizes: chunks of the largest size, each padded to the smallest
+    size that holds it (REFERENCE §3: seq_ids sorted, padding rows repeat the first row, outputs
+    read back in the caller's order; `padding.batch_plan`).
+
+    Args:
+        cache_rows: [B] the cache row of every caller row (`forward_inputs.route_rows`): distinct,
+            except garbage rows (which may repeat) and -1 (masked rows, which write nothing).
+        batch_sizes: the compiled batch sizes of the program's phase (any order).
+    """
+    rows = list(cache_rows)
+    # The planner wants distinct non-negative ids: a masked or repeated row gets one past every
+    # cache row (unique), and keeps its own cache row for the run.
+    above = max(max(rows), 0) + 1
+    first = {r: i for i, r in reversed(list(enumerate(rows)))}
+    ids = [r if r >= 0 and first[r] == i else above + i for i, r in enumerate(rows)]
+    largest = max(batch_sizes)
+    chunks = []
+    for start in range(0, len(rows), largest):
+        part = ids[start : start + largest]
+        batch = min(b for b in batch_sizes if b >= len(part))
+        planned = padding.batch_plan(part, compiled_batch=batch)
+        assert isinstance(planned, Success), f"distinct non-negative ids always plan: {planned}"
+        (chunk,) = planned.unwrap().chunks
+        users = tuple(start + r for r in chunk.user_rows)
+        sources = tuple(start + r for r in chunk.source_rows)
+        run = tuple(-1 if pad else rows[s] for s, pad in zip(sources, chunk.is_pad, strict=True))
+        chunks.append(
+            RunChunk(batch=batch, user_rows=users, source_rows=sources, cache_rows=run, output_rows=chunk.output_rows)
+        )
+    return tuple(chunks)

@@ -14,7 +14,19 @@ problem is listed at once, naming the argument, the row and the value:
   row: the later entries are overwritten as generation goes on), and never on a row with nothing
   cached. Several tokens per row continue the row from a cached prefix; they run as that many
   token-generation steps.
-- `seq_ids` [B]: integer cache rows in [0, cache_rows), distinct.
+- `seq_ids` [B]: integer cache rows in [0, cache_rows), distinct. Otherwise (REFERENCE §6):
+  - with `apply_seq_ids_mask`, a seq_id of -1 marks a padding row: it runs (its outputs are
+    returned, and meaningless) but writes no cache row at all. The reference writes such rows into
+    128 extra cache positions; nxdi's runtime drops their writes instead (a padding row, see
+    `nxdi.effects.runtime.Runtime.run`), so no cache row or position is spent on them.
+  - with `kv_cache_padding_size` P > 0, a seq_id outside [0, cache_rows) (negative included, -1
+    unless masked) and every row of a seq_id given twice go to the garbage rows (cache rows
+    cache_rows..cache_rows+P-1, in turn): they run and their outputs are returned, and meaningless,
+    but they read and write only garbage rows, so every real row's cache stays as it was. Every
+    row of a duplicate goes there, since nothing says which of them owns the row.
+  - otherwise such seq_ids are refused, naming them.
+  Rows sent to a garbage row or masked hold no sequence: their positions are not checked against
+  the cache (only against max_length) and they add nothing to what the cache holds.
 """
 
 from __future__ import annotations
@@ -45,17 +57,25 @@ class ForwardInputs:
     position_ids: Tensor
     """[B, W]"""
     seq_ids: Tensor
-    """[B] cache rows"""
+    """[B] the caller's seq_ids"""
     phase: Phase
+    cache_rows: Tensor
+    """[B] the cache row each row reads and writes: its seq_id, a garbage row, or -1 (a masked
+    padding row, which writes nothing); see the module docstring."""
+    routed: Tensor
+    """[B] bool: the row went to a garbage row or is masked, so it holds no sequence."""
 
     def cached_after(self, capacity: int) -> dict[int, int]:
         """Tokens each named cache row holds once this call has run: `seq_id -> count`
-        (a prompt keeps at most `capacity` tokens, the largest context bucket)."""
-        rows = self.seq_ids.tolist()
+        (a prompt keeps at most `capacity` tokens, the largest context bucket); rows sent to a
+        garbage row or masked are left out."""
+        keep = [b for b, r in enumerate(self.routed.tolist()) if not r]
+        rows = [int(self.seq_ids[b]) for b in keep]
         if self.phase is Phase.CONTEXT:
-            lengths = self.attention_mask.sum(1).clamp(max=capacity).tolist()
-            return dict(zip(rows, lengths, strict=True))
-        return {s: p + 1 for s, p in zip(rows, self.position_ids[:, -1].tolist(), strict=True)}
+            lengths = self.attention_mask.sum(1).clamp(max=capacity)
+            return {s: int(lengths[b]) for s, b in zip(rows, keep, strict=True)}
+        last = self.position_ids[:, -1]
+        return {s: int(last[b]) + 1 for s, b in zip(rows, keep, strict=True)}
 
 
 @attrs.frozen(kw_only=True)
@@ -67,6 +87,10 @@ class Limits:
     """KV cache rows (kv_cache_batch_size): the seq_ids there are."""
     max_length: int
     """Positions 0..max_length-1 fit in the cache."""
+    garbage_rows: int = 0
+    """kv_cache_padding_size: cache rows after the real ones that take out-of-range and duplicate seq_ids."""
+    mask_seq_ids: bool = False
+    """apply_seq_ids_mask: a seq_id of -1 marks a padding row, which writes nothing."""
 
 
 def _entries(where: Tensor) -> list[tuple[int, ...]]:
@@ -140,11 +164,13 @@ def _context_problems(mask: Tensor, positions: Tensor, given: bool) -> list[Prob
     return problems
 
 
-def _token_problems(positions: Tensor, rows: Tensor, cached: Sequence[int], limits: Limits) -> list[Problem]:
+def _token_problems(
+    positions: Tensor, rows: Tensor, routed: Tensor, cached: Sequence[int], limits: Limits
+) -> list[Problem]:
     problems = []
     for b, (p, s) in enumerate(zip(positions[:, 0].tolist(), rows.tolist(), strict=True)):
-        if not 0 <= s < limits.cache_rows or p >= limits.max_length:
-            continue  # reported already
+        if not 0 <= s < limits.cache_rows or p >= limits.max_length or bool(routed[b]):
+            continue  # reported already, or a row that holds no sequence
         held = cached[s]
         if held == 0:
             why = f"row {b} decodes at position {p} on cache row seq_id={s}, which holds nothing"
@@ -216,7 +242,7 @@ def check_forward_inputs(
             return Failure(ConfigError(problems=tuple(problems)))
     filled_mask, filled_positions = _filled(ids, mask, positions)
     rows = torch.arange(b) if rows is None else rows.flatten()
-    row_problems = _row_problems(rows, limits, given=seq_ids is not None)
+    cache_rows, routed, row_problems = route_rows(rows, limits, given=seq_ids is not None)
     if bool((filled_positions < 0).any()):
         at = _entries(filled_positions < 0)
         problems.append(Problem.of("position_ids", at, "holds negative positions (at these [row, column])"))
@@ -245,12 +271,18 @@ def check_forward_inputs(
             problems.append(
                 Problem.of("position_ids", top, why, "raise seq_len / max_length, or generate fewer tokens")
             )
-        problems += _token_problems(filled_positions, rows, cached, limits)
+        problems += _token_problems(filled_positions, rows, routed, cached, limits)
     if problems:
         return Failure(ConfigError(problems=tuple(problems)))
     return Success(
         ForwardInputs(
-            input_ids=ids, attention_mask=filled_mask, position_ids=filled_positions, seq_ids=rows, phase=phase
+            input_ids=ids,
+            attention_mask=filled_mask,
+            position_ids=filled_positions,
+            seq_ids=rows,
+            phase=phase,
+            cache_rows=cache_rows,
+            routed=routed,
         )
     )
 
@@ -266,22 +298,55 @@ def _id_problems(ids: Tensor, mask: Tensor, limits: Limits) -> list[Problem]:
     return [Problem.of("input_ids", values, why, fix)]
 
 
-def _row_problems(rows: Tensor, limits: Limits, *, given: bool) -> list[Problem]:
+def route_rows(rows: Tensor, limits: Limits, *, given: bool) -> tuple[Tensor, Tensor, list[Problem]]:
+    """The cache row of every row of `rows` [B] (seq_ids) and whether it was routed away from its
+    seq_id (garbage row or mask; see the module docstring), or the problems of seq_ids that cannot
+    run: out of range or duplicate without kv_cache_padding_size, and a batch larger than the cache
+    when the caller gave no seq_ids.
+
+    Returns:
+        cache rows [B] int64, routed [B] bool, and the problems (empty when it can run).
+    """
     ids = rows.tolist()
-    problems = []
-    high = [r for r in ids if r >= limits.cache_rows]
-    low = [r for r in ids if r < 0]
-    twice = sorted(r for r, n in Counter(ids).items() if n > 1)
-    if not given and high:
+    masked = [limits.mask_seq_ids and s == -1 for s in ids]
+    counts = Counter(s for s, m in zip(ids, masked, strict=True) if not m)
+    bad = [not m and not (0 <= s < limits.cache_rows and counts[s] == 1) for s, m in zip(ids, masked, strict=True)]
+    if not given and any(s >= limits.cache_rows for s in ids):
         why = f"a batch of {len(ids)} rows needs {len(ids)} KV cache rows; the model has {limits.cache_rows}"
         fix = f"pass at most {limits.cache_rows} rows per call, or compile with kv_cache_batch_size >= {len(ids)}"
-        return [Problem.of("input_ids", len(ids), why, fix)]
+        return rows, torch.zeros_like(rows, dtype=torch.bool), [Problem.of("input_ids", len(ids), why, fix)]
+    if any(bad) and limits.garbage_rows == 0:
+        return rows, torch.zeros_like(rows, dtype=torch.bool), _row_problems(ids, limits, masked)
+    out, garbage = [], 0
+    for s, m, g in zip(ids, masked, bad, strict=True):
+        if m:
+            out.append(-1)  # writes nothing (a padding row of the runtime)
+        elif g:
+            out.append(limits.cache_rows + garbage % max(limits.garbage_rows, 1))
+            garbage += 1
+        else:
+            out.append(s)
+    routed = torch.tensor([m or g for m, g in zip(masked, bad, strict=True)], dtype=torch.bool)
+    return torch.tensor(out, dtype=torch.int64), routed, []
+
+
+def _row_problems(ids: list[int], limits: Limits, masked: list[bool]) -> list[Problem]:
+    problems = []
+    high = [r for r in ids if r >= limits.cache_rows]
+    low = [r for r, m in zip(ids, masked, strict=True) if r < 0 and not m]
+    twice = sorted(r for r, n in Counter(r for r, m in zip(ids, masked, strict=True) if not m).items() if n > 1)
+    garbage = "set kv_cache_padding_size >= 1 to send them to a garbage row"
     if high:
         why = f"holds ids {high} outside the KV cache rows 0..{limits.cache_rows - 1}"
-        fix = f"use seq_ids below {limits.cache_rows}, or compile with kv_cache_batch_size >= {max(high) + 1}"
+        fix = (
+            f"use seq_ids below {limits.cache_rows}, compile with kv_cache_batch_size >= {max(high) + 1}, or {garbage}"
+        )
         problems.append(Problem.of("seq_ids", ids, why, fix))
     if low:
-        problems.append(Problem.of("seq_ids", ids, f"holds negative ids {low}", "cache rows are numbered from 0"))
+        mask = "" if limits.mask_seq_ids else ", or mark padding rows -1 with apply_seq_ids_mask=True"
+        fix = f"cache rows are numbered from 0{mask}; or {garbage}"
+        problems.append(Problem.of("seq_ids", ids, f"holds negative ids {low}", fix))
     if twice:
-        problems.append(Problem.of("seq_ids", ids, f"holds duplicate ids {twice}", "give each row its own cache row"))
+        fix = f"give each row its own cache row, or {garbage}"
+        problems.append(Problem.of("seq_ids", ids, f"holds duplicate ids {twice}", fix))
     return problems

@@ -181,7 +181,7 @@ def open_runtime(
     )
     return ranks.start(
         build,
-        buckets=model.buckets(),
+        keys=model.program_keys(),
         threads=env.num_threads,
         timeout=env.rank_timeout,
         host_kib=env.host_collectives_kib,

@@ -7,7 +7,7 @@ and framed by `multiprocessing.connection` over the rank process's stdin and std
 
 - `Build`: make this rank's runtime, eagerly (`to_cpu`) or from a compiled folder (`load`); or,
   kind "spmd", every rank's runtime in the one process (the xla backend, `distributed.spmd`).
-- `Run`: one step of a sub-model and bucket; every rank runs it, rank 0 returns the outputs.
+- `Run`: one step of one program (its `ProgramKey`); every rank runs it, rank 0 returns the outputs.
 - `ResetCache`, `Close`.
 - `Probe`: the rank's counters (collective calls and time, memory), for benchmarks.
 
@@ -24,8 +24,9 @@ from typing import Any, Literal
 import attrs
 from torch import Tensor
 
-from nxdi.core.config.neuron_spec import NeuronSpec, Phase
+from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.model_spec import ModelSpec
+from nxdi.core.planning.program_key import ProgramKey
 from nxdi.effects.backends.base import Backend
 
 
@@ -48,10 +49,9 @@ class Build:
 
 @attrs.frozen(eq=False, kw_only=True)
 class Run:
-    """One step: every rank runs the program of (phase, bucket) on the same inputs."""
+    """One step: every rank runs the program `key` on the same inputs."""
 
-    phase: Phase
-    bucket: int
+    key: ProgramKey
     inputs: tuple[Tensor, ...]
     """input_ids, position_ids, last_index."""
     rows: Tensor | None

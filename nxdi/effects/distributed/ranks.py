@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ import torch
 from returns.result import Failure, Result, Success
 from torch import Tensor
 
-from nxdi.core.config.neuron_spec import Phase
+from nxdi.core.planning.program_key import ProgramKey
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.effects.distributed import host_world, protocol
 from nxdi.effects.distributed.errors import RankError
@@ -213,15 +213,12 @@ class RemoteRuntime:
     """A model's runtime whose ranks run in rank processes (the `Runtime` calls the shell makes)."""
 
     def __init__(
-        self, group: RankGroup, *, buckets: dict[Phase, tuple[int, ...]], seed: int = 0, deterministic: bool = False
+        self, group: RankGroup, *, keys: Iterable[ProgramKey], seed: int = 0, deterministic: bool = False
     ) -> None:
         self.group = group
         self.random = RandomStream(seed=seed, deterministic=deterministic)
-        self.programs = {(phase, b): None for phase, lengths in buckets.items() for b in lengths}
-        """The compiled (sub-model, bucket) pairs; the programs themselves live in the rank processes."""
-
-    def buckets(self, phase: Phase) -> tuple[int, ...]:
-        return tuple(sorted(b for p, b in self.programs if p is phase))
+        self.programs: dict[ProgramKey, None] = dict.fromkeys(keys)
+        """The compiled programs' keys; the programs themselves live in the rank processes."""
 
     def set_seed(self, seed: int) -> None:
         self.random.set_seed(seed)
@@ -235,8 +232,7 @@ class RemoteRuntime:
 
     def run(
         self,
-        phase: Phase,
-        bucket: int,
+        key: ProgramKey,
         x: StepInputs,
         *,
         rows: Tensor | None,
@@ -245,9 +241,7 @@ class RemoteRuntime:
     ) -> tuple[Tensor | None, Tensor | None]:
         """One step on every rank (see `Runtime.run`); the outputs come from rank 0."""
         draws = self.random.draw(x.input_ids.shape[0]) if uniforms is None else uniforms
-        request = protocol.Run(
-            phase=phase, bucket=bucket, inputs=x.to_tensors(), rows=rows, params=params, uniforms=draws
-        )
+        request = protocol.Run(key=key, inputs=x.to_tensors(), rows=rows, params=params, uniforms=draws)
         outputs: tuple[Tensor | None, Tensor | None] = self._call(request)
         return outputs
 
@@ -270,7 +264,7 @@ class RemoteRuntime:
 def start(
     build: protocol.Build,
     *,
-    buckets: dict[Phase, tuple[int, ...]],
+    keys: Iterable[ProgramKey],
     threads: int | None = None,
     timeout: int | None = None,
     host_kib: int | None = None,
@@ -298,4 +292,4 @@ def start(
         group.close()
         return Failure(failed)
     ods = build.spec.on_device_sampling_config
-    return Success(RemoteRuntime(group, buckets=buckets, deterministic=ods is not None and ods.deterministic))
+    return Success(RemoteRuntime(group, keys=keys, deterministic=ods is not None and ods.deterministic))

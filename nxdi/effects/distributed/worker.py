@@ -80,8 +80,7 @@ class _Rank:
                 ids, positions, last = request.inputs
                 x = StepInputs(input_ids=ids, position_ids=positions, last_index=last)
                 outs = self.runtime.run(
-                    request.phase,
-                    request.bucket,
+                    request.key,
                     x,
                     rows=request.rows,
                     params=request.params,
