@@ -23,8 +23,14 @@ neuron backends one process runs them all (`nxdi.effects.distributed.spmd`, from
 `rank_weights`, `bind_programs`, `runtime_for`, `warm_up`). A compiled tensor-parallel program
 takes its rank as an input (`RANK_INPUT`), so one program serves every rank.
 
+With `is_block_kv_layout` the programs are block-KV steps (`nxdi.core.programs.block_kv`): keys
+from the block plan (`nxdi.core.planning.block_programs`), the whole block cache as their cache,
+`BLOCK_INPUTS` as their inputs, run by `Runtime.run_blocks`.
+
 (Over 400 lines: the three paths share the weight reading, flat-step and binding definitions
-here, and splitting them would put one calling convention in several rooms.)
+here, and splitting them would put one calling convention in several rooms. The block-KV
+variants of those definitions are branches of them for the same reason; the next kind of step
+should move the flat step, example and binding into their own module.)
 """
 
 from __future__ import annotations
@@ -44,11 +50,13 @@ from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.errors import ArtifactError, CheckpointError, Problem
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.planning import buckets, sharding
+from nxdi.core.planning import block_programs, buckets, sharding
+from nxdi.core.planning.block_programs import BlockPlan
 from nxdi.core.planning.partition import Partition, check_partition
 from nxdi.core.planning.program_key import ProgramKey, program_keys
 from nxdi.core.planning.rank_weights import rank_plan
-from nxdi.core.programs import catalog, kv_cache
+from nxdi.core.programs import block_kv, catalog, kv_cache
+from nxdi.core.programs.block_kv import BlockInputs
 from nxdi.core.programs.collectives import RANK_INPUT, SINGLE, Collectives, with_rank
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
@@ -61,6 +69,8 @@ from nxdi.effects.distributed import ops
 from nxdi.effects.runtime import Program, Runtime
 
 INPUTS = ("input_ids", "position_ids", "last_index", "sampling_params", "uniforms")
+BLOCK_INPUTS = ("input_ids", "position_ids", *block_kv.NAMES, "sampling_params", "uniforms")
+"""A block-KV program's inputs: each segment's output token is `out_index`, so no `last_index`."""
 
 
 def sharded_weights(rank: int) -> str:
@@ -123,7 +133,16 @@ class EngineModel:
     @property
     def inputs(self) -> tuple[str, ...]:
         """The per-step inputs of its compiled programs (the rank too under tensor parallelism)."""
-        return INPUTS if self.tp == 1 else (*INPUTS, RANK_INPUT)
+        names = BLOCK_INPUTS if self.spec.is_block_kv_layout else INPUTS
+        return names if self.tp == 1 else (*names, RANK_INPUT)
+
+    def block_plan(self) -> BlockPlan | None:
+        """The block-KV programs and their selection (`is_block_kv_layout`), else None."""
+        if not self.spec.is_block_kv_layout:
+            return None
+        planned = block_programs.block_plan(self.spec)
+        assert isinstance(planned, Success), f"a model that passed its checks has block buckets: {planned}"
+        return planned.unwrap()
 
     def weight_plan(self, plan: WeightPlan) -> WeightPlan:
         """This rank's share of the model's weight plan."""
@@ -160,7 +179,8 @@ class EngineModel:
     def program_keys(self) -> tuple[ProgramKey, ...]:
         """Every program the model compiles: per context bucket, and per (batch bucket, length
         bucket) of token generation (`program_key.program_keys`)."""
-        return program_keys(*self.tables())
+        plan = self.block_plan()
+        return program_keys(*self.tables()) if plan is None else plan.keys()
 
     def weight_names(self, plan: WeightPlan) -> tuple[str, ...]:
         """The weights a program binds, in order: the rank plan's own tensors (an alias is bound once)."""
@@ -171,7 +191,17 @@ class EngineModel:
 
     def empty_cache(self, *, length: int, batch: int | None = None, device: torch.device | None = None) -> KVCache:
         """A zero KV cache of this rank's kv heads and its share of `length` positions (all of them
-        unless flash decoding splits them): every cache row (garbage rows too) unless `batch` is given."""
+        unless flash decoding splits them): every cache row (garbage rows too) unless `batch` is given.
+        With the block layout: every block (and the garbage block), whatever `length` and `batch`."""
+        if self.spec.is_block_kv_layout:
+            return block_kv.empty_block_cache(
+                self.model,
+                num_blocks=self.spec.pa_num_blocks,
+                block_size=self.spec.pa_block_size,
+                dtype=self.cache_dtype(),
+                heads=self.partition().kv_heads,
+                device=device,
+            )
         rows = self.spec.kv_cache_batch_size + self.spec.kv_cache_padding_size if batch is None else batch
         part = self.partition()
         slots = part.cache_slots(length)
@@ -218,13 +248,22 @@ class _FlatStep:
         m = self.model
         w, c = len(self.names), 2 * m.model.num_layers
         weights = m.program.weights(dict(zip(self.names, flat[:w], strict=True)), spec=m.model)
-        ids, positions, last, params, uniforms, *rank = flat[w + c :]
-        x = StepInputs(input_ids=ids, position_ids=positions, last_index=last)
+        blocks = None
+        if m.spec.is_block_kv_layout:
+            ids, positions, *rest = flat[w + c :]
+            blocks = BlockInputs.from_tensors(rest[: len(block_kv.NAMES)])
+            params, uniforms, *rank = rest[len(block_kv.NAMES) :]
+            x = StepInputs(input_ids=ids, position_ids=positions, last_index=blocks.out_index[:, 0])
+        else:
+            ids, positions, last, params, uniforms, *rank = flat[w + c :]
+            x = StepInputs(input_ids=ids, position_ids=positions, last_index=last)
         cache = KVCache.from_tensors(flat[w : w + c])
         spec, coll = m.step_spec, m.collectives()
         if rank:
             coll = with_rank(coll, rank[0])
-        logits, tokens, new = step(m.program.forward, weights, cache, x, params, uniforms, spec=spec, coll=coll)
+        logits, tokens, new = step(
+            m.program.forward, weights, cache, x, params, uniforms, spec=spec, coll=coll, blocks=blocks
+        )
         return (*(t for t in (logits, tokens) if t is not None), *new.to_tensors())
 
 
@@ -239,10 +278,37 @@ def _signature(model: EngineModel, names: Sequence[str]) -> Signature:
 
 
 def _example(model: EngineModel, weights: Sequence[Tensor], key: ProgramKey) -> list[Tensor]:
-    x, params, uniforms = example_inputs(batch=key.batch, tokens=key.tokens)
     cache = model.empty_cache(length=key.length, batch=key.batch)
     rank = [torch.tensor(model.rank)] if model.tp > 1 else []
+    plan = model.block_plan()
+    if plan is not None:
+        x, blocks, params, uniforms = block_example(plan, key)
+        return [
+            *weights,
+            *cache.to_tensors(),
+            x.input_ids,
+            x.position_ids,
+            *blocks.to_tensors(),
+            params,
+            uniforms,
+            *rank,
+        ]
+    x, params, uniforms = example_inputs(batch=key.batch, tokens=key.tokens)
     return [*weights, *cache.to_tensors(), *x.to_tensors(), params, uniforms, *rank]
+
+
+def block_example(plan: BlockPlan, key: ProgramKey) -> tuple[StepInputs, BlockInputs, Tensor, Tensor]:
+    """Inputs of a block program's shapes that write only the garbage block (tracing, warm-up)."""
+    b, s, r, nb = key.batch, key.tokens, plan.segments, plan.blocks(key)
+    x, _, _ = example_inputs(batch=b, tokens=s)
+    blocks = BlockInputs(
+        slot_mapping=torch.full((b, s), -1, dtype=torch.int64),
+        block_table=torch.zeros((b, r, nb), dtype=torch.int64),
+        computed=torch.zeros((b, r), dtype=torch.int64),
+        segment=torch.zeros((b, s), dtype=torch.int64),
+        out_index=torch.full((b, r), s - 1, dtype=torch.int64),
+    )
+    return x, blocks, torch.ones(b * r, 3), torch.full((b * r,), 0.5)
 
 
 def _bound(backend: Backend, loaded: LoadedProgram, rank: int) -> Program:
@@ -250,8 +316,9 @@ def _bound(backend: Backend, loaded: LoadedProgram, rank: int) -> Program:
     outputs = loaded.program.signature.outputs
     extra = (torch.tensor(rank),) if RANK_INPUT in loaded.program.signature.inputs else ()
 
-    def call(cache: KVCache, x: StepInputs, params: Tensor, uniforms: Tensor) -> Any:
-        outs, new = backend.run(loaded, cache.to_tensors(), (*x.to_tensors(), params, uniforms, *extra))
+    def call(cache: KVCache, x: StepInputs, params: Tensor, uniforms: Tensor, blocks: BlockInputs | None = None) -> Any:
+        given = x.to_tensors() if blocks is None else (x.input_ids, x.position_ids, *blocks.to_tensors())
+        outs, new = backend.run(loaded, cache.to_tensors(), (*given, params, uniforms, *extra))
         named = dict(zip(outputs, outs, strict=True))
         return named.get("logits"), named.get("tokens"), KVCache.from_tensors(new)
 
@@ -285,7 +352,12 @@ def runtime_for(
 
 def warm_up(runtime: Runtime, model: EngineModel) -> None:
     """Run every program once on example inputs, then clear the cache (first calls allocate)."""
+    plan = model.block_plan()
     for key in runtime.programs:
+        if plan is not None:
+            x, blocks, params, _ = block_example(plan, key)
+            runtime.run_blocks(key, x, blocks, params=params)
+            continue
         x, params, _ = example_inputs(batch=key.batch, tokens=key.tokens)
         runtime.run(key, x, rows=None, params=params)
     runtime.reset_cache()

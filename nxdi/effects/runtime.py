@@ -18,12 +18,13 @@ import torch
 from torch import Tensor
 
 from nxdi.core.planning.program_key import ProgramKey
+from nxdi.core.programs.block_kv import BlockInputs
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 
-Program = Callable[[KVCache, StepInputs, Tensor, Tensor], tuple[Tensor | None, Tensor | None, KVCache]]
+Program = Callable[..., tuple[Tensor | None, Tensor | None, KVCache]]
 """(cache view, inputs, params [B, 3], uniforms [B]) -> (logits | None, tokens | None, cache view),
-its weights bound already."""
+its weights bound already; a block-KV program also takes `blocks=` and the whole block cache."""
 
 
 class RandomStream:
@@ -157,6 +158,34 @@ class Runtime:
             logits, tokens = self._step(self.programs[key], key.length, x, rows, params, draws)
             # Nothing else of the step is referenced any more, so finishing it (an XLA execution)
             # computes only the outputs and the cache, whose buffers it then updates in place.
+            logits, tokens = self.finish((logits, tokens))
+        return logits, tokens
+
+    def run_blocks(
+        self,
+        key: ProgramKey,
+        x: StepInputs,
+        blocks: BlockInputs,
+        *,
+        params: Tensor,
+        uniforms: Tensor | None = None,
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """Run the block-KV program `key` on the whole block cache (`nxdi.core.programs.block_kv`):
+        the program reads and writes where `blocks` says, and its cache replaces this one (the
+        same tensors when a compiled program writes in place).
+
+        Args:
+            x: inputs [B, S] (B = `key.batch`, S = `key.tokens`).
+            blocks: slots, block tables, prefixes, segments and output tokens of the rows.
+            params: [B*R, 3] sampling parameters, one row per segment; `uniforms` [B*R] likewise.
+
+        Returns:
+            logits [B, R, V] fp32 or None, tokens [B*R] or None.
+        """
+        draws = self.random.draw(params.shape[0]) if uniforms is None else uniforms
+        with self._mode():
+            logits, tokens, updated = self.programs[key](self.cache, x, params, draws, blocks=blocks)
+            self.cache = KVCache(k=tuple(updated.k), v=tuple(updated.v))
             logits, tokens = self.finish((logits, tokens))
         return logits, tokens
 

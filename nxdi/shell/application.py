@@ -234,6 +234,11 @@ class NeuronApplicationBase:
         """Build the runtime (eager when `root` is None, else from the compiled folder), replacing
         any runtime this model had (its rank processes are stopped first)."""
         self.close()
+        if root is not None and self.spec.is_block_kv_layout and self._backend().name != "cpu":
+            raise IncompatibleConfigError(
+                f"is_block_kv_layout=True runs on the cpu backend only yet, not {self._backend().name}: "
+                "use the cpu backend, or the contiguous KV cache"
+            )
         self._check_host_memory(None if root is None else self._backend())
         opened = launch.open_runtime(
             self._engine_model(),

@@ -22,10 +22,12 @@ from torch import Tensor
 from nxdi.core import sampling_params as sampling_params_core
 from nxdi.core.config.neuron_spec import Phase
 from nxdi.core.host import batching, forward_inputs
-from nxdi.core.planning import buckets
+from nxdi.core.planning import block_programs, buckets
+from nxdi.core.planning.block_programs import BlockPlan
 from nxdi.core.planning.program_key import ProgramKey
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.effects.runtime import StepRuntime
+from nxdi.shell import block_forward
 from nxdi.shell.application import NeuronApplicationBase
 from nxdi.shell.exceptions import IncompatibleConfigError, unwrap
 
@@ -69,6 +71,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         super().__init__(*args, **kwargs)
         self._cached = [0] * self.spec.kv_cache_batch_size
         """Tokens each KV cache row holds (what forward() checks positions against)."""
+        self._blocks_used = False
+        """With the block layout: whether a call ran since the last reset (the client owns the blocks)."""
         self._tables = {
             Phase.CONTEXT: unwrap(buckets.context_table_for(self.spec)),
             Phase.TOKEN: unwrap(buckets.token_table_for(self.spec)),
@@ -83,11 +87,12 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
     @property
     def kv_cache_populated(self) -> bool:
         """Whether some KV cache row holds a sequence (a prompt was encoded since the last reset)."""
-        return any(self._cached)
+        return self._blocks_used or any(self._cached)
 
     def reset(self) -> None:
         """Start a new batch: the next call must encode prompts (no row holds anything to decode from)."""
         self._cached = [0] * len(self._cached)
+        self._blocks_used = False
 
     def reset_kv_cache(self) -> None:
         """Zero the KV cache."""
@@ -117,6 +122,12 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         sampling_params: Tensor | None = None,
+        prev_hidden: Tensor | None = None,
+        adapter_ids: Tensor | None = None,
+        slot_mapping: Tensor | None = None,
+        block_table: Tensor | None = None,
+        full_context_lens: Tensor | None = None,
+        computed_context_lens: Tensor | None = None,
         **unsupported: Any,
     ) -> CausalLMOutput:
         """Run one step for every row.
@@ -127,6 +138,11 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             attention_mask: [B, W] 1 for real tokens (any padding side); inferred from position_ids.
             position_ids: [B, W] positions; inferred from attention_mask (cumsum - 1).
             sampling_params: [B, 3] (top_k, top_p, temperature), used with on-device sampling.
+            prev_hidden, adapter_ids: accepted as None (what a client passes without speculation
+                or LoRA); a value is refused, since neither runs on this engine yet.
+            slot_mapping, block_table, full_context_lens, computed_context_lens: with
+                `is_block_kv_layout`, where each sequence lives in the block cache (see
+                `nxdi.shell.block_forward`); refused without it.
 
         Returns:
             `logits` [B, 1, V] fp32 (None under on-device sampling unless output_logits),
@@ -149,7 +165,35 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             raise TypeError(f"forward() does not support {', '.join(given)} on the CPU backend")
         if input_ids is None:
             raise TypeError("forward() needs input_ids")
+        if prev_hidden is not None or adapter_ids is not None:
+            what = "prev_hidden (speculation)" if prev_hidden is not None else "adapter_ids (multi-LoRA serving)"
+            raise IncompatibleConfigError(f"forward() got {what}, which this engine does not run yet; pass None")
+        block_args = {
+            "slot_mapping": slot_mapping,
+            "block_table": block_table,
+            "full_context_lens": full_context_lens,
+            "computed_context_lens": computed_context_lens,
+        }
         runtime = self._require_runtime()
+        if self.spec.is_block_kv_layout:
+            plan = self._block_plan()
+            logits, tokens = block_forward.run(
+                self,
+                runtime,
+                plan,
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                sampling_params=sampling_params,
+                **block_args,
+            )
+            self._blocks_used = True
+            return self._output(logits, tokens)
+        passed = sorted(k for k, v in block_args.items() if v is not None)
+        if passed:
+            raise IncompatibleConfigError(
+                f"forward() got {', '.join(passed)}, which only a block KV cache uses: set is_block_kv_layout=True"
+            )
         call = unwrap(
             forward_inputs.check_forward_inputs(
                 input_ids, attention_mask, position_ids, seq_ids, limits=self._limits(), cached=self._cached
@@ -163,9 +207,15 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             logits, tokens = self._token(runtime, call.input_ids, call.position_ids, call.cache_rows, params)
         for row, held in call.cached_after(self.context_capacity).items():
             self._cached[row] = held
+        return self._output(logits, tokens)
+
+    def _output(self, logits: Tensor | None, tokens: Tensor | None) -> CausalLMOutput:
         ods = self.spec.on_device_sampling_config is not None
         shown = tokens if ods else logits
         return CausalLMOutput(logits=logits, hidden_states=shown, tokens=shown, attentions=None, past_key_values=None)
+
+    def _block_plan(self) -> BlockPlan:
+        return unwrap(block_programs.block_plan(self.spec), "Invalid block KV buckets")
 
     # --- host-side preparation ----------------------------------------------------------------
     def _sampling_rows(self, given: Tensor | None, batch: int) -> Tensor:

@@ -195,18 +195,19 @@ def runtime_of(model: Any) -> Any:
 
 @contextmanager
 def program_calls(model: Any) -> Iterator[list[Any]]:
-    """Record the `ProgramKey` of every program call, in order, by wrapping Runtime.run."""
+    """Record the `ProgramKey` of every program call, in order, by wrapping Runtime.run (and
+    Runtime.run_blocks, the block-KV programs' entry)."""
     runtime = runtime_of(model)
     calls: list[Any] = []
-    original = runtime.run
+    original, original_blocks = runtime.run, runtime.run_blocks
 
-    def spy(key: Any, x: Any, **kwargs: Any) -> Any:
-        assert int(x.input_ids.shape[0]) == key.batch, (key, x.input_ids.shape)
+    def spy(key: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+        assert tuple(x.input_ids.shape) == (key.batch, key.tokens), (key, x.input_ids.shape)
         calls.append(key)
-        return original(key, x, **kwargs)
+        return (original_blocks if args else original)(key, x, *args, **kwargs)
 
-    runtime.run = spy
+    runtime.run = runtime.run_blocks = spy
     try:
         yield calls
     finally:
-        del runtime.run  # back to the class method
+        del runtime.run, runtime.run_blocks  # back to the class methods

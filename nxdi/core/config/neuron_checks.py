@@ -230,6 +230,9 @@ def check_cpu_support(spec: NeuronSpec) -> Result[NeuronSpec, ConfigError]:
         for name, info in infos(NeuronSpec).items()
         if info.cpu is OnCpu.REFUSED and getattr(spec, name) != fields[name].default
     ]
+    if spec.is_block_kv_layout and spec.tp_degree > 1:
+        why = f"runs with tp_degree=1 only on the CPU engine yet (tp_degree={spec.tp_degree})"
+        problems.append(Problem.of("is_block_kv_layout", True, why, "set tp_degree=1, or use the contiguous KV cache"))
     return problems_result(spec, problems)
 
 

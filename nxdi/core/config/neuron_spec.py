@@ -282,7 +282,6 @@ class NeuronSpec:
     prefix_buckets: tuple[int, ...] | None = _bucketing(
         None,
         "Prefix-length buckets, in tokens, for prefix caching; kept sorted; default None (automatic).",
-        cpu="used with prefix caching only",
         bounds=(0, MAX_TOKENS),
     )
     token_generation_buckets: tuple[int, ...] | None = _bucketing(
@@ -423,23 +422,18 @@ class NeuronSpec:
     is_block_kv_layout: bool = _paged(
         False,
         "Store the KV cache in fixed-size blocks (paged attention) instead of one row per sequence.",
-        cpu=OnCpu.REFUSED,
     )
     pa_num_blocks: int = _paged(
         1,
-        "Number of blocks in the block KV cache; default batch_size.",
-        cpu="used with is_block_kv_layout only",
+        "Number of blocks in the block KV cache (used with is_block_kv_layout); default batch_size.",
         bounds=(1, MAX_TOKENS),
     )
     pa_block_size: int = _paged(
         128,
-        "Tokens per block of the block KV cache; default seq_len.",
-        cpu="used with is_block_kv_layout only",
+        "Tokens per block of the block KV cache (used with is_block_kv_layout); default seq_len.",
         bounds=(1, MAX_TOKENS),
     )
-    is_prefix_caching: bool = _paged(
-        False, "Reuse cached KV blocks for prompts that share a prefix.", cpu=OnCpu.REFUSED
-    )
+    is_prefix_caching: bool = _paged(False, "Reuse cached KV blocks for prompts that share a prefix.")
     windowed_context_encoding_size: int | None = _paged(
         None,
         "Window, in tokens, for windowed context encoding; must equal the model's sliding_window if both are set.",
@@ -449,7 +443,6 @@ class NeuronSpec:
     chunked_prefill_config: ChunkedPrefillSpec | None = _paged(
         None,
         "Chunked prefill settings; setting it enables chunked prefill and needs is_block_kv_layout.",
-        cpu=OnCpu.REFUSED,
     )
     tensor_replacement_config: JsonMap | None = _debugging(
         None,

@@ -119,6 +119,13 @@ def _check_segments(seg: Segments, limits: BlockLimits, problems: list[Problem])
             problems.append(Problem.of(f"input_ids (request {r})", bad_ids[:_SHOWN], why))
 
 
+def _slot(table: Tensor, position: int, block_size: int) -> int:
+    """The flat slot of `position` by a block table row (valid or not: checked with the rest)."""
+    index = position // block_size
+    block = int(table[index]) if index < table.shape[0] else -1
+    return block * block_size + position % block_size
+
+
 def row_segments(
     input_ids: Tensor,
     position_ids: Tensor,
@@ -128,6 +135,7 @@ def row_segments(
     computed_context_lens: Tensor | None,
     *,
     limits: BlockLimits,
+    max_prefix: int | None = None,
 ) -> Result[Segments, ConfigError]:
     """The requests of a row-per-request call (continuous batching, prefix caching).
 
@@ -138,6 +146,8 @@ def row_segments(
         block_table: [B, NB].
         full_context_lens: [B] or [B, 1] (default: the highest position + 1).
         computed_context_lens: [B] or [B, 1] (default: 0 for a prefill, the position for a decode).
+        max_prefix: the prefix the chosen program reads: a prefill row's cached tokens beyond it
+            are computed again (their slots come from the block table), as the reference does.
 
     Returns:
         The segments, or a ConfigError listing every problem.
@@ -161,19 +171,22 @@ def row_segments(
         if not 0 <= c <= f:
             problems.append(Problem.of(f"computed_context_lens[{r}]", c, f"must be within 0..full_context_lens ({f})"))
             c = f
+        keep = c if max_prefix is None or not prefill else min(c, max_prefix)
         # A prefill row holds the whole prompt (columns = positions); a decode row its new tokens.
-        cols = range(c, f) if prefill else range(0, f - c)
+        cols = range(keep, f) if prefill else range(0, f - c)
         if max(cols, default=-1) >= w:
             why = f"needs columns up to {max(cols)} of input_ids, which has {w}"
             problems.append(Problem.of(f"full_context_lens[{r}]", f, why))
             cols = range(0)
         tokens.append(tuple(int(input_ids[r, col]) for col in cols))
-        n = len(cols)
+        again = [_slot(block_table[r], p, limits.block_size) for p in range(keep, c)]
+        n = len(cols) - len(again)  # the client's slots cover the tokens after its computed ones
         row_slots = slot_mapping[r].tolist()
         if len(row_slots) < n:
             problems.append(Problem.of(f"slot_mapping[{r}]", len(row_slots), f"has fewer slots than new tokens ({n})"))
             row_slots = row_slots + [-1] * n
-        slots.append(tuple(int(s) for s in row_slots[:n]))
+        slots.append(tuple(again) + tuple(int(s) for s in row_slots[:n]))
+        computed[r] = keep
     seg = Segments(
         tokens=tuple(tokens),
         computed=tuple(computed),

@@ -1,0 +1,155 @@
+"""forward() with the block KV layout: a serving client's block tables and slots drive every call.
+
+`NeuronBaseForCausalLM.forward` hands a block-KV model's calls here. Each call is checked and laid
+out on the host (`nxdi.core.host.block_inputs`), its program picked by the block plan
+(`nxdi.core.planning.block_programs`), and run on the whole block cache:
+
+- rows (continuous batching, prefix caching): a call whose smallest position is 0 encodes prompts
+  (context encoding: the tokens after each row's cached prefix); any other call decodes. Batches
+  larger than the compiled batch run in chunks; smaller ones are padded with rows that write
+  nowhere. Outputs: `logits` [B, 1, V], `tokens` [B].
+- chunked prefill: every call is one row of requests' chunks (and decode tokens); outputs are per
+  request: `logits` [1, R, V], `tokens` [R].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from nxdi.core.config.neuron_spec import Phase
+from nxdi.core.host import block_inputs
+from nxdi.core.host.block_inputs import BlockLimits, Segments
+from nxdi.core.planning.block_programs import BlockPlan
+from nxdi.shell.exceptions import IncompatibleConfigError, unwrap
+
+_REQUIRED = ("slot_mapping", "block_table")
+
+
+def _as_long(name: str, value: Any) -> Tensor:
+    t = value if isinstance(value, Tensor) else torch.as_tensor(value)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise IncompatibleConfigError(f"{name}={t.dtype}: must hold integers; pass torch.long tensors")
+    return t.to(torch.int64)
+
+
+def run(
+    model: Any,
+    runtime: Any,
+    plan: BlockPlan,
+    *,
+    input_ids: Tensor,
+    position_ids: Tensor | None,
+    attention_mask: Tensor | None,
+    sampling_params: Tensor | None,
+    slot_mapping: Tensor | None,
+    block_table: Tensor | None,
+    full_context_lens: Tensor | None,
+    computed_context_lens: Tensor | None,
+) -> tuple[Tensor | None, Tensor | None]:
+    """One block-KV forward call of `model` (a `NeuronBaseForCausalLM`) on `runtime`.
+
+    Returns:
+        logits (None when the programs return only tokens) and tokens (None without on-device
+        sampling), shaped as the module docstring says.
+
+    Raises:
+        IncompatibleConfigError: a missing or malformed block argument, or anything
+            `block_inputs` refuses (every problem listed).
+    """
+    missing = [n for n, v in zip(_REQUIRED, (slot_mapping, block_table), strict=True) if v is None]
+    if missing:
+        raise IncompatibleConfigError(
+            f"forward() with is_block_kv_layout=True needs {' and '.join(missing)}: the serving client's "
+            "block manager says where each sequence lives (see the serving docs)"
+        )
+    assert slot_mapping is not None and block_table is not None
+    ids = _as_long("input_ids", input_ids)
+    ids = ids[None] if ids.dim() == 1 else ids
+    if position_ids is None:
+        mask = torch.ones_like(ids) if attention_mask is None else _as_long("attention_mask", attention_mask)
+        position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    positions = _as_long("position_ids", position_ids).reshape(ids.shape)
+    slots, table = _as_long("slot_mapping", slot_mapping), _as_long("block_table", block_table)
+    full = None if full_context_lens is None else _as_long("full_context_lens", full_context_lens)
+    computed = None if computed_context_lens is None else _as_long("computed_context_lens", computed_context_lens)
+    spec = model.spec
+    limits = BlockLimits(
+        num_blocks=spec.pa_num_blocks,
+        block_size=spec.pa_block_size,
+        max_length=spec.max_length,
+        vocab_size=model.model_spec.vocab_size,
+    )
+    if plan.chunked:
+        if full is None or computed is None:
+            raise IncompatibleConfigError(
+                "forward() with chunked prefill needs full_context_lens and computed_context_lens: "
+                "they say how many of input_ids' tokens belong to each request"
+            )
+        seg = unwrap(
+            block_inputs.chunked_segments(ids, slots, table, full, computed, limits=limits),
+            "Invalid chunked-prefill inputs",
+        )
+        key = unwrap(plan.select(Phase.CONTEXT, sum(seg.new), max(seg.computed)), "No chunked-prefill bucket fits")
+        params = _params(model, sampling_params, len(seg.tokens), plan.segments)
+        x, blocks = block_inputs.as_chunks(seg, segments=plan.segments, tokens=key.tokens, blocks=plan.blocks(key))
+        logits, tokens = runtime.run_blocks(key, x, blocks, params=params)
+        r = len(seg.tokens)
+        return (None if logits is None else logits[:, :r]), (None if tokens is None else tokens[:r])
+
+    first = unwrap(
+        block_inputs.row_segments(ids, positions, slots, table, full, computed, limits=limits),
+        "Invalid forward() inputs",
+    )
+    phase = Phase.CONTEXT if int(positions.min()) == 0 or max(first.new) > 1 else Phase.TOKEN
+    key = unwrap(plan.select(phase, max(first.new), max(first.computed)), "No compiled bucket fits")
+    seg = first
+    if phase is Phase.CONTEXT and key.length - key.tokens < max(first.computed):
+        # Cached tokens past the chosen prefix bucket are computed again with the new ones.
+        seg = unwrap(
+            block_inputs.row_segments(
+                ids, positions, slots, table, full, computed, limits=limits, max_prefix=key.length - key.tokens
+            ),
+            "Invalid forward() inputs",
+        )
+    params = _params(model, sampling_params, len(seg.tokens), len(seg.tokens))
+    return _rows(runtime, plan, key, seg, params)
+
+
+def _rows(
+    runtime: Any, plan: BlockPlan, key: Any, seg: Segments, params: Tensor
+) -> tuple[Tensor | None, Tensor | None]:
+    """Run `seg`'s rows in chunks of the program's batch; outputs in the caller's row order."""
+    logits_out, tokens_out = [], []
+    for start in range(0, len(seg.tokens), key.batch):
+        part = Segments(
+            tokens=seg.tokens[start : start + key.batch],
+            computed=seg.computed[start : start + key.batch],
+            slots=seg.slots[start : start + key.batch],
+            tables=seg.tables[start : start + key.batch],
+        )
+        n = len(part.tokens)
+        x, blocks = block_inputs.as_rows(part, batch=key.batch, tokens=key.tokens, blocks=plan.blocks(key))
+        rows = params[start : start + n]
+        padded = torch.cat((rows, rows[:1].expand(key.batch - n, 3)))  # pad rows sample like the first
+        logits, tokens = runtime.run_blocks(key, x, blocks, params=padded)
+        if logits is not None:
+            logits_out.append(logits[:n])
+        if tokens is not None:
+            tokens_out.append(tokens[:n])
+    return (torch.cat(logits_out) if logits_out else None), (torch.cat(tokens_out) if tokens_out else None)
+
+
+def _params(model: Any, given: Tensor | None, requests: int, rows: int) -> Tensor:
+    """[rows, 3] sampling rows: the requests' (a chunked-prefill client passes one row per possible
+    request; the first `requests` are this call's), then greedy-like padding rows."""
+    if given is not None:
+        t = torch.as_tensor(given)
+        if t.dim() == 2 and t.shape[0] > requests and rows > requests:
+            given = t[:requests]
+    picked: Tensor = model._sampling_rows(given, requests)
+    if rows > requests:
+        picked = torch.cat((picked, picked[:1].expand(rows - requests, 3)))
+    return picked
