@@ -18,20 +18,12 @@ from nxdi.core.programs import decoder as llama
 from nxdi.core.programs.block_kv import BlockInputs
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.testing.strategies.decoders import dense_specs, random_weights
+from tests.support.program_checks import close as _close
+from tests.support.program_checks import random_tokens as _tokens
 
 SEEDS = st.integers(0, 2**31 - 1)
 BS = 4
 """Block size of these tests (small, so sequences span several blocks)."""
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-4) -> None:
-    scale = max(expected.abs().max().item(), 1e-6)
-    assert (actual - expected).abs().max().item() <= rel * scale, (actual - expected).abs().max()
-
-
-def _tokens(spec: ModelSpec, seed: int, n: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, spec.vocab_size, (n,), generator=g).tolist()
 
 
 def _full(spec: ModelSpec, w: object, toks: list[int]) -> torch.Tensor:

@@ -20,19 +20,10 @@ from nxdi.core.model_spec import ModelSpec, NormKind
 from nxdi.core.programs import catalog, inputs, kv_cache
 from nxdi.core.programs import decoder as llama
 from nxdi.testing.strategies.decoders import dense_specs, program_of, random_weights
+from tests.support.program_checks import close as _close
+from tests.support.program_checks import random_tokens as _tokens
 
 SEEDS = st.integers(0, 2**31 - 1)
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-4) -> None:
-    """Within `rel` of the largest |expected| (NxDI's max-scaled closeness)."""
-    scale = max(expected.abs().max().item(), 1e-6)
-    assert (actual - expected).abs().max().item() <= rel * scale, (actual - expected).abs().max()
-
-
-def _tokens(spec: ModelSpec, seed: int, n: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, spec.vocab_size, (n,), generator=g).tolist()
 
 
 @settings(deadline=None, max_examples=30)

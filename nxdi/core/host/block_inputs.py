@@ -119,6 +119,25 @@ def _check_segments(seg: Segments, limits: BlockLimits, problems: list[Problem])
             problems.append(Problem.of(f"input_ids (request {r})", bad_ids[:_SHOWN], why))
 
 
+def _checked(
+    tokens: list[tuple[int, ...]],
+    computed: list[int],
+    slots: list[tuple[int, ...]],
+    block_table: Tensor,
+    limits: BlockLimits,
+    problems: list[Problem],
+) -> Result[Segments, ConfigError]:
+    """The segments, once checked against the cache (`_check_segments`) with the problems found so far."""
+    seg = Segments(
+        tokens=tuple(tokens),
+        computed=tuple(computed),
+        slots=tuple(slots),
+        tables=tuple(tuple(int(v) for v in row.tolist()) for row in block_table),
+    )
+    _check_segments(seg, limits, problems)
+    return Failure(ConfigError(problems=tuple(problems))) if problems else Success(seg)
+
+
 def _slot(table: Tensor, position: int, block_size: int) -> int:
     """The flat slot of `position` by a block table row (valid or not: checked with the rest)."""
     index = position // block_size
@@ -187,14 +206,7 @@ def row_segments(
             row_slots = row_slots + [-1] * n
         slots.append(tuple(again) + tuple(int(s) for s in row_slots[:n]))
         computed[r] = keep
-    seg = Segments(
-        tokens=tuple(tokens),
-        computed=tuple(computed),
-        slots=tuple(slots),
-        tables=tuple(tuple(int(v) for v in row.tolist()) for row in block_table),
-    )
-    _check_segments(seg, limits, problems)
-    return Failure(ConfigError(problems=tuple(problems))) if problems else Success(seg)
+    return _checked(tokens, computed, slots, block_table, limits, problems)
 
 
 def chunked_segments(
@@ -233,14 +245,7 @@ def chunked_segments(
         tokens.append(tuple(int(t) for t in ids[at : at + n]))
         slots.append(tuple(int(s) for s in flat_slots[at : at + n]))
         at += n
-    seg = Segments(
-        tokens=tuple(tokens),
-        computed=tuple(computed),
-        slots=tuple(slots),
-        tables=tuple(tuple(int(v) for v in row.tolist()) for row in block_table),
-    )
-    _check_segments(seg, limits, problems)
-    return Failure(ConfigError(problems=tuple(problems))) if problems else Success(seg)
+    return _checked(tokens, computed, slots, block_table, limits, problems)
 
 
 def as_rows(seg: Segments, *, batch: int, tokens: int, blocks: int, pad_id: int = 0) -> tuple[StepInputs, BlockInputs]:
