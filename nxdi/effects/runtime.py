@@ -48,6 +48,9 @@ class RandomStream:
 class StepRuntime(Protocol):
     """What the shell drives: a `Runtime` here, or a runtime whose ranks run in other processes."""
 
+    random: RandomStream
+    """The draws of on-device sampling (async_mode saves and restores its generator's state)."""
+
     @property
     def programs(self) -> Mapping[ProgramKey, Any]: ...
 

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from nxdi.core import sampling_params as sampling_params_core
 from nxdi.core.config.neuron_spec import Phase
-from nxdi.core.host import batching, forward_inputs
+from nxdi.core.host import async_steps, batching, forward_inputs
 from nxdi.core.planning import block_programs, buckets
 from nxdi.core.planning.block_programs import BlockPlan
 from nxdi.core.planning.program_key import ProgramKey
@@ -29,6 +29,7 @@ from nxdi.core.programs.inputs import StepInputs
 from nxdi.effects.runtime import StepRuntime
 from nxdi.shell import block_forward
 from nxdi.shell.application import NeuronApplicationBase
+from nxdi.shell.async_forward import AsyncForward, AsyncStats
 from nxdi.shell.exceptions import IncompatibleConfigError, unwrap
 
 
@@ -77,6 +78,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             Phase.CONTEXT: unwrap(buckets.context_table_for(self.spec)),
             Phase.TOKEN: unwrap(buckets.token_table_for(self.spec)),
         }
+        self._async: AsyncForward | None = None
+        """With async_mode, the decode step launched ahead (made on first use; closed with the runtime)."""
 
     @property
     def context_capacity(self) -> int:
@@ -91,13 +94,36 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
 
     def reset(self) -> None:
         """Start a new batch: the next call must encode prompts (no row holds anything to decode from)."""
+        self._settle()
         self._cached = [0] * len(self._cached)
         self._blocks_used = False
 
     def reset_kv_cache(self) -> None:
         """Zero the KV cache."""
+        self._settle()
         self._require_runtime().reset_cache()
         self.reset()
+
+    def set_seed(self, seed: int) -> None:
+        self._settle()  # a step launched ahead drew from the old stream
+        super().set_seed(seed)
+
+    def close(self) -> None:
+        if getattr(self, "_async", None) is not None:
+            assert self._async is not None
+            self._async.close()
+            self._async = None
+        super().close()
+
+    @property
+    def async_stats(self) -> AsyncStats | None:
+        """With async_mode: how many decode steps were launched ahead, used and discarded, and how
+        long calls waited for them, since load (None without async_mode, or before the first call)."""
+        return None if self._async is None else self._async.stats
+
+    def _settle(self) -> None:
+        if self._async is not None:
+            self._async.settle()
 
     def _open(self, *args: Any, **kwargs: Any) -> None:
         super()._open(*args, **kwargs)
@@ -163,6 +189,46 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         given = sorted(k for k, v in unsupported.items() if v is not None and k not in _IGNORED)
         if given:
             raise TypeError(f"forward() does not support {', '.join(given)} on the CPU backend")
+        call = {
+            "input_ids": input_ids,
+            "seq_ids": seq_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "sampling_params": sampling_params,
+            "prev_hidden": prev_hidden,
+            "adapter_ids": adapter_ids,
+            "slot_mapping": slot_mapping,
+            "block_table": block_table,
+            "full_context_lens": full_context_lens,
+            "computed_context_lens": computed_context_lens,
+        }
+        if not self.spec.async_mode:
+            return self._forward_now(call)
+        if self._async is None:
+            self._require_runtime()
+            self._async = AsyncForward(
+                self._forward_now, snapshot=self._snapshot, restore=self._restore, predict=self._next_call
+            )
+        return self._async(call)
+
+    def _forward_now(self, call: dict[str, Any]) -> CausalLMOutput:
+        """One synchronous forward() call (arguments as `forward` names them)."""
+        return self._forward(**call)
+
+    def _forward(
+        self,
+        input_ids: Tensor | None,
+        seq_ids: Tensor | None,
+        attention_mask: Tensor | None,
+        position_ids: Tensor | None,
+        sampling_params: Tensor | None,
+        prev_hidden: Tensor | None,
+        adapter_ids: Tensor | None,
+        slot_mapping: Tensor | None,
+        block_table: Tensor | None,
+        full_context_lens: Tensor | None,
+        computed_context_lens: Tensor | None,
+    ) -> CausalLMOutput:
         if input_ids is None:
             raise TypeError("forward() needs input_ids")
         if prev_hidden is not None or adapter_ids is not None:
@@ -208,6 +274,28 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         for row, held in call.cached_after(self.context_capacity).items():
             self._cached[row] = held
         return self._output(logits, tokens)
+
+    # --- async_mode (nxdi.shell.async_forward) ---------------------------------------------------
+    def _snapshot(self) -> Any:
+        """What a step changes besides the cache: the rows' token counts and the random stream."""
+        return tuple(self._cached), self._blocks_used, self._require_runtime().random.generator.get_state()
+
+    def _restore(self, state: Any) -> None:
+        cached, blocks_used, random_state = state
+        self._cached = list(cached)
+        self._blocks_used = blocks_used
+        self._require_runtime().random.generator.set_state(random_state)
+
+    def _next_call(self, call: dict[str, Any], out: CausalLMOutput) -> dict[str, Any] | None:
+        tokens = out.tokens if self.spec.on_device_sampling_config is not None else None
+        block = self.spec.is_block_kv_layout
+        return async_steps.next_decode(
+            call,
+            tokens,
+            max_length=self.spec.max_length,
+            block_size=self.spec.pa_block_size if block else None,
+            chunked=block and self.spec.chunked_prefill_config is not None,
+        )
 
     def _output(self, logits: Tensor | None, tokens: Tensor | None) -> CausalLMOutput:
         ods = self.spec.on_device_sampling_config is not None

@@ -38,7 +38,7 @@ from safetensors import safe_open
 from nxdi.core.host.logit_validation import max_relative_logit_error
 from nxdi.shell.exceptions import IncompatibleConfigError, RankError
 from nxdi.testing import checkpoints
-from tests.support.engine_fixtures import PROMPTS, hf_generate, load_model, nxdi_generate, teacher_forced
+from tests.support.engine_fixtures import NEW_TOKENS, PROMPTS, hf_generate, load_model, nxdi_generate, teacher_forced
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -149,6 +149,15 @@ def test_collectives_through_gloo_give_the_same_tokens(
     monkeypatch.setenv("NXDI_HOST_COLLECTIVES_KIB", kib)
     model = tp_model("llama", tp_degree=2, batch_size=4, sequence_parallel_enabled=True)
     assert torch.equal(nxdi_generate(model, PROMPTS), hf_greedy("llama", PROMPTS))
+
+
+def test_async_mode_launches_decode_steps_to_the_ranks_ahead(
+    tp_model: Callable[..., Any], hf_greedy: Callable[..., torch.Tensor]
+) -> None:
+    """The step launched ahead drives the rank processes from a worker thread; close() waits for it."""
+    model = tp_model("llama", tp_degree=2, batch_size=4, async_mode=True, on_device_sampling_config={"top_k": 1})
+    assert torch.equal(nxdi_generate(model, PROMPTS), hf_greedy("llama", PROMPTS))
+    assert model.async_stats.used == NEW_TOKENS - 2  # every decode call after the first
 
 
 @pytest.fixture(scope="module")

@@ -89,8 +89,12 @@ def serve_rows(
     prefix_caching: bool = False,
     sampled: bool = False,
     seed: int = 0,
+    shuffle: bool = True,
 ) -> tuple[list[list[int]], list[int]]:
     """Serve `requests` with block tables (see the module docstring).
+
+    Args:
+        shuffle: decode the running requests in a new random order every step (else in admission order).
 
     Returns:
         each request's new tokens, and the cached prefix length of every prefill.
@@ -98,7 +102,7 @@ def serve_rows(
     spec = model.neuron_config
     bs, width = spec.pa_block_size, spec.max_length // spec.pa_block_size
     manager = BlockManager.shuffled(spec.pa_num_blocks, bs, seed)
-    shuffle = random.Random(seed)
+    order = random.Random(seed)
     waiting, running, done, hits, step = list(range(len(requests))), [], {}, [], 0
     slots = spec.batch_size
     while waiting or running:
@@ -123,7 +127,8 @@ def serve_rows(
             running.append(_Running(index=i, table=table, position=n, tokens=[int(_next(out, sampled)[0])]))
         active = [r for r in running if len(r.tokens) < requests[r.index].new_tokens]
         if active:
-            shuffle.shuffle(active)
+            if shuffle:
+                order.shuffle(active)
             out = model.forward(
                 torch.tensor([[r.tokens[-1]] for r in active]),
                 position_ids=torch.tensor([[r.position] for r in active]),

@@ -54,17 +54,23 @@ def _next_tokens(out: Any, sampled: bool) -> Tensor:
 
 
 def serve(
-    model: Any, requests: Sequence[Request] = REQUESTS, *, sampled: bool = False, seed: int = 0
+    model: Any,
+    requests: Sequence[Request] = REQUESTS,
+    *,
+    sampled: bool = False,
+    seed: int = 0,
+    shuffle: bool = True,
 ) -> tuple[list[list[int]], list[int]]:
     """Serve `requests` through `model.forward` (see the module docstring).
 
     Args:
         sampled: read `out.tokens` (on-device sampling) instead of the argmax of `out.logits`.
+        shuffle: decode the running slots in a new random order every step (else in admission order).
 
     Returns:
         each request's new tokens, and the batch size of every decode call, in order.
     """
-    shuffle = random.Random(seed)
+    order = random.Random(seed)
     waiting = list(range(len(requests)))
     free = list(range(SLOTS))
     running: list[_Running] = []
@@ -83,7 +89,8 @@ def serve(
             running.append(_Running(index=i, slot=slot, position=n, tokens=[int(_next_tokens(out, sampled)[0])]))
         active = [r for r in running if len(r.tokens) < requests[r.index].new_tokens]
         if active:
-            shuffle.shuffle(active)
+            if shuffle:
+                order.shuffle(active)
             ids = torch.tensor([[r.tokens[-1]] for r in active])
             positions = torch.tensor([[r.position] for r in active])
             out = model.forward(ids, position_ids=positions, seq_ids=torch.tensor([r.slot for r in active]))

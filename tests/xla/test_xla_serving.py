@@ -59,3 +59,17 @@ def test_serving_on_batch_buckets_with_garbage_rows_gives_the_cpu_engines_tokens
     assert tokens == serve(cpu)[0]
     assert {k.batch for k in calls if k.phase is Phase.TOKEN} == {1, 2, 4}
     assert _with_garbage(model) == _with_garbage(cpu)
+
+
+def test_async_mode_on_xla_gives_the_synchronous_tokens(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path, loaded_model: Callable[..., Any]
+) -> None:
+    """Steps launched ahead run on a worker thread, which XLA executes like the caller's."""
+    settings = dict(CONFIG, on_device_sampling_config={"top_k": 1})
+    model = load_model(tiny_checkpoint("llama"), "llama", workdir=tmp_path, backend="xla", async_mode=True, **settings)
+    try:
+        tokens, _ = serve(model, sampled=True, shuffle=False)
+        assert tokens == serve(loaded_model("llama", **settings), sampled=True, shuffle=False)[0]
+        assert model.async_stats.used > 0
+    finally:
+        model.close()

@@ -98,6 +98,13 @@ def _features(s: NeuronSpec) -> Iterator[Problem]:
         yield Problem.of("quantized_checkpoints_path", None, "is required when quantized=True", "set the path")
     if s.is_full_model_shuffled and not (s.is_mxfp4_compute or s.is_eagle_draft):
         yield Problem.of("is_full_model_shuffled", True, "needs is_mxfp4_compute or is_eagle_draft")
+    if s.async_mode and s.on_device_sampling_config is None:
+        yield Problem.of(
+            "async_mode",
+            True,
+            "needs on-device sampling: a step launched ahead is fed the tokens the previous step sampled",
+            "set on_device_sampling_config, or async_mode=False",
+        )
     if s.is_medusa and s.async_mode:
         yield Problem.of("async_mode", True, "is not supported with Medusa (is_medusa=True)", "set async_mode=False")
     if s.is_medusa and (s.medusa_speculation_length <= 0 or s.num_medusa_heads <= 0):

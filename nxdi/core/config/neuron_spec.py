@@ -163,7 +163,6 @@ class NeuronSpec:
         False,
         "Run the runtime asynchronously, overlapping host logic with device execution; needs on-device sampling; not with Medusa.",
         graph=False,
-        cpu="each call runs synchronously",
     )
     skip_warmup: bool = _general(
         False, "Skip the warmup run at model load that speeds up the first request.", graph=False

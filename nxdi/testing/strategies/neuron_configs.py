@@ -52,7 +52,7 @@ def neuron_kwargs(draw: st.DrawFn) -> dict[str, Any]:
         out["max_context_length"] = ctx
     if draw(st.booleans()):
         out["torch_dtype"] = draw(st.sampled_from(DTYPES))
-    for flag in ("fused_qkv", "allow_input_truncation", "output_logits", "skip_warmup", "async_mode"):
+    for flag in ("fused_qkv", "allow_input_truncation", "output_logits", "skip_warmup"):
         if draw(st.booleans()):
             out[flag] = draw(st.booleans())
     if draw(st.booleans()):
@@ -65,6 +65,8 @@ def neuron_kwargs(draw: st.DrawFn) -> dict[str, Any]:
             out["token_generation_buckets"] = _buckets(draw, seq_len)
     if draw(st.booleans()):
         out["on_device_sampling_config"] = draw(on_device_sampling())
+        if draw(st.booleans()):
+            out["async_mode"] = draw(st.booleans())  # needs on-device sampling
     if draw(st.booleans()):
         out["speculation_length"] = draw(st.integers(min_value=0, max_value=8))
     return out
