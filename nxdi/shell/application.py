@@ -240,6 +240,10 @@ class NeuronApplicationBase:
                 "use the cpu backend, or the contiguous KV cache"
             )
         self._check_host_memory(None if root is None else self._backend())
+        self._runtime = self._start_runtime(root, checkpoint, warmup=warmup)
+
+    def _start_runtime(self, root: str | os.PathLike[str] | None, checkpoint: str, *, warmup: bool) -> StepRuntime:
+        """Load the weights and programs (and warm them up): the runtime `_open` installs."""
         opened = launch.open_runtime(
             self._engine_model(),
             self._source(checkpoint),
@@ -249,7 +253,7 @@ class NeuronApplicationBase:
             graph_key=self._graph_key(),
             warmup=warmup,
         )
-        self._runtime = unwrap(opened)
+        return unwrap(opened)
 
     def to_cpu(self) -> None:
         """Load the weights and run the pure programs eagerly on the CPU, writing no artifacts.

@@ -79,7 +79,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             Phase.TOKEN: unwrap(buckets.token_table_for(self.spec)),
         }
         self._async: AsyncForward | None = None
-        """With async_mode, the decode step launched ahead (made on first use; closed with the runtime)."""
+        """With async_mode (when the runtime was opened): the worker thread that runs every step, and
+        the decode step launched ahead; closed with the runtime."""
 
     @property
     def context_capacity(self) -> int:
@@ -100,8 +101,11 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
 
     def reset_kv_cache(self) -> None:
         """Zero the KV cache."""
-        self._settle()
-        self._require_runtime().reset_cache()
+        runtime = self._require_runtime()
+        if self._async is not None:
+            self._async.execute(runtime.reset_cache)
+        else:
+            runtime.reset_cache()
         self.reset()
 
     def set_seed(self, seed: int) -> None:
@@ -118,7 +122,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
     @property
     def async_stats(self) -> AsyncStats | None:
         """With async_mode: how many decode steps were launched ahead, used and discarded, and how
-        long calls waited for them, since load (None without async_mode, or before the first call)."""
+        long calls waited for them, since load (None without async_mode, or before load)."""
         return None if self._async is None else self._async.stats
 
     def _settle(self) -> None:
@@ -128,6 +132,20 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
     def _open(self, *args: Any, **kwargs: Any) -> None:
         super()._open(*args, **kwargs)
         self.reset()  # a new runtime starts with an empty cache
+
+    def _start_runtime(self, *args: Any, **kwargs: Any) -> StepRuntime:
+        if not self.spec.async_mode:
+            return super()._start_runtime(*args, **kwargs)
+        # The model's worker thread loads and warms up what it will run (nxdi.shell.async_forward).
+        self._async = AsyncForward(
+            self._forward_now, snapshot=self._snapshot, restore=self._restore, predict=self._next_call
+        )
+        try:
+            return self._async.execute(super()._start_runtime, *args, **kwargs)
+        except BaseException:
+            self._async.close()
+            self._async = None
+            raise
 
     def _limits(self) -> forward_inputs.Limits:
         return forward_inputs.Limits(
@@ -202,13 +220,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             "full_context_lens": full_context_lens,
             "computed_context_lens": computed_context_lens,
         }
-        if not self.spec.async_mode:
-            return self._forward_now(call)
         if self._async is None:
-            self._require_runtime()
-            self._async = AsyncForward(
-                self._forward_now, snapshot=self._snapshot, restore=self._restore, predict=self._next_call
-            )
+            return self._forward_now(call)
         return self._async(call)
 
     def _forward_now(self, call: dict[str, Any]) -> CausalLMOutput:

@@ -171,6 +171,24 @@ def test_bench_generate_reports_the_collectives_of_tensor_parallel_ranks(
     assert two["nxdi"]["collectives"]["total_ms_per_step"] > 0
 
 
+def test_bench_generate_async_measures_the_overlap_against_synchronous_mode(
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "generate", "--model-path", str(tiny_llama), "--dtype", "float32", "--async", "--host-ms", "2"]
+    argv += ["--prompt-len", "8", "--new-tokens", "6", "--repeat", "1", "--work-dir", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "async_mode vs synchronous, decode loop with 2 ms of host time per step" in out
+    # The loop's 5 decode calls and generate()'s: each first call runs synchronously.
+    assert "8/10 steps launched ahead were used" in out
+    argv += ["--json"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    a = json.loads(out[out.index("[\n") :])[0]["async_mode"]
+    assert a["sync"]["host_ms"] >= 2 and a["overlap"] is not None
+    assert a["async"]["launched"] > a["async"]["used"] > 0
+
+
 def test_bench_load_measures_every_phase(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bench", "load", "--model-path", str(tiny_llama), "--dtype", "float32", "--work-dir", str(tmp_path)]
     assert main([*argv, "--json"]) == 0

@@ -2,7 +2,7 @@
 
     nxdi bench generate [--shape small|tiny | --model-path DIR] [--dtype bfloat16] [--batch-size 1 4]
                         [--tp-degree 1 2] [--backend cpu xla] [--prompt-len 128] [--new-tokens 128]
-                        [--repeat 3] [--threads 2] [--compare-hf]
+                        [--repeat 3] [--threads 2] [--compare-hf] [--async [--host-ms 0]]
 
 Method (the same for both sides, measured in one process, alternating runs, so machine noise
 hits both): greedy decoding of exactly `--new-tokens` tokens (EOS never stops it) from a random
@@ -23,6 +23,15 @@ includes waiting for the slowest rank, as the step does).
 the XLA tier's environment, `.venv-xla`). Each reports compile() and load() seconds per program
 (one program per bucket): the xla backend lowers to HLO in compile() and XLA compiles each module
 at load (warm-up); a folder compiled earlier is reused, so delete `--work-dir` for cold numbers.
+
+`--async` also measures `async_mode` against synchronous mode on the same compiled folder, each
+mode's model in a child process of its own, run alternately (`nxdi.shell.cli.bench_async`): a
+decode loop that feeds each step's tokens back (reading them with `.tolist()`, as a serving loop
+does, then `--host-ms` of host time that holds neither the interpreter nor a core, such as
+streaming tokens out), and generate(). It reports each mode's time per loop step, split into the
+forward() call and the host's part, and the share of the host's part that async mode hid behind
+the step launched ahead ((sync step - async step) / sync host part). Both modes must give the same
+tokens, or the bench fails.
 
 `--shape small` is a ~120M Llama (hidden 768, 12 layers, 12 heads, 4 kv heads, vocab 32000),
 `--shape tiny` the TinyLlama-1.1B shape (hidden 2048, 22 layers, 32 heads, 4 kv heads); both
@@ -68,6 +77,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--repeat", type=int, default=3, help="timed runs per side (after one warm-up)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compare-hf", action="store_true", help="measure transformers' generate() in the same run")
+    p.add_argument(
+        "--async", dest="async_mode", action="store_true", help="measure async_mode against synchronous mode"
+    )
+    p.add_argument("--host-ms", type=float, default=0.0, help="with --async: host time per decode step, in ms")
     p.add_argument("--work-dir", default=".nxdi-bench", help="random checkpoints and compiled models")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run)
@@ -91,15 +104,14 @@ def checkpoint_for(args: argparse.Namespace) -> Path:
     return path
 
 
-def _nxdi_model(
-    path: Path, args: argparse.Namespace, batch: int, tp: int, backend: str
-) -> tuple[Any, dict[str, float]]:
-    """The loaded model, and its compile() and load() seconds per program."""
+def compile_for(path: Path, args: argparse.Namespace, batch: int, tp: int, backend: str) -> tuple[str, Path, float]:
+    """Compile (or reuse) the benchmarked model: its model type, compiled folder and compile() seconds."""
     from nxdi.shell.config import NeuronConfig, OnDeviceSamplingConfig
     from nxdi.shell.inference_config import load_pretrained_config
     from nxdi.shell.models import MODEL_TYPES, model_type_of
 
-    cls = MODEL_TYPES[model_type_of(str(path))]["causal-lm"]
+    model_type = model_type_of(str(path))
+    cls = MODEL_TYPES[model_type]["causal-lm"]
     neuron = NeuronConfig(
         batch_size=batch,
         max_context_length=args.prompt_len,
@@ -116,9 +128,26 @@ def _nxdi_model(
     cls(path, config, backend=backend).compile(compiled)
     compile_s = time.perf_counter() - t
     print(f"[bench] compiled (or reused) {compiled} in {compile_s:.1f}s", flush=True)
-    model = cls(compiled, backend=backend)
-    t = time.perf_counter()
+    return model_type, compiled, compile_s
+
+
+def load_compiled(model_type: str, compiled: Path, backend: str, *, async_mode: bool = False) -> Any:
+    """The compiled model loaded (`async_mode` set before load: the compiled folder is the same)."""
+    from nxdi.shell.models import MODEL_TYPES
+
+    model = MODEL_TYPES[model_type]["causal-lm"](compiled, backend=backend)
+    model.neuron_config.async_mode = async_mode
     model.load(compiled)
+    return model
+
+
+def _nxdi_model(
+    path: Path, args: argparse.Namespace, batch: int, tp: int, backend: str
+) -> tuple[Any, dict[str, float]]:
+    """The loaded model, and its compile() and load() seconds per program."""
+    model_type, compiled, compile_s = compile_for(path, args, batch, tp, backend)
+    t = time.perf_counter()
+    model = load_compiled(model_type, compiled, backend)
     load_s = time.perf_counter() - t
     programs = len(json.loads((compiled / "manifest.json").read_text())["programs"])
     return model, {"compile_s_per_program": compile_s / programs, "load_s_per_program": load_s / programs}
@@ -156,7 +185,7 @@ def _nxdi_once(model: Any, ids: Any, new_tokens: int) -> dict[str, Any]:
     return {"ttft": ttft, "tpot": steps, "ranks": _probe(model, reset=True)}
 
 
-def _nxdi_generate(model: Any, ids: Any, new_tokens: int) -> float:
+def nxdi_generate_s(model: Any, ids: Any, new_tokens: int) -> float:
     import torch
     from transformers import GenerationConfig
 
@@ -172,6 +201,12 @@ def _nxdi_generate(model: Any, ids: Any, new_tokens: int) -> float:
     elapsed = time.perf_counter() - t
     assert out.shape[1] == ids.shape[1] + new_tokens, "generation stopped early"
     return elapsed
+
+
+def prompt(model: Any, batch: int, length: int) -> Any:
+    import torch
+
+    return torch.randint(3, model.model_spec.vocab_size, (batch, length), generator=torch.Generator().manual_seed(1))
 
 
 def _hf_once(model: Any, ids: Any, new_tokens: int) -> dict[str, Any]:
@@ -235,15 +270,18 @@ def _bench_batch(
 ) -> dict[str, Any]:
     model, times = _nxdi_model(path, args, batch, tp, backend)
     with model:
-        return {"backend": backend, **times, **_bench_model(model, args, batch, hf, tp)}
+        result = {"backend": backend, **times, **_bench_model(model, args, batch, hf, tp)}
+    if args.async_mode:
+        from nxdi.shell.cli import bench_async
+
+        result["async_mode"] = bench_async.measure(path, args, batch, tp, backend)
+    return result
 
 
 def _bench_model(model: Any, args: argparse.Namespace, batch: int, hf: Any, tp: int) -> dict[str, Any]:
     import torch
 
-    ids = torch.randint(
-        3, model.model_spec.vocab_size, (batch, args.prompt_len), generator=torch.Generator().manual_seed(1)
-    )
+    ids = prompt(model, batch, args.prompt_len)
     ours: list[dict[str, Any]] = []
     theirs: list[dict[str, Any]] = []
     with torch.inference_mode():
@@ -252,7 +290,7 @@ def _bench_model(model: Any, args: argparse.Namespace, batch: int, hf: Any, tp: 
             _hf_once(hf, ids, 4)
         for _ in range(args.repeat):  # alternate sides so drifting machine load hits both
             run = _nxdi_once(model, ids, args.new_tokens)
-            run["total"] = _nxdi_generate(model, ids, args.new_tokens)
+            run["total"] = nxdi_generate_s(model, ids, args.new_tokens)
             ours.append(run)
             if hf is not None:
                 theirs.append(_hf_once(hf, ids, args.new_tokens))
@@ -297,6 +335,10 @@ def render(results: list[dict[str, Any]]) -> str:
             lines.append(
                 f"  ratio (transformers / nxdi): TPOT {q['tpot_p50']:.2f}x   TTFT {q['ttft']:.2f}x   throughput {q['throughput']:.2f}x"
             )
+        if "async_mode" in r:
+            from nxdi.shell.cli import bench_async
+
+            lines.extend(bench_async.render(r["async_mode"]))
     return "\n".join(lines)
 
 
@@ -304,14 +346,12 @@ def benchmark_model(model: Any, *, prompt_len: int, new_tokens: int, repeat: int
     """TTFT / TPOT / throughput of an already loaded model (used by `nxdi run --benchmark`)."""
     import torch
 
-    ids = torch.randint(
-        3, model.model_spec.vocab_size, (model.spec.batch_size, prompt_len), generator=torch.Generator().manual_seed(1)
-    )
+    ids = prompt(model, model.spec.batch_size, prompt_len)
     runs = []
     with torch.inference_mode():
         for _ in range(repeat):
             run = _nxdi_once(model, ids, new_tokens)
-            run["total"] = _nxdi_generate(model, ids, new_tokens)
+            run["total"] = nxdi_generate_s(model, ids, new_tokens)
             runs.append(run)
     return [{"batch_size": model.spec.batch_size, "nxdi": _summary(runs, model.spec.batch_size, new_tokens)}]
 
