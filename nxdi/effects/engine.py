@@ -25,7 +25,8 @@ takes its rank as an input (`RANK_INPUT`), so one program serves every rank.
 
 With `is_block_kv_layout` the programs are block-KV steps (`nxdi.core.programs.block_kv`): keys
 from the block plan (`nxdi.core.planning.block_programs`), the whole block cache as their cache,
-`BLOCK_INPUTS` as their inputs, run by `Runtime.run_blocks`.
+`BLOCK_INPUTS` as their inputs, run by `Runtime.run_blocks` (under tensor parallelism on every
+rank, each on its KV heads of every block: `EngineModel.empty_cache`).
 
 (Over 400 lines: the three paths share the weight reading, flat-step and binding definitions
 here, and splitting them would put one calling convention in several rooms. The block-KV

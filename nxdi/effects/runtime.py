@@ -68,6 +68,16 @@ class StepRuntime(Protocol):
         uniforms: Tensor | None = None,
     ) -> tuple[Tensor | None, Tensor | None]: ...
 
+    def run_blocks(
+        self,
+        key: ProgramKey,
+        x: StepInputs,
+        blocks: BlockInputs,
+        *,
+        params: Tensor,
+        uniforms: Tensor | None = None,
+    ) -> tuple[Tensor | None, Tensor | None]: ...
+
     def close(self) -> None: ...
 
 

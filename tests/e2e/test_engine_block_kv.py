@@ -3,21 +3,28 @@
 The client (tests/support/block_serving.py) hands out blocks from a shuffled free list, so every
 sequence's blocks are scattered and non-contiguous. Every request's tokens must be transformers'
 greedy tokens for its prompt alone: with and without prefix-cache hits, and with prompts
-prefilled in chunks of several sizes mixed with decode tokens.
+prefilled in chunks of several sizes mixed with decode tokens; with tp_degree 2 too, where every
+rank process holds its KV heads of every block.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 
 from nxdi.core.config.neuron_spec import Phase
+from nxdi.core.planning import kv_layout
+from nxdi.shell.config import NeuronConfig
 from nxdi.shell.exceptions import IncompatibleConfigError
+from nxdi.shell.inference_config import load_pretrained_config
+from nxdi.shell.models import CONFIG_TYPES, MODEL_TYPES
 from tests.support.block_serving import serve_chunked, serve_rows
-from tests.support.engine_fixtures import program_calls
+from tests.support.engine_fixtures import load_model, model_type_of, program_calls
 from tests.support.serving import REQUESTS, Request
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -115,6 +122,77 @@ def test_a_compiled_block_program_writes_the_cache_in_place(
     assert [t.data_ptr() for t in (*runtime.cache.k, *runtime.cache.v)] == before, "no copy of the block cache per step"
 
 
-def test_block_kv_with_tensor_parallelism_is_refused_clearly(loaded_model: Callable[..., Any]) -> None:
-    with pytest.raises(IncompatibleConfigError, match=r"is_block_kv_layout.*tp_degree"):
-        loaded_model("llama", tp_degree=2, **BLOCKS)
+@pytest.fixture
+def tp_model(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """`tp_model(backend=None, **neuron_config)`: a private llama model (its rank processes), closed after the test."""
+    made: list[Any] = []
+
+    def make(**kwargs: Any) -> Any:
+        model = load_model(tiny_checkpoint("llama"), "llama", workdir=tmp_path, **kwargs)
+        made.append(model)
+        return model
+
+    yield make
+    for model in made:
+        model.close()
+
+
+CHUNKED = dict(BLOCKS, batch_size=1, chunked_prefill_config={"max_num_seqs": 4}, max_context_length=16)
+TP_CASES = {  # name: (load_model arguments at tp_degree 2, how the client serves it)
+    "rows-on-device-top_k-1": (dict(BLOCKS, on_device_sampling_config={"top_k": 1}), "rows"),
+    "rows-compiled-cpu-backend": (dict(BLOCKS, backend="cpu"), "rows"),
+    "prefix-caching-sequence-parallel": (dict(PREFIX, sequence_parallel_enabled=True), "prefix"),
+    "chunked-prefill-vocab-parallel": (dict(CHUNKED, vocab_parallel=True), "chunked"),
+}
+
+
+@pytest.mark.parametrize("case", list(TP_CASES))
+def test_block_kv_with_tensor_parallelism_gives_every_requests_greedy_tokens(
+    case: str, tp_model: Callable[..., Any], hf_greedy: Callable[..., torch.Tensor]
+) -> None:
+    """Two rank processes, each holding its KV heads of every block, serve what one rank does
+    (transformers' greedy tokens, as the tp 1 tests above show)."""
+    config, served = TP_CASES[case]
+    model = tp_model(tp_degree=2, **config)
+    if served == "rows":
+        tokens, _ = serve_rows(model, sampled="on_device_sampling_config" in config)
+        assert tokens == _expected(hf_greedy, REQUESTS)
+    elif served == "prefix":
+        tokens, hits = serve_rows(model, PREFIX_REQUESTS, prefix_caching=True)
+        assert hits == [0, 8, 8, 0, 12]
+        assert tokens == _expected(hf_greedy, PREFIX_REQUESTS)
+    else:
+        tokens, sizes = serve_chunked(model, budget=5)
+        assert tokens == _expected(hf_greedy, REQUESTS)
+        assert max(sizes) > 1
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_each_rank_holds_its_kv_heads_of_every_block(tiny_checkpoint: Callable[..., Path], tp: int) -> None:
+    """The block cache of a rank is [N+1, bs, K_rank, D], K_rank the planner's KV heads per rank
+    (2 KV heads: one each at tp 2, replicated at tp 4)."""
+    path, model_type = tiny_checkpoint("llama"), model_type_of("llama")
+    neuron = NeuronConfig(torch_dtype="float32", seq_len=64, tp_degree=tp, **BLOCKS)
+    config = CONFIG_TYPES[model_type](neuron, load_config=load_pretrained_config(path))
+    model = MODEL_TYPES[model_type]["causal-lm"](path, config)  # built, not loaded: no rank processes
+    heads = kv_layout.kv_layout_for(model.model_spec, model.spec).unwrap().shape_per_rank[1]
+    want = (BLOCKS["pa_num_blocks"] + 1, BLOCKS["pa_block_size"], heads, model.model_spec.head_dim)
+    assert heads == 1
+    for rank in range(tp):
+        cache = attrs.evolve(model._engine_model(), rank=rank).empty_cache(length=model.spec.max_length)
+        assert {tuple(t.shape) for t in (*cache.k, *cache.v)} == {want}
+
+
+def test_block_kv_with_ranks_refuses_what_cannot_split(loaded_model: Callable[..., Any]) -> None:
+    """Flash decoding splits a sequence over ranks, and sequence parallelism needs every chunk to
+    split evenly: both are refused up front, naming the setting and the fix."""
+    with pytest.raises(IncompatibleConfigError, match=r"flash_decoding_enabled=True: splits each sequence.*block KV"):
+        loaded_model("llama", tp_degree=4, flash_decoding_enabled=True, **BLOCKS)
+    odd = dict(
+        CHUNKED,
+        chunked_prefill_config={"max_num_seqs": 4, "kernel_q_tile_size": 3},
+        enable_bucketing=True,
+        sequence_parallel_enabled=True,
+    )
+    with pytest.raises(IncompatibleConfigError, match=r"block programs of \[3, 9\] tokens over tp_degree=2"):
+        loaded_model("llama", tp_degree=2, **odd)

@@ -14,11 +14,12 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import attrs
-from returns.result import Result
+from returns.result import Result, Success
 
 from nxdi.core.config.fields import OnCpu, infos
 from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.errors import ConfigError, Problem, problems_result
+from nxdi.core.planning import block_programs, buckets
 
 Rule = Callable[[NeuronSpec], Iterator[Problem]]
 
@@ -225,7 +226,8 @@ def check_neuron_spec(spec: NeuronSpec) -> Result[NeuronSpec, ConfigError]:
 
 def check_cpu_support(spec: NeuronSpec) -> Result[NeuronSpec, ConfigError]:
     """Fail listing every setting the CPU engine does not implement yet (declared `OnCpu.REFUSED`)
-    that `spec` moves off its default, so nothing a user asks for is silently dropped."""
+    that `spec` moves off its default, so nothing a user asks for is silently dropped, and what the
+    block KV layout cannot run with at tp_degree > 1 (`_block_kv_with_ranks`)."""
     fields = attrs.fields_dict(NeuronSpec)
     problems = [
         Problem.of(
@@ -237,10 +239,35 @@ def check_cpu_support(spec: NeuronSpec) -> Result[NeuronSpec, ConfigError]:
         for name, info in infos(NeuronSpec).items()
         if info.cpu is OnCpu.REFUSED and getattr(spec, name) != fields[name].default
     ]
-    if spec.is_block_kv_layout and spec.tp_degree > 1:
-        why = f"runs with tp_degree=1 only on the CPU engine yet (tp_degree={spec.tp_degree})"
-        problems.append(Problem.of("is_block_kv_layout", True, why, "set tp_degree=1, or use the contiguous KV cache"))
+    problems.extend(_block_kv_with_ranks(spec))
     return problems_result(spec, problems)
+
+
+def _block_kv_with_ranks(spec: NeuronSpec) -> Iterator[Problem]:
+    """What the block KV layout cannot run with at tp_degree > 1 (every rank holds its KV heads of
+    every block; ranks run in rank processes on the cpu backend, or under torchrun):
+
+    - flash decoding, which splits a sequence's cache over ranks, where a block cache keeps every
+      position of a KV head on one rank;
+    - sequence parallelism over a block program whose token count tp_degree does not divide: the
+      automatic chunked-prefill chunks are multiples of kernel_q_tile_size, not context buckets,
+      which `nxdi.core.planning.partition.check_partition` checks (not repeated here).
+    """
+    tp = spec.tp_degree
+    if not spec.is_block_kv_layout or tp == 1:
+        return
+    if spec.flash_decoding_enabled:
+        why = f"splits each sequence's KV cache over ranks, which the block KV layout does not (tp_degree={tp})"
+        yield Problem.of("flash_decoding_enabled", True, why, "disable flash decoding, or use the contiguous KV cache")
+    plan, context = block_programs.block_plan(spec), buckets.context_table_for(spec)
+    if spec.sequence_parallel_enabled and isinstance(plan, Success):
+        checked = set(context.unwrap().lengths) if isinstance(context, Success) else set()
+        programs = plan.unwrap().keys()  # ProgramKeys, not a mapping
+        odd = sorted({k.tokens for k in programs if k.tokens > 1 and k.tokens % tp} - checked)
+        if odd:
+            why = f"cannot split the block programs of {odd} tokens over tp_degree={tp}"
+            fix = f"make the chunk lengths multiples of {tp} (kernel_q_tile_size or context_encoding_buckets), or disable sequence parallelism"
+            yield Problem.of("sequence_parallel_enabled", True, why, fix)
 
 
 def check_attention_chunking(spec: NeuronSpec, model_attributes: Mapping[str, Any]) -> Result[NeuronSpec, ConfigError]:

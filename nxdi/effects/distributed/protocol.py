@@ -8,6 +8,8 @@ and framed by `multiprocessing.connection` over the rank process's stdin and std
 - `Build`: make this rank's runtime, eagerly (`to_cpu`) or from a compiled folder (`load`); or,
   kind "spmd", every rank's runtime in the one process (the xla backend, `distributed.spmd`).
 - `Run`: one step of one program (its `ProgramKey`); every rank runs it, rank 0 returns the outputs.
+- `RunBlocks`: the same for a block-KV program (`is_block_kv_layout`), on every rank's whole block
+  cache (each rank holds its KV heads of every block).
 - `ResetCache`, `Close`.
 - `Probe`: the rank's counters (collective calls and time, memory), for benchmarks.
 
@@ -27,6 +29,7 @@ from torch import Tensor
 from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning.program_key import ProgramKey
+from nxdi.core.programs.block_kv import BlockInputs
 from nxdi.effects.backends.base import Backend
 
 
@@ -60,6 +63,22 @@ class Run:
     """The driver's random draws, so every rank samples alike."""
 
 
+@attrs.frozen(eq=False, kw_only=True)
+class RunBlocks:
+    """One block-KV step: every rank runs the program `key` on the same inputs and block tables."""
+
+    key: ProgramKey
+    inputs: tuple[Tensor, ...]
+    """input_ids, position_ids, last_index (which a block program ignores: each segment's output
+    token is `blocks.out_index`)."""
+    blocks: BlockInputs
+    """Where every token reads and writes in the block cache (the same blocks on every rank)."""
+    params: Tensor
+    """[B*R, 3] sampling parameters, one row per segment."""
+    uniforms: Tensor
+    """[B*R] the driver's random draws, so every rank samples alike."""
+
+
 @attrs.frozen(kw_only=True)
 class ResetCache:
     """Zero the KV cache."""
@@ -77,7 +96,7 @@ class Probe:
     reset: bool = False
 
 
-Request = Build | Run | ResetCache | Close | Probe
+Request = Build | Run | RunBlocks | ResetCache | Close | Probe
 
 
 @attrs.frozen(kw_only=True)

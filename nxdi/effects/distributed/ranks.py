@@ -13,8 +13,9 @@ Theory of operation:
   every rank (their pipes close, then any straggler is killed), and a rank dies with its driver
   even when the driver is killed (see the worker).
 - `start(...)` builds a model's runtime in every rank and returns a `RemoteRuntime`: the Runtime
-  calls the shell makes (run a step, reset the cache, reseed), forwarded to every rank. The driver
-  draws the sampling randomness once, so every rank samples alike, and gets the outputs from rank 0.
+  calls the shell makes (run a step or a block-KV step, reset the cache, reseed), forwarded to
+  every rank. The driver draws the sampling randomness once, so every rank samples alike, and gets
+  the outputs from rank 0.
   A Build of kind "spmd" (the xla backend) starts one process that runs every rank itself.
 """
 
@@ -38,6 +39,7 @@ from returns.result import Failure, Result, Success
 from torch import Tensor
 
 from nxdi.core.planning.program_key import ProgramKey
+from nxdi.core.programs.block_kv import BlockInputs
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.effects.distributed import host_world, protocol
 from nxdi.effects.distributed.errors import RankError
@@ -242,6 +244,35 @@ class RemoteRuntime:
         """One step on every rank (see `Runtime.run`); the outputs come from rank 0."""
         draws = self.random.draw(x.input_ids.shape[0]) if uniforms is None else uniforms
         request = protocol.Run(key=key, inputs=x.to_tensors(), rows=rows, params=params, uniforms=draws)
+        outputs: tuple[Tensor | None, Tensor | None] = self._call(request)
+        return outputs
+
+    def run_blocks(
+        self,
+        key: ProgramKey,
+        x: StepInputs,
+        blocks: BlockInputs,
+        *,
+        params: Tensor,
+        uniforms: Tensor | None = None,
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """One block-KV step on every rank, each on its KV heads of the whole block cache (see
+        `Runtime.run_blocks`); the outputs come from rank 0.
+
+        Args:
+            x: inputs [B, S] (B = `key.batch`, S = `key.tokens`).
+            blocks: slots, block tables, prefixes, segments and output tokens of the rows.
+            params: [B*R, 3] sampling parameters, one row per segment; `uniforms` [B*R] likewise
+                (default: drawn here once, so every rank samples alike).
+
+        Returns:
+            logits [B, R, V] fp32 or None, tokens [B*R] or None.
+
+        Raises:
+            RankError: a rank died, hung or failed (every rank process is then stopped).
+        """
+        draws = self.random.draw(params.shape[0]) if uniforms is None else uniforms
+        request = protocol.RunBlocks(key=key, inputs=x.to_tensors(), blocks=blocks, params=params, uniforms=draws)
         outputs: tuple[Tensor | None, Tensor | None] = self._call(request)
         return outputs
 

@@ -87,6 +87,18 @@ class _Rank:
                     uniforms=request.uniforms,
                 )
                 return protocol.Reply(ok=True, value=outs if self.rank == 0 else None)
+            case protocol.RunBlocks():
+                assert self.runtime is not None, "a rank runs only after it is built"
+                ids, positions, last = request.inputs
+                x = StepInputs(input_ids=ids, position_ids=positions, last_index=last)
+                outs = self.runtime.run_blocks(
+                    request.key,
+                    x,
+                    request.blocks,
+                    params=request.params,
+                    uniforms=request.uniforms,
+                )
+                return protocol.Reply(ok=True, value=outs if self.rank == 0 else None)
             case protocol.ResetCache():
                 assert self.runtime is not None
                 self.runtime.reset_cache()
