@@ -25,7 +25,8 @@ def test_a_decode_predicts_its_tokens_one_position_further_on_the_same_rows() ->
     assert nxt["input_ids"].tolist() == [[9], [4]] and nxt["input_ids"].dtype == torch.int64
     assert nxt["position_ids"].tolist() == [[4], [8]]
     assert nxt["attention_mask"].shape == (2, 5) and bool(nxt["attention_mask"][:, -1].eq(1).all())
-    assert nxt["seq_ids"] is call["seq_ids"] and nxt["sampling_params"] is params
+    assert torch.equal(nxt["seq_ids"], call["seq_ids"]) and torch.equal(nxt["sampling_params"], params)
+    assert nxt["seq_ids"] is not call["seq_ids"], "a copy: the caller may reuse its buffers"
 
 
 def test_calls_that_are_not_one_token_decodes_are_not_predicted() -> None:
@@ -46,7 +47,7 @@ def test_block_slots_move_to_the_next_slot_of_the_same_block_only() -> None:
     nxt = next_decode(call, T([9, 4]), max_length=64, block_size=4)
     assert nxt is not None
     assert nxt["slot_mapping"].tolist() == [[14], [-1]], "padding (-1) stays"
-    assert nxt["full_context_lens"].tolist() == [[5], [9]] and nxt["block_table"] is call["block_table"]
+    assert nxt["full_context_lens"].tolist() == [[5], [9]] and torch.equal(nxt["block_table"], call["block_table"])
     at_block_end = _decode(slot_mapping=T([[15], [2]]), block_table=T([[3, 1], [0, 0]]))
     assert next_decode(at_block_end, T([9, 4]), max_length=64, block_size=4) is None
 

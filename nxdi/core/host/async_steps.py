@@ -46,7 +46,8 @@ def next_decode(
 
     Returns:
         `call` with input_ids = tokens (in input_ids' shape and dtype), position_ids + 1, one more
-        mask column, slot_mapping + 1 and the context lens + 1 (where given); everything else as is.
+        mask column, slot_mapping + 1 and the context lens + 1 (where given); everything else as is
+        (every tensor a copy).
     """
     ids, pos = _long(call.get("input_ids")), _long(call.get("position_ids"))
     if tokens is None or ids is None or pos is None or ids.dim() != 2 or ids.numel() == 0:
@@ -64,8 +65,11 @@ def next_decode(
     elif ids.shape[1] != 1:
         return None
     given_ids = call["input_ids"]
-    out = dict(call)
-    out["input_ids"] = tokens.reshape(ids.shape).to(given_ids.dtype if isinstance(given_ids, Tensor) else torch.int64)
+    # Copies: the step runs on another thread while the caller may reuse its buffers or edit the
+    # tokens it was given, and the prediction must stay what the step ran on.
+    out = {name: value.clone() if isinstance(value, Tensor) else value for name, value in call.items()}
+    ids_dtype = given_ids.dtype if isinstance(given_ids, Tensor) else torch.int64
+    out["input_ids"] = tokens.reshape(ids.shape).to(ids_dtype, copy=True)
     out["position_ids"] = _as_tensor(call["position_ids"]) + 1
     mask = call.get("attention_mask")
     if mask is not None:
