@@ -1,0 +1,109 @@
+"""Properties of nxdi.core.host.quant.weights: round-trip error bounds, scale shapes, refusals."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from returns.result import Failure, Success
+
+from nxdi.core.host.quant import weights
+from nxdi.core.host.quant.weights import QuantDtype, QuantScheme, QuantType
+
+DIVISORS = [1, 2, 4, 8, 16]
+
+
+@st.composite
+def weights_2d(draw: st.DrawFn) -> torch.Tensor:
+    rows, cols = draw(st.sampled_from(DIVISORS)) * 2, draw(st.sampled_from(DIVISORS)) * 2
+    seed = draw(st.integers(0, 2**16))
+    magnitude = draw(st.sampled_from([1e-3, 1.0, 1e3]))
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * magnitude
+    if draw(st.booleans()):
+        w[0] = 0.0  # an all-zero row: per-channel and row blocks must not divide by zero
+    return w
+
+
+@st.composite
+def schemes_for(draw: st.DrawFn, shape: tuple[int, int], dtype: QuantDtype) -> QuantScheme:
+    qtype = draw(st.sampled_from(QuantType))
+    if qtype is not QuantType.BLOCKWISE_SYMMETRIC:
+        return QuantScheme(type=qtype, dtype=dtype)
+    axes = draw(st.sampled_from([(0,), (1,), (0, 1), (-1,)]))
+    sizes = tuple(draw(st.sampled_from([d for d in DIVISORS if shape[a] % d == 0])) for a in axes)
+    return QuantScheme(type=qtype, dtype=dtype, block_axis=axes, block_size=sizes)
+
+
+def _ok(w: torch.Tensor, s: QuantScheme) -> weights.QuantizedTensor:
+    result = weights.quantize(w, s)
+    assert isinstance(result, Success), result
+    return result.unwrap()
+
+
+@settings(deadline=None)
+@given(data=st.data(), w=weights_2d())
+def test_int8_round_trip_within_half_a_scale(data: st.DataObject, w: torch.Tensor) -> None:
+    s = data.draw(schemes_for(tuple(w.shape), QuantDtype.INT8))
+    q = _ok(w, s)
+    err = (weights.dequantize(q, s) - w).abs()
+    scale = weights.scale_per_element(q)
+    # Round to nearest: |x - round(x)| <= 1/2 in quantized units; the slack covers float32 rounding.
+    assert torch.all(err <= scale * (0.5 + 1e-4))
+
+
+@settings(deadline=None)
+@given(data=st.data(), w=weights_2d(), dtype=st.sampled_from([QuantDtype.F8E4M3, QuantDtype.F8E5M2]))
+def test_fp8_round_trip_within_derived_bound(data: st.DataObject, w: torch.Tensor, dtype: QuantDtype) -> None:
+    s = data.draw(schemes_for(tuple(w.shape), dtype))
+    q = _ok(w, s)
+    err = (weights.dequantize(q, s) - w).abs()
+    assert torch.all(err <= weights.fp8_error_bound(w, weights.scale_per_element(q), dtype))
+
+
+@settings(deadline=None)
+@given(data=st.data(), w=weights_2d(), dtype=st.sampled_from(QuantDtype))
+def test_scale_shape_and_values_range(data: st.DataObject, w: torch.Tensor, dtype: QuantDtype) -> None:
+    s = data.draw(schemes_for(tuple(w.shape), dtype))
+    q = _ok(w, s)
+    assert weights.scale_shape_for(s, w.shape) == Success(tuple(q.scale.shape))
+    assert q.values.shape == w.shape and q.values.dtype == dtype.torch_dtype
+    assert torch.all(q.scale > 0) and torch.all(torch.isfinite(q.scale))
+    assert q.values.float().abs().max() <= max(128.0, s.divisor)
+    # The largest element reaches the top of the range (the scale is tight), unless the scale floor
+    # (fp8: 1e-5, as NxD) lifted the scale: then max|w| < divisor * 1e-5 maps below the top.
+    if s.type is QuantType.PER_TENSOR_SYMMETRIC and w.abs().max() / s.divisor > 1e-5:
+        assert q.values.float().abs().max() >= s.divisor - 1
+
+
+@settings(deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    cols=st.integers(1, 40),
+    size=st.integers(2, 9),
+    axis=st.sampled_from([0, 1]),
+)
+def test_non_dividing_block_refused(rows: int, cols: int, size: int, axis: int) -> None:
+    s = QuantScheme(type=QuantType.BLOCKWISE_SYMMETRIC, dtype=QuantDtype.F8E4M3, block_axis=(axis,), block_size=(size,))
+    result = weights.quantize(torch.ones(rows, cols), s, name="w.up_proj.weight")
+    if (rows, cols)[axis] % size == 0:
+        assert isinstance(result, Success)
+    else:
+        assert isinstance(result, Failure)
+        assert [p.field for p in result.failure().problems] == ["w.up_proj.weight"]
+
+
+@settings(deadline=None)
+@given(data=st.data(), w=weights_2d(), dtype=st.sampled_from(QuantDtype))
+def test_zero_tensor_is_exact(data: st.DataObject, w: torch.Tensor, dtype: QuantDtype) -> None:
+    s = data.draw(schemes_for(tuple(w.shape), dtype))
+    z = torch.zeros_like(w)
+    assert torch.equal(weights.dequantize(_ok(z, s), s), z)
+
+
+@settings(deadline=None)
+@given(data=st.data(), w=weights_2d(), dtype=st.sampled_from(QuantDtype))
+def test_quantize_is_idempotent_on_dequantized(data: st.DataObject, w: torch.Tensor, dtype: QuantDtype) -> None:
+    s = data.draw(schemes_for(tuple(w.shape), dtype))
+    once = weights.dequantize(_ok(w, s), s)
+    twice = weights.dequantize(_ok(once, s), s)
+    torch.testing.assert_close(twice, once, rtol=0.07, atol=1e-6)
