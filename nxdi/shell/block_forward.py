@@ -17,10 +17,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from returns.result import Failure
 from torch import Tensor
 
 from nxdi.core.config.neuron_spec import Phase
-from nxdi.core.host import block_inputs
+from nxdi.core.errors import ConfigError
+from nxdi.core.host import block_inputs, forward_inputs
 from nxdi.core.host.block_inputs import BlockLimits, Segments
 from nxdi.core.planning.block_programs import BlockPlan
 from nxdi.shell.exceptions import IncompatibleConfigError, unwrap
@@ -28,11 +30,18 @@ from nxdi.shell.exceptions import IncompatibleConfigError, unwrap
 _REQUIRED = ("slot_mapping", "block_table")
 
 
-def _as_long(name: str, value: Any) -> Tensor:
-    t = value if isinstance(value, Tensor) else torch.as_tensor(value)
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise IncompatibleConfigError(f"{name}={t.dtype}: must hold integers; pass torch.long tensors")
-    return t.to(torch.int64)
+def _integers(**named: Any) -> dict[str, Tensor | None]:
+    """Each given argument as int64 (None stays None); every one that is not integers is refused
+    at once, naming it (`forward_inputs.as_integers`)."""
+    out: dict[str, Tensor | None] = {}
+    problems = []
+    for name, value in named.items():
+        t, found = (None, []) if value is None else forward_inputs.as_integers(name, value)
+        out[name] = t
+        problems += found
+    if problems:
+        unwrap(Failure(ConfigError(problems=tuple(problems))), "Invalid forward() inputs")
+    return out
 
 
 def run(
@@ -65,16 +74,24 @@ def run(
             f"forward() with is_block_kv_layout=True needs {' and '.join(missing)}: the serving client's "
             "block manager says where each sequence lives (see the serving docs)"
         )
-    assert slot_mapping is not None and block_table is not None
-    ids = _as_long("input_ids", input_ids)
+    given = _integers(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        slot_mapping=slot_mapping,
+        block_table=block_table,
+        full_context_lens=full_context_lens,
+        computed_context_lens=computed_context_lens,
+    )
+    ids, slots, table = given["input_ids"], given["slot_mapping"], given["block_table"]
+    assert ids is not None and slots is not None and table is not None  # given, so converted
     ids = ids[None] if ids.dim() == 1 else ids
-    if position_ids is None:
-        mask = torch.ones_like(ids) if attention_mask is None else _as_long("attention_mask", attention_mask)
-        position_ids = (mask.cumsum(1) - 1).clamp(min=0)
-    positions = _as_long("position_ids", position_ids).reshape(ids.shape)
-    slots, table = _as_long("slot_mapping", slot_mapping), _as_long("block_table", block_table)
-    full = None if full_context_lens is None else _as_long("full_context_lens", full_context_lens)
-    computed = None if computed_context_lens is None else _as_long("computed_context_lens", computed_context_lens)
+    positions = given["position_ids"]
+    if positions is None:
+        mask = given["attention_mask"]
+        positions = ((torch.ones_like(ids) if mask is None else mask).cumsum(1) - 1).clamp(min=0)
+    positions = positions.reshape(ids.shape)
+    full, computed = given["full_context_lens"], given["computed_context_lens"]
     spec = model.spec
     limits = BlockLimits(
         num_blocks=spec.pa_num_blocks,

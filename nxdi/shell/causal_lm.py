@@ -113,10 +113,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         super().set_seed(seed)
 
     def close(self) -> None:
-        if getattr(self, "_async", None) is not None:
-            assert self._async is not None
-            self._async.close()
-            self._async = None
+        pipelined, self._async = getattr(self, "_async", None), None  # close() may run from a failed __init__
+        if pipelined is not None:
+            pipelined.close()
         super().close()
 
     @property
@@ -225,34 +224,15 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         return self._async(call)
 
     def _forward_now(self, call: dict[str, Any]) -> CausalLMOutput:
-        """One synchronous forward() call (arguments as `forward` names them)."""
-        return self._forward(**call)
-
-    def _forward(
-        self,
-        input_ids: Tensor | None,
-        seq_ids: Tensor | None,
-        attention_mask: Tensor | None,
-        position_ids: Tensor | None,
-        sampling_params: Tensor | None,
-        prev_hidden: Tensor | None,
-        adapter_ids: Tensor | None,
-        slot_mapping: Tensor | None,
-        block_table: Tensor | None,
-        full_context_lens: Tensor | None,
-        computed_context_lens: Tensor | None,
-    ) -> CausalLMOutput:
-        if input_ids is None:
+        """One synchronous forward() call (`call`: the arguments as `forward` names them)."""
+        if call["input_ids"] is None:
             raise TypeError("forward() needs input_ids")
-        if prev_hidden is not None or adapter_ids is not None:
-            what = "prev_hidden (speculation)" if prev_hidden is not None else "adapter_ids (multi-LoRA serving)"
+        if call["prev_hidden"] is not None or call["adapter_ids"] is not None:
+            what = (
+                "prev_hidden (speculation)" if call["prev_hidden"] is not None else "adapter_ids (multi-LoRA serving)"
+            )
             raise IncompatibleConfigError(f"forward() got {what}, which this engine does not run yet; pass None")
-        block_args = {
-            "slot_mapping": slot_mapping,
-            "block_table": block_table,
-            "full_context_lens": full_context_lens,
-            "computed_context_lens": computed_context_lens,
-        }
+        block_args = {name: call[name] for name in _BLOCK_ARGS}
         runtime = self._require_runtime()
         if self.spec.is_block_kv_layout:
             plan = self._block_plan()
@@ -260,10 +240,10 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                 self,
                 runtime,
                 plan,
-                input_ids=input_ids,
-                position_ids=position_ids,
-                attention_mask=attention_mask,
-                sampling_params=sampling_params,
+                input_ids=call["input_ids"],
+                position_ids=call["position_ids"],
+                attention_mask=call["attention_mask"],
+                sampling_params=call["sampling_params"],
                 **block_args,
             )
             self._blocks_used = True
@@ -273,18 +253,24 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             raise IncompatibleConfigError(
                 f"forward() got {', '.join(passed)}, which only a block KV cache uses: set is_block_kv_layout=True"
             )
-        call = unwrap(
+        checked = unwrap(
             forward_inputs.check_forward_inputs(
-                input_ids, attention_mask, position_ids, seq_ids, limits=self._limits(), cached=self._cached
+                call["input_ids"],
+                call["attention_mask"],
+                call["position_ids"],
+                call["seq_ids"],
+                limits=self._limits(),
+                cached=self._cached,
             ),
             "Invalid forward() inputs",
         )
-        params = self._sampling_rows(sampling_params, call.input_ids.shape[0])
-        if call.phase is Phase.CONTEXT:
-            logits, tokens = self._context(runtime, call.input_ids, call.attention_mask, call.cache_rows, params)
+        ids, rows = checked.input_ids, checked.cache_rows
+        params = self._sampling_rows(call["sampling_params"], ids.shape[0])
+        if checked.phase is Phase.CONTEXT:
+            logits, tokens = self._context(runtime, ids, checked.attention_mask, rows, params)
         else:
-            logits, tokens = self._token(runtime, call.input_ids, call.position_ids, call.cache_rows, params)
-        for row, held in call.cached_after(self.context_capacity).items():
+            logits, tokens = self._token(runtime, ids, checked.position_ids, rows, params)
+        for row, held in checked.cached_after(self.context_capacity).items():
             self._cached[row] = held
         return self._output(logits, tokens)
 
@@ -403,6 +389,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                 tokens_out.append((chunk.user_rows, tokens.index_select(0, take)))
         return _gather(logits_out, len(rows)), _gather(tokens_out, len(rows))
 
+
+_BLOCK_ARGS = ("slot_mapping", "block_table", "full_context_lens", "computed_context_lens")
+"""forward()'s block-KV arguments (used only with is_block_kv_layout)."""
 
 _IGNORED = frozenset({"use_cache", "output_attentions", "output_hidden_states", "return_dict", "past_key_values"})
 

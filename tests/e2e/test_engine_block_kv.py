@@ -107,6 +107,13 @@ def test_block_arguments_are_checked(loaded_model: Callable[..., Any]) -> None:
             block_table=torch.tensor([[100]]),
         )
     plain = loaded_model("llama", batch_size=1)
+    with pytest.raises(IncompatibleConfigError, match=r"slot_mapping='torch.float32'.*\n.*block_table='torch.bool'"):
+        model.forward(  # every argument that is not integers, named at once
+            torch.tensor([[5, 6]]),
+            position_ids=torch.arange(2)[None],
+            slot_mapping=torch.tensor([[4.0, 5.0]]),
+            block_table=torch.tensor([[True]]),
+        )
     with pytest.raises(IncompatibleConfigError, match="set is_block_kv_layout=True"):
         plain.forward(torch.tensor([[5, 6]]), slot_mapping=torch.tensor([[0, 1]]))
 

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nxdi.core.host.forward_inputs import as_integers
+
 Call = Mapping[str, Any]
 """forward()'s named arguments: `input_ids`, `position_ids`, `attention_mask`, `seq_ids`,
 `sampling_params` and the block arguments, each a tensor (or tensor-like) or None."""
@@ -110,10 +112,5 @@ def _as_tensor(value: Any) -> Tensor:
 
 
 def _long(value: Any) -> Tensor | None:
-    """`value` as int64 (None when absent or not integer-valued: such a call is never predicted)."""
-    if value is None:
-        return None
-    t = _as_tensor(value)
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        return None
-    return t.to(torch.int64)
+    """`value` as int64 (None when absent or not integers: such a call is never predicted)."""
+    return None if value is None else as_integers("", value)[0]

@@ -97,8 +97,9 @@ def _entries(where: Tensor) -> list[tuple[int, ...]]:
     return [tuple(i) for i in where.nonzero().tolist()[:_SHOWN]]
 
 
-def _integers(name: str, value: object) -> tuple[Tensor | None, list[Problem]]:
-    """`value` as an int64 tensor, or the problem of a non-integer one."""
+def as_integers(name: str, value: object) -> tuple[Tensor | None, list[Problem]]:
+    """`value` as an int64 tensor, or (None and) the problem of a value that is not integers: floats,
+    bools and complex values would be truncated silently."""
     fix = "pass integer tensors (torch.long)"
     try:
         t = value if isinstance(value, Tensor) else torch.as_tensor(value)
@@ -202,16 +203,16 @@ def check_forward_inputs(
     Returns:
         The checked inputs, or a ConfigError listing every problem (field, value, why, fix).
     """
-    ids, problems = _integers("input_ids", input_ids)
+    ids, problems = as_integers("input_ids", input_ids)
     mask = positions = rows = None
     if attention_mask is not None:
-        mask, found = _integers("attention_mask", attention_mask)
+        mask, found = as_integers("attention_mask", attention_mask)
         problems += found
     if position_ids is not None:
-        positions, found = _integers("position_ids", position_ids)
+        positions, found = as_integers("position_ids", position_ids)
         problems += found
     if seq_ids is not None:
-        rows, found = _integers("seq_ids", seq_ids)
+        rows, found = as_integers("seq_ids", seq_ids)
         problems += found
     if ids is not None:
         if ids.dim() == 1:
