@@ -41,6 +41,59 @@ IGNORED_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
 """Checkpoint keys ending so are derived buffers some old checkpoints carry; they are skipped."""
 CAST_TYPES = ("config", "as-declared")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+SCALE_SUFFIX = ".scale"
+"""A quantized linear's scale sits at `<slot>.scale` in a program's slots."""
+QUANT_TYPES = ("per_tensor_symmetric", "per_channel_symmetric", "blockwise_symmetric")
+
+
+def scale_name(name: str) -> str:
+    """The scale of a quantized weight: `a.b.weight` -> `a.b.scale` (NxD's key layout)."""
+    return name.removesuffix("weight") + "scale"
+
+
+def module_of(name: str) -> str:
+    """`layers.0.mlp.up_proj.weight` -> `layers.0.mlp.up_proj`: what `modules_to_not_convert` matches."""
+    return name.removesuffix(".weight")
+
+
+@attrs.frozen(kw_only=True)
+class WeightQuant:
+    """How a quantized checkpoint stores its linear weights (`NeuronConfig(quantized=True, ...)`)."""
+
+    type: str = attrs.field(default="per_tensor_symmetric", validator=attrs.validators.in_(QUANT_TYPES))
+    """`quantization_type`."""
+    dtype: str = "int8"
+    """`quantization_dtype` of the stored values."""
+    block_axis: tuple[int, ...] = ()
+    block_size: tuple[int, ...] = ()
+    """Blockwise only: block length along each of `block_axis`."""
+    skip: tuple[str, ...] = ()
+    """`modules_to_not_convert`: substrings of module paths kept in float."""
+    scale_dtype: str = attrs.field(default="float32", validator=attrs.validators.in_(FLOAT_DTYPES))
+    """What the program holds scales in (`quantization_scale_dtype`), whatever the checkpoint stores."""
+
+    def excludes(self, name: str) -> bool:
+        """True when `modules_to_not_convert` keeps the linear `name` (a `.weight` key) in float."""
+        return any(pattern in module_of(name) for pattern in self.skip)
+
+    def block(self) -> tuple[int, int]:
+        """(rows, columns) per scale block of a [out, in] weight; 1 for an axis not blocked."""
+        sizes = [1, 1]
+        for axis, size in zip(self.block_axis, self.block_size, strict=True):
+            sizes[axis % 2] = size
+        return sizes[0], sizes[1]
+
+    def scale_shape(self, shape: Shape, name: str) -> Result[Shape, Problem]:
+        """The stored scale shape of a [out, in] weight: [1], [out, 1] or the block grid."""
+        if self.type == "per_tensor_symmetric":
+            return Success((1,))
+        if self.type == "per_channel_symmetric":
+            return Success((shape[0], 1))
+        rows, cols = self.block()
+        if shape[0] % rows or shape[1] % cols:
+            why = f"has shape {shape}, which blocks of {rows} x {cols} do not tile"
+            return Failure(Problem.of(name, shape, why, "choose a quantization_block_size that divides it"))
+        return Success((shape[0] // rows, shape[1] // cols))
 
 
 def dims(spec: ModelSpec) -> Mapping[str, int]:
@@ -79,6 +132,8 @@ class Weight:
     """One source (copied) or several (concatenated along dim 0)."""
     when: str | None = None
     """The ModelSpec flag it exists under (`qkv_bias`, ...); None: always."""
+    linear: bool = False
+    """A linear layer's [out, in] weight: what `quantized=True` stores as int8/fp8 values plus scales."""
 
     def exists(self, spec: ModelSpec) -> bool:
         return self.when is None or bool(getattr(spec, self.when))
@@ -94,14 +149,17 @@ class Weight:
         return (sum(s[0] for s in shapes), *shapes[0][1:])
 
 
-def copy(slot: str, name: str, shape: tuple[str, ...], *, when: str | None = None) -> Weight:
+def copy(slot: str, name: str, shape: tuple[str, ...], *, when: str | None = None, linear: bool = False) -> Weight:
     """A weight copied from the checkpoint tensor of the same name."""
-    return Weight(slot=slot, name=name, sources=(Source(name=name, shape=shape),), when=when)
+    return Weight(slot=slot, name=name, sources=(Source(name=name, shape=shape),), when=when, linear=linear)
 
 
-def fused(slot: str, name: str, *sources: tuple[str, tuple[str, ...]], when: str | None = None) -> Weight:
+def fused(
+    slot: str, name: str, *sources: tuple[str, tuple[str, ...]], when: str | None = None, linear: bool = False
+) -> Weight:
     """A weight concatenated along dim 0 from several checkpoint tensors, given as (name, shape)."""
-    return Weight(slot=slot, name=name, sources=tuple(Source(name=n, shape=s) for n, s in sources), when=when)
+    parts = tuple(Source(name=n, shape=s) for n, s in sources)
+    return Weight(slot=slot, name=name, sources=parts, when=when, linear=linear)
 
 
 @attrs.frozen(kw_only=True)
@@ -140,8 +198,12 @@ class WeightTable:
         return tuple(name for name, _, _ in self.entries(spec))
 
     def slots(self, tensors: Mapping[str, object], spec: ModelSpec) -> dict[str, object]:
-        """Slot path -> value for the named values given (a tied slot missing from `tensors` is aliased)."""
+        """Slot path -> value for the named values given (a tied slot missing from `tensors` is aliased).
+        A quantized linear's scale (`scale_name(name)`) goes to `<slot>.scale`."""
         out = {slot: tensors[name] for name, slot, _ in self.entries(spec) if name in tensors}
+        out |= {
+            slot + SCALE_SUFFIX: tensors[scale_name(n)] for n, slot, _ in self.entries(spec) if scale_name(n) in tensors
+        }
         slot, target = self.tied
         if spec.tie_word_embeddings and slot not in out and target in out:
             out[slot] = out[target]
@@ -160,6 +222,17 @@ class Combine(enum.Enum):
 
 
 @attrs.frozen(kw_only=True)
+class Rows:
+    """Flatten to one dimension (a quantized linear's scale: one value per output row)."""
+
+    def out_shape(self, shape: Shape) -> Shape:
+        n = 1
+        for d in shape:
+            n *= d
+        return (n,)
+
+
+@attrs.frozen(kw_only=True)
 class CastFloat:
     """Cast floating-point tensors (float8 excepted) to `dtype`; integer tensors pass unchanged."""
 
@@ -169,7 +242,7 @@ class CastFloat:
         return shape
 
 
-Transform = CastFloat
+Transform = CastFloat | Rows
 """The transforms a step applies to its combined weight, in order."""
 
 
@@ -208,6 +281,8 @@ class WeightStep:
     takes: tuple[Take | None, ...] = ()
     """Per source, the slice of it this rank holds (empty, or None for a source: all of it)."""
     transforms: tuple[Transform, ...] = ()
+    quantized: bool = False
+    """Its sources are stored quantized (int8/fp8 values, read as stored; `scale_name(name)` holds the scales)."""
 
     def take(self, i: int) -> Take | None:
         """The slice of source `i` this step reads (None: all of it)."""
@@ -238,6 +313,8 @@ class WeightPlan:
     """nxdi names stored outside the base model (no model prefix in the checkpoint)."""
     optional: frozenset[str] = frozenset()
     """Renamed keys that may be present and are not used (an explicit `lm_head.weight` when tied)."""
+    quant: WeightQuant | None = None
+    """How its quantized steps are stored (None: a float checkpoint)."""
 
     def names(self) -> tuple[str, ...]:
         """The weights produced, in order."""
@@ -281,6 +358,50 @@ def _step(name: str, weight: Weight, *, prefix: str, spec: ModelSpec, casts: tup
     )
 
 
+def _quantized_steps(
+    name: str, weight: Weight, *, prefix: str, spec: ModelSpec, quant: WeightQuant, problems: list[Problem]
+) -> tuple[WeightStep, ...]:
+    """The values step and the scale step of a quantized linear; () when it stays in float.
+
+    Scales are read as stored and cast to `quant.scale_dtype`; per-tensor and per-channel scales become one value
+    per output row (`Rows`; a per-tensor scale is repeated over its source's rows by a Take), so a
+    fused weight whose sources have different per-tensor scales is still one weight.
+    """
+    sources = tuple(prefix + s.name for s in weight.sources)
+    kept = [s for s in sources if quant.excludes(s)]
+    if len(kept) == len(sources):
+        return ()
+    if kept:
+        why = f"keeps {kept} in float but not the rest of {list(sources)}, which nxdi fuses into {name}"
+        problems.append(Problem.of("modules_to_not_convert", list(quant.skip), why, "list all of them or none"))
+        return ()
+    shapes = weight.source_shapes(spec)
+    scale_shapes = []
+    for source, shape in zip(sources, shapes, strict=True):
+        match quant.scale_shape(shape, source):
+            case Success(scale_shape):
+                scale_shapes.append(scale_shape)
+            case Failure(problem):
+                problems.append(problem)
+    if len(scale_shapes) != len(sources):
+        return ()
+    combine = Combine.CONCAT if len(sources) > 1 else Combine.COPY
+    blockwise = quant.type == "blockwise_symmetric"
+    takes = tuple(Take(dim=0, indices=(0,) * s[0]) for s in shapes) if quant.type == "per_tensor_symmetric" else ()
+    rows: tuple[Transform, ...] = () if blockwise else (Rows(),)
+    return (
+        WeightStep(name=name, sources=sources, source_shapes=shapes, combine=combine, quantized=True),
+        WeightStep(
+            name=scale_name(name),
+            sources=tuple(scale_name(s) for s in sources),
+            source_shapes=tuple(scale_shapes),
+            combine=combine,
+            takes=takes,
+            transforms=(*rows, CastFloat(dtype=quant.scale_dtype)),
+        ),
+    )
+
+
 def weight_plan_for(
     table: WeightTable,
     spec: ModelSpec,
@@ -289,6 +410,7 @@ def weight_plan_for(
     torch_dtype: str = "float32",
     model_prefix: str = STATE_DICT_MODEL_PREFIX,
     new_prefix: str = NEW_STATE_DICT_MODEL_PREFIX,
+    quant: WeightQuant | None = None,
 ) -> Result[WeightPlan, ConfigError]:
     """The plan that reads a Hugging Face checkpoint of `spec` into the weights of `table`'s program.
 
@@ -299,12 +421,15 @@ def weight_plan_for(
             `"as-declared"` keeps the checkpoint's dtypes.
         torch_dtype: the compute dtype name (`"bfloat16"`, ...).
         model_prefix, new_prefix: NxDI's `_STATE_DICT_MODEL_PREFIX` / `_NEW_STATE_DICT_MODEL_PREFIX`.
+        quant: read the table's linear weights quantized (values as stored plus `scale_name` scales),
+            except those `quant.skip` keeps in float; a quantized lm_head is read, not tied.
 
     Returns:
         `Success(WeightPlan)`, or `Failure(ConfigError)` naming every problem: an unknown `cast_type`,
-        or a `torch_dtype` the cast cannot produce.
+        a `torch_dtype` the cast cannot produce, blocks that do not tile a weight, or
+        modules_to_not_convert keeping only part of a fused weight in float.
     """
-    problems = []
+    problems: list[Problem] = []
     if cast_type not in CAST_TYPES:
         problems.append(Problem.of("cast_type", cast_type, "must be one of config, as-declared"))
     if cast_type == "config" and torch_dtype not in FLOAT_DTYPES:
@@ -314,24 +439,34 @@ def weight_plan_for(
     casts: tuple[Transform, ...] = (CastFloat(dtype=torch_dtype),) if cast_type == "config" else ()
     by_slot = {slot: name for name, slot, _ in table.entries(spec)}
     tied_slot, target = table.tied
-    steps = []
+    steps: list[WeightStep] = []
+    untied: set[str] = set()
     for name, slot, weight in table.entries(spec):
+        prefix = name[: len(name) - len(weight.name)]
+        if quant is not None and weight.linear:
+            quantized = _quantized_steps(name, weight, prefix=prefix, spec=spec, quant=quant, problems=problems)
+            if quantized:
+                steps.extend(quantized)
+                untied.add(slot)
+                continue
         if spec.tie_word_embeddings and slot == tied_slot:
             shape = weight.shape(spec)
             steps.append(
                 WeightStep(name=name, sources=(by_slot[target],), source_shapes=(shape,), combine=Combine.ALIAS)
             )
             continue
-        prefix = name[: len(name) - len(weight.name)]
         steps.append(_step(name, weight, prefix=prefix, spec=spec, casts=casts))
-    optional = frozenset({by_slot[tied_slot]}) if spec.tie_word_embeddings else frozenset()
+    if problems:
+        return Failure(ConfigError(problems=tuple(problems)))
+    tied = spec.tie_word_embeddings and tied_slot not in untied
     return Success(
         WeightPlan(
             steps=tuple(steps),
             model_prefix=model_prefix,
             new_prefix=new_prefix,
             unprefixed=table.unprefixed,
-            optional=optional,
+            optional=frozenset({by_slot[tied_slot]}) if tied else frozenset(),
+            quant=quant,
         )
     )
 
@@ -374,7 +509,8 @@ def check_checkpoint(plan: WeightPlan, shapes: Mapping[str, Shape]) -> Result[Ma
         if name not in names:
             key = _stored_key(plan, name, prefixed=prefixed)
             problems.append(Problem.missing(key, f"the checkpoint lacks nxdi weight {name!r}"))
-        elif (got := tuple(shapes[names[name]])) != tuple(shape):
+        # NxD's fp8 per-tensor saver writes a 0-d scale where its loader (and this plan) expect [1].
+        elif (got := tuple(shapes[names[name]])) != tuple(shape) and not (got == () and tuple(shape) == (1,)):
             problems.append(Problem.of(names[name], got, f"has shape {got}, expected {shape}", "check config.json"))
     for name, key in names.items():
         if name not in expected and name not in plan.optional and not name.endswith(IGNORED_SUFFIXES):

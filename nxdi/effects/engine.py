@@ -188,7 +188,8 @@ class EngineModel:
         return tuple(s.name for s in self.weight_plan(plan).steps if s.combine is not Combine.ALIAS)
 
     def cache_dtype(self) -> torch.dtype:
-        return weight_ops.torch_dtype(self.spec.attention_dtype or self.spec.torch_dtype)
+        """The KV cache's storage dtype (`NeuronSpec.kv_dtype`): float8 with KV-cache quantization."""
+        return weight_ops.torch_dtype(self.spec.kv_dtype)
 
     def empty_cache(self, *, length: int, batch: int | None = None, device: torch.device | None = None) -> KVCache:
         """A zero KV cache of this rank's kv heads and its share of `length` positions (all of them

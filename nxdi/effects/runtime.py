@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from nxdi.core.planning.program_key import ProgramKey
+from nxdi.core.programs import kv_cache
 from nxdi.core.programs.block_kv import BlockInputs
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
@@ -235,7 +236,9 @@ class Runtime:
                 full[: part.shape[0], :, :bucket].copy_(part)
             else:
                 real = (rows >= 0).nonzero().flatten()  # padding rows (-1) write nothing
-                full[:, :, :bucket].index_copy_(0, rows[real], part[real].to(full.dtype))
+                # On the bytes of a float8 cache: CPU torch has no float8 index_copy kernel.
+                dst, src = kv_cache.bits(full[:, :, :bucket]), kv_cache.bits(part[real].to(full.dtype))
+                dst.index_copy_(0, rows[real], src)
 
 
 def _updated(full: Tensor, part: Tensor, bucket: int, rows: Tensor | None, lead: int) -> Tensor:

@@ -25,8 +25,10 @@ from torch import Tensor
 
 from nxdi.core import weight_checks
 from nxdi.core import weight_plan as weights
-from nxdi.core.errors import CheckpointError
+from nxdi.core.errors import CheckpointError, Problem
 from nxdi.core.host import weight_ops
+from nxdi.core.host.quant import layout
+from nxdi.core.host.quant import weights as quant_weights
 from nxdi.effects import checkpoint, checkpoint_scan
 
 
@@ -43,10 +45,44 @@ def check_headers(plan: weights.WeightPlan, ckpt: checkpoint.Checkpoint) -> Resu
     Raises:
         CorruptCheckpointError: a header names a dtype torch does not know.
     """
-    dtypes = {k: str(ckpt.torch_dtype(k)).removeprefix("torch.") for k in source_keys(plan, ckpt)}
+    stored_quantized = {k for s in plan.steps if s.quantized for k in s.sources}
+    dtypes = {
+        k: str(ckpt.torch_dtype(k)).removeprefix("torch.")
+        for k in source_keys(plan, ckpt)
+        if plan.rename(k) not in stored_quantized
+    }
     shaped, typed = weights.check_checkpoint(plan, ckpt.shapes()), weight_checks.check_dtypes(dtypes)
     problems = [p for r in (shaped, typed) if isinstance(r, Failure) for p in r.failure().problems]
+    if plan.quant is not None:
+        quant = _quant_problems(plan, ckpt)
+        named = {p.field for p in quant}
+        problems = quant + [p for p in problems if plan.rename(p.field) not in named]
     return Failure(CheckpointError(problems=tuple(problems))) if problems else shaped
+
+
+def _quant_problems(plan: weights.WeightPlan, ckpt: checkpoint.Checkpoint) -> list[Problem]:
+    """A quantized checkpoint against the configured scheme (`layout.check_quantized_checkpoint`):
+    each quantized weight in the quantization dtype with its scale of the scheme's shape, and no
+    linear that modules_to_not_convert keeps in float stored quantized. Keys are renamed ones."""
+    assert plan.quant is not None
+    q = plan.quant
+    scheme = quant_weights.parse_quant_scheme(
+        quantization_type=q.type,
+        quantization_dtype=q.dtype,
+        quantization_block_axis=q.block_axis,
+        quantization_block_size=q.block_size,
+    )
+    if isinstance(scheme, Failure):
+        return list(scheme.failure().problems)
+    metas = {
+        plan.rename(k): layout.TensorMeta(shape=shape, dtype=ckpt.torch_dtype(k)) for k, shape in ckpt.shapes().items()
+    }
+    quantized = [k for s in plan.steps if s.quantized for k in s.sources]
+    kept = [k for s in plan.steps if not s.quantized for k in s.sources if k.endswith(".weight") and q.excludes(k)]
+    checked = layout.check_quantized_checkpoint(
+        metas, layout.QuantPlan(quantized=quantized, excluded=kept), scheme.unwrap()
+    )
+    return list(checked.failure().problems) if isinstance(checked, Failure) else []
 
 
 def iter_weights(

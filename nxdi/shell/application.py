@@ -24,10 +24,11 @@ from nxdi.core.config import neuron_checks
 from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.errors import ArtifactError, Problem, problems_of, problems_result
 from nxdi.core.host import weight_ops
+from nxdi.core.host.quant import config as quant_config
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import host_memory, partition
 from nxdi.core.programs import catalog
-from nxdi.effects import backends, engine, staging
+from nxdi.effects import backends, engine, quantized_checkpoint, staging
 from nxdi.effects import env as env_mod
 from nxdi.effects import memory as host_mem
 from nxdi.effects import weight_loader as weight_io
@@ -159,7 +160,8 @@ class NeuronApplicationBase:
 
     @classmethod
     def _weight_plan(cls, config: InferenceConfig) -> weight_plans.WeightPlan:
-        """The plan that converts a checkpoint of `config`'s model into its program's weights."""
+        """The plan that converts a checkpoint of `config`'s model into its program's weights (the
+        quantized checkpoint's layout with `quantized=True`)."""
         spec = config.neuron_config.spec
         plan = weight_plans.weight_plan_for(
             cls._program_of(config).table,
@@ -168,6 +170,7 @@ class NeuronApplicationBase:
             torch_dtype=spec.torch_dtype,
             model_prefix=cls._STATE_DICT_MODEL_PREFIX,
             new_prefix=cls._NEW_STATE_DICT_MODEL_PREFIX,
+            quant=quant_config.weight_quant(spec),
         )
         return unwrap(plan)
 
@@ -180,6 +183,31 @@ class NeuronApplicationBase:
             FileNotFoundError / ValueError: no checkpoint, or an unreadable, corrupt or unsafe file.
         """
         return unwrap(weight_io.get_state_dict(model_path, cls._weight_plan(config)))
+
+    @classmethod
+    def save_quantized_state_dict(cls, model_path: str | os.PathLike[str], config: InferenceConfig) -> None:
+        """Quantize the checkpoint at `model_path` per `config.neuron_config` (quantization_type,
+        quantization_dtype, block settings, modules_to_not_convert) and write it to
+        `quantized_checkpoints_path`: `model.safetensors` inside it when it is an existing folder,
+        else a torch pickle file at that path (the reference's behaviour). Compile and load then read it.
+
+        Raises:
+            IncompatibleConfigError: quantized_checkpoints_path is unset or names a file of the
+                source checkpoint, or the scheme cannot quantize a weight (all listed).
+            FileNotFoundError / ValueError: no checkpoint at `model_path`, or an unreadable file.
+        """
+        spec = config.neuron_config.spec
+        cls._program_of(config)  # a model nxdi runs
+        unwrap(quant_config.save_config(spec), "Cannot save a quantized checkpoint")
+        scheme = unwrap(quant_config.scheme(spec), "Cannot save a quantized checkpoint")
+        saved = quantized_checkpoint.save_quantized(
+            model_path,
+            str(spec.quantized_checkpoints_path),
+            scheme,
+            spec.modules_to_not_convert,
+            tie_word_embeddings=config.model_spec().tie_word_embeddings,
+        )
+        unwrap(saved, "Cannot save a quantized checkpoint")
 
     @classmethod
     def convert_hf_to_neuron_state_dict(
@@ -213,6 +241,11 @@ class NeuronApplicationBase:
             if problem.startswith("NXDI_ALLOW_NONFINITE_WEIGHTS"):
                 warnings.warn(problem, stacklevel=3)
         allow = env.allow_nonfinite_weights
+        if self.spec.quantized:  # the quantized checkpoint replaces the model's own weights
+            problem = quantized_checkpoint.quant_problem(self.spec.quantized_checkpoints_path)
+            if problem is not None:
+                raise FileNotFoundError(problem.render())
+            path = str(self.spec.quantized_checkpoints_path)
         return engine.CheckpointSource(path=str(path), plan=self._weight_plan(self.config), allow_nonfinite=allow)
 
     def _check_host_memory(self, backend: Backend | None) -> None:
@@ -234,6 +267,9 @@ class NeuronApplicationBase:
         """Build the runtime (eager when `root` is None, else from the compiled folder), replacing
         any runtime this model had (its rank processes are stopped first)."""
         self.close()
+        if root is not None:
+            name = self._backend().name
+            unwrap(neuron_checks.check_backend_support(self.spec, name), f"Cannot run on the {name} backend")
         if root is not None and self.spec.is_block_kv_layout and self._backend().name != "cpu":
             raise IncompatibleConfigError(
                 f"is_block_kv_layout=True runs on the cpu backend only yet, not {self._backend().name}: "
@@ -310,12 +346,15 @@ class NeuronApplicationBase:
                 tensors holding NaN or inf (all listed); nothing is written then.
             IncompatibleConfigError: the rank settings contradict how the process was started, or
                 the xla or neuron backend (one process for every rank) is asked for under torchrun,
-                or (cpu backend) the loaded model would not fit in the host memory available.
+                or with a quantized KV cache (cpu backend only), or (cpu backend) the loaded model
+                would not fit in the host memory available.
             FolderLockedError: another process held the folder longer than NXDI_LOCK_TIMEOUT seconds.
         """
         root = Path(compiled_model_path)
         env = env_mod.read_env()
         backend = self._backend()
+        supported = neuron_checks.check_backend_support(self.spec, backend.name)
+        unwrap(supported, f"Cannot run on the {backend.name} backend")
         unwrap(launch.check_placement(self._engine_model(), env, backend))
         self._check_host_memory(backend)  # what load() will refuse on this host is not compiled either
         hlo = debug and hasattr(backend, "hlo_text")

@@ -172,6 +172,8 @@ def _normalize(value: Any) -> Any:
         return str(value)
     if isinstance(value, _SubConfig):
         return value.spec
+    if isinstance(value, Mapping):  # a sub-config as a dict: kv_quant_config={"quant_dtype": torch.float8_e5m2}
+        return {k: str(v) if _is_torch_dtype(v) else v for k, v in value.items()}
     return value
 
 

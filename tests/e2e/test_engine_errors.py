@@ -139,14 +139,14 @@ def test_unsupported_features_are_all_listed(tiny_checkpoint: Callable[..., Path
             "llama",
             pp_degree=2,
             speculation_length=4,
-            kv_cache_quant=True,
+            kv_quant_config={"direct_cast": False},  # scaled KV quantization: a refused sub-config attribute
             lora_config={"max_loras": 2},
         )
     assert caught.value.error is not None
     assert {p.field for p in caught.value.error.problems} == {
         "pp_degree",
         "speculation_length",
-        "kv_cache_quant",
+        "kv_quant_config.direct_cast",
         "lora_config",
     }
     assert "Cannot run on the CPU backend: 4 problems" in str(caught.value)

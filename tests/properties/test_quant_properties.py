@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import attrs
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from returns.result import Failure, Success
+from torch import Tensor
 
 from nxdi.core.host.quant import weights
-from nxdi.core.host.quant.weights import QuantDtype, QuantScheme, QuantType
+from nxdi.core.host.quant.weights import QuantDtype, QuantScheme, QuantType, parse_quant_scheme
+from nxdi.core.model_spec import ModelSpec
+from nxdi.core.programs.linear import QuantizedWeight
+from nxdi.testing.strategies.decoders import dense_specs
 
 DIVISORS = [1, 2, 4, 8, 16]
 
@@ -107,3 +112,60 @@ def test_quantize_is_idempotent_on_dequantized(data: st.DataObject, w: torch.Ten
     once = weights.dequantize(_ok(w, s), s)
     twice = weights.dequantize(_ok(once, s), s)
     torch.testing.assert_close(twice, once, rtol=0.07, atol=1e-6)
+
+
+# --- quantized weight plans: what a program (and each tensor-parallel rank) gets ------------------
+
+
+@given(
+    spec=dense_specs(),
+    tp=st.integers(1, 4),
+    qtype=st.sampled_from(["per_tensor_symmetric", "per_channel_symmetric"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=25, deadline=None)
+def test_quantized_rank_weights_dequantize_to_the_rank_slice_of_the_float_weights(
+    spec: ModelSpec, tp: int, qtype: str, seed: int
+) -> None:
+    """A rank's quantized linear (values and scales read through the rank plan) dequantizes to
+    exactly what the float rank plan reads from the dequantized checkpoint: scales follow their
+    rows through fused Q/K/V, GQA replication, zero padding and row- or column-wise splits."""
+    from nxdi.core.host import weight_ops
+    from nxdi.core.host.quant import layout
+    from nxdi.core.planning import sharding
+    from nxdi.core.planning.rank_weights import rank_plan
+    from nxdi.core.programs.linear import dequantize
+    from nxdi.core.weight_plan import WeightQuant, scale_name
+    from nxdi.testing.strategies.decoders import plan_of, random_state_dict
+
+    scheme = parse_quant_scheme(quantization_type=qtype).unwrap()
+    state = random_state_dict(spec, seed)
+    quantized = layout.quantize_state_dict(state, scheme, tie_word_embeddings=spec.tie_word_embeddings).unwrap()
+    restored = {
+        k: dequantize_state(quantized, k) if layout.is_linear_weight(k) and quantized[k].dtype == torch.int8 else t
+        for k, t in quantized.items()
+        if not k.endswith(".scale")
+    }
+    shard = sharding.shard_plan(spec, tp=tp, fused_qkv=True, vocab_parallel=False)
+    if not isinstance(shard, Success):
+        return  # a head layout tp cannot split (checked elsewhere)
+    # A quantized lm_head is read as its own weight even when tied; so is the float one compared.
+    untied = attrs.evolve(spec, tie_word_embeddings=False)
+    float_plan, quant_plan = plan_of(untied), plan_of(spec, quant=WeightQuant(type=qtype))
+    for rank in range(tp):
+        want = weight_ops.convert(rank_plan(float_plan, shard.unwrap(), rank).unwrap(), restored).unwrap()
+        got = weight_ops.convert(rank_plan(quant_plan, shard.unwrap(), rank).unwrap(), quantized).unwrap()
+        for step in quant_plan.steps:
+            if step.quantized:
+                values, scale = got[step.name], got[scale_name(step.name)]
+                assert values.dtype == torch.int8 and scale.shape == (values.shape[0],)
+                weight = dequantize(QuantizedWeight(values=values, scale=scale), torch.float32)
+                assert torch.equal(weight, want[step.name]), step.name
+
+
+def dequantize_state(tensors: dict[str, Tensor], key: str) -> Tensor:
+    """The float weight of quantized `key` (values times their scale, in float32)."""
+    from nxdi.core.host.quant import layout
+
+    scale = tensors[layout.scale_key(key)]
+    return tensors[key].float() * (scale if scale.numel() == 1 else scale.reshape(-1, 1))

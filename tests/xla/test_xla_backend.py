@@ -158,3 +158,28 @@ def test_nxdi_compile_dumps_the_hlo(
     assert "wrote the HLO text of 2 programs" in capsys.readouterr().out
     text = (tmp_path / "hlo" / "token_generation_64.hlo.txt").read_text()
     assert text.startswith("HloModule") and "ENTRY" in text
+
+
+@pytest.mark.parametrize("quant", ["per_channel_symmetric", "per_tensor_symmetric"])
+def test_quantized_weights_lower_and_give_the_cpu_engine_tokens(
+    quant: str, tiny_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """int8 weights (dequantized in the program) lower to HLO, run without host fallbacks, and give
+    the CPU engine's tokens and logits."""
+    from nxdi.shell.config import NeuronConfig
+    from nxdi.shell.inference_config import load_pretrained_config
+    from nxdi.shell.models import CONFIG_TYPES, MODEL_TYPES
+
+    path = tiny_checkpoint("llama")
+    kwargs = {"quantized": True, "quantized_checkpoints_path": str(tmp_path), "quantization_type": quant}
+    config = CONFIG_TYPES["llama"](NeuronConfig(**kwargs), load_config=load_pretrained_config(path))
+    MODEL_TYPES["llama"]["causal-lm"].save_quantized_state_dict(path, config)
+    met.clear_all()
+    model = load_model(path, "llama", workdir=tmp_path, backend="xla", batch_size=4, **kwargs)
+    cpu = load_model(path, "llama", batch_size=4, **kwargs)
+    tokens = nxdi_generate(model, PROMPTS)
+    assert torch.equal(tokens, nxdi_generate(cpu, PROMPTS))
+    ours = teacher_forced(model, PROMPTS, tokens[:, : LOGIT_STEPS - 1])
+    theirs = teacher_forced(cpu, PROMPTS, tokens[:, : LOGIT_STEPS - 1])
+    assert max_relative_logit_error(theirs, ours) <= 1e-5
+    assert not [name for name in met.counter_names() if name.startswith("aten::")]

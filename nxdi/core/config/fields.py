@@ -56,6 +56,8 @@ class OnCpu(enum.Enum):
     """Not implemented on the CPU engine yet; a model refuses any value but the default."""
     WITH_TP = "with tp_degree > 1"
     """It takes effect when tp_degree > 1; with one rank it has none (a model warns, as for NO)."""
+    WITH_QUANTIZED = "with quantized=True"
+    """It takes effect when quantized=True; without it it has none (a model warns, as for NO)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 from returns.result import Result, Success
 
-from nxdi.core.config.fields import OnCpu, infos
+from nxdi.core.config.fields import OnCpu, infos, sub_spec_fields
 from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.errors import ConfigError, Problem, problems_result
 from nxdi.core.planning import block_programs, buckets
@@ -119,6 +119,7 @@ def _features(s: NeuronSpec) -> Iterator[Problem]:
         yield Problem.of("batch_size", s.batch_size, "must be 1 when chunked prefill has no token-generation model")
     if s.tensor_capture_config is not None and s.on_device_sampling_config is None:
         yield Problem.of("tensor_capture_config", "set", "needs on-device sampling", "set on_device_sampling_config")
+    yield from _kv_quant(s)
     odc = s.on_device_sampling_config
     if odc is not None and odc.global_topk > 0 and odc.top_k > odc.global_topk:
         yield Problem.of(
@@ -127,6 +128,19 @@ def _features(s: NeuronSpec) -> Iterator[Problem]:
             f"exceeds global_topk={odc.global_topk}",
             "raise global_topk or lower top_k",
         )
+
+
+def _kv_quant(s: NeuronSpec) -> Iterator[Problem]:
+    """A direct cast has no scales, so only the per-tensor methods (the defaults) go with it (NxD's
+    `KVQuantizationConfig` asserts the same)."""
+    kq = s.kv_quant_config
+    if kq is None or not kq.direct_cast:
+        return
+    for name in ("k_quant_method", "v_quant_method"):
+        value = getattr(kq, name)
+        if value != "per_tensor_symmetric":
+            why = "must be per_tensor_symmetric with direct_cast=True (a direct cast uses no scales)"
+            yield Problem.of(f"kv_quant_config.{name}", value, why, f"remove {name}, or set direct_cast=False")
 
 
 def _parallel(s: NeuronSpec) -> Iterator[Problem]:
@@ -239,8 +253,71 @@ def check_cpu_support(spec: NeuronSpec) -> Result[NeuronSpec, ConfigError]:
         for name, info in infos(NeuronSpec).items()
         if info.cpu is OnCpu.REFUSED and getattr(spec, name) != fields[name].default
     ]
+    problems.extend(_refused_sub_fields(spec))
     problems.extend(_block_kv_with_ranks(spec))
+    problems.extend(_quantized_weights(spec))
     return problems_result(spec, problems)
+
+
+def _quantized_weights(spec: NeuronSpec) -> Iterator[Problem]:
+    """What quantized weights cannot run with on the CPU engine: MXFP4 (a Neuron compute format),
+    and blockwise scales whose blocks are not one [rows, columns] grid over each linear weight, or
+    with tp_degree > 1 (a rank's rows would cut blocks)."""
+    if not spec.quantized:
+        return
+    if spec.quantization_dtype == "mxfp4":
+        fix = "use quantization_dtype int8, f8e4m3 or f8e5m2"
+        yield Problem.of("quantization_dtype", "mxfp4", "is a Neuron MXFP4 compute format the CPU engine lacks", fix)
+    if spec.quantization_type != "blockwise_symmetric":
+        return
+    axes, sizes = spec.quantization_block_axis or (), spec.quantization_block_size or ()
+    fix = "set quantization_block_axis and quantization_block_size, one size per axis, e.g. [1] and [128]"
+    if not axes or len(axes) != len(sizes):
+        yield Problem.of("quantization_block_size", sizes, f"needs one size per block axis {list(axes)}", fix)
+    elif any(a not in (-2, -1, 0, 1) for a in axes) or len({a % 2 for a in axes}) != len(axes):
+        why = "must name distinct axes of a [out, in] linear weight (0 or -2, 1 or -1)"
+        yield Problem.of("quantization_block_axis", axes, why, fix)
+    if spec.tp_degree > 1:
+        why = f"is not supported with tp_degree={spec.tp_degree} on the CPU engine yet (ranks would cut scale blocks)"
+        yield Problem.of("quantization_type", "blockwise_symmetric", why, "use per_channel_symmetric, or tp_degree=1")
+
+
+HLO_BACKENDS = ("xla", "neuron")
+"""The backends that lower programs to HLO with torch-xla (the neuron backend compiles that HLO)."""
+
+
+def check_backend_support(spec: NeuronSpec, backend: str) -> Result[NeuronSpec, ConfigError]:
+    """What the backend named `backend` cannot run, beyond what `check_cpu_support` refuses: a
+    quantized (float8) KV cache runs on the cpu backend only, since torch-xla's HLO builder (2.9)
+    has no float8 parameter type to lower a float8 cache input with.
+
+    Returns:
+        `Failure` naming the KV quantization setting and the fix, on the xla and neuron backends.
+    """
+    if backend not in HLO_BACKENDS or not (spec.kv_cache_quant or spec.kv_quant_config is not None):
+        return Success(spec)
+    name = "kv_quant_config" if spec.kv_quant_config is not None else "kv_cache_quant"
+    value = spec.kv_dtype if name == "kv_quant_config" else True
+    why = (
+        f"runs on the cpu backend only yet, not {backend}: torch-xla's HLO builder has no float8 "
+        "parameter type for the cache"
+    )
+    return problems_result(spec, [Problem.of(name, value, why, f"use the cpu backend, or unset {name}")])
+
+
+def _refused_sub_fields(spec: NeuronSpec) -> Iterator[Problem]:
+    """The `OnCpu.REFUSED` fields of the sub-configs `spec` sets (a sub-config the CPU engine
+    supports, such as kv_quant_config, may still hold a setting it refuses), named `config.field`."""
+    for name, cls in sub_spec_fields(NeuronSpec).items():
+        sub = getattr(spec, name)
+        if sub is None:
+            continue
+        defaults = attrs.fields_dict(cls)
+        for field, info in infos(cls).items():
+            value = getattr(sub, field)
+            if info.cpu is OnCpu.REFUSED and value != defaults[field].default:
+                why = "is not supported by the CPU engine yet" + (f": {info.cpu_note}" if info.cpu_note else "")
+                yield Problem.of(f"{name}.{field}", value, why, f"set {name}.{field}={defaults[field].default!r}")
 
 
 def _block_kv_with_ranks(spec: NeuronSpec) -> Iterator[Problem]:

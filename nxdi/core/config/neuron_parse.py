@@ -167,6 +167,8 @@ def _coerce_given(raw: Mapping[str, Any], platform: Platform, problems: list[Pro
         if name in _SUB_SPECS and value is not None:
             if name == "lora_config":
                 value = _parse_lora(value, problems)
+            if name == "kv_quant_config" and isinstance(value, Mapping) and "quant_dtype" in value:
+                value = {**value, "quant_dtype": _dtype_name(value["quant_dtype"])}
             parsed = (
                 parse_on_device_sampling(value, platform=platform)
                 if name == "on_device_sampling_config"
@@ -317,11 +319,13 @@ def without_effect_on_cpu(
     platform: Platform = Platform.TRN1,
     moe: bool = False,
 ) -> tuple[str, ...]:
-    """The settings of `spec` declared `OnCpu.NO` (and `OnCpu.WITH_TP` when tp_degree is 1) that
+    """The settings of `spec` declared `OnCpu.NO` (and `OnCpu.WITH_TP` when tp_degree is 1,
+    `OnCpu.WITH_QUANTIZED` when not quantized) that
     `given` (the kwargs `spec` was parsed from) moves off the value they would have had if not
     given, their derived defaults included; sub-spec fields are named `config.field`. The shell
     warns about them."""
-    inert = (OnCpu.NO, OnCpu.WITH_TP) if spec.tp_degree == 1 else (OnCpu.NO,)
+    inert = (OnCpu.NO, *((OnCpu.WITH_TP,) if spec.tp_degree == 1 else ()))
+    inert += () if spec.quantized else (OnCpu.WITH_QUANTIZED,)
     no_effect = {n for n, i in infos(NeuronSpec).items() if i.cpu in inert}
     nested = {
         name: frozenset(n for n, i in infos(cls).items() if i.cpu is OnCpu.NO) for name, cls in _SUB_SPECS.items()

@@ -294,37 +294,37 @@ class NeuronSpec:
         cpu_note="a decode batch runs on the smallest batch bucket that holds it",
         bounds=(1, MAX_BATCH),
     )
-    quantized: bool = _quantization(False, "Load quantized weights from quantized_checkpoints_path.", cpu=OnCpu.REFUSED)
+    quantized: bool = _quantization(False, "Load quantized weights from quantized_checkpoints_path.")
     quantized_checkpoints_path: str | None = _quantization(
         None,
         "Folder (safetensors or pickle) or pickle file of the quantized checkpoint; required when quantized.",
         graph=False,
-        cpu="used with quantized=True only",
+        cpu=OnCpu.WITH_QUANTIZED,
     )
     quantization_type: Literal["per_tensor_symmetric", "per_channel_symmetric", "blockwise_symmetric"] = _quantization(
         "per_tensor_symmetric",
         "per_tensor_symmetric, per_channel_symmetric or blockwise_symmetric; default per_tensor_symmetric (per_channel with a quantized MLP).",
-        cpu="used with quantized=True only",
+        cpu=OnCpu.WITH_QUANTIZED,
     )
     quantization_dtype: Literal["int8", "f8e4m3", "f8e5m2", "mxfp4"] = _quantization(
         "int8",
         "Weight quantization dtype: int8, f8e4m3, f8e5m2 or mxfp4; default int8 (f8e4m3 with a quantized MLP).",
-        cpu="used with quantized=True only",
+        cpu=OnCpu.WITH_QUANTIZED,
     )
     quantization_block_size: tuple[int, ...] | None = _quantization(
         None,
         "Block shape for blockwise_symmetric quantization.",
-        cpu="used with quantized=True only",
+        cpu=OnCpu.WITH_QUANTIZED,
         bounds=(1, MAX_SIZE),
     )
     quantization_block_axis: tuple[int, ...] | None = _quantization(
         None,
         "Axes the blockwise quantization blocks span.",
-        cpu="used with quantized=True only",
+        cpu=OnCpu.WITH_QUANTIZED,
         bounds=(-MAX_AXES, MAX_AXES),
     )
     quantization_scale_dtype: Literal["f32", "bf16", "f16"] = _quantization(
-        "f32", "dtype of quantization scales: f32, bf16 or f16.", cpu="used with quantized=True only"
+        "f32", "dtype of quantization scales: f32, bf16 or f16.", cpu=OnCpu.WITH_QUANTIZED
     )
     is_mxfp4_compute: bool = _quantization(
         False,
@@ -339,7 +339,7 @@ class NeuronSpec:
     modules_to_not_convert: tuple[str, ...] | None = _quantization(
         None,
         "Module names kept unquantized (e.g. lm_head, layers.0.self_attn); default None (all modules quantized).",
-        cpu="used with quantized=True only",
+        cpu=OnCpu.WITH_QUANTIZED,
     )
     draft_model_modules_to_not_convert: tuple[str, ...] | None = _quantization(
         None,
@@ -347,10 +347,12 @@ class NeuronSpec:
         cpu="used with fused speculation only",
     )
     kv_cache_quant: bool = _quantization(
-        False, "Store the KV cache as float8_e4m3fn, dequantized to torch_dtype on read.", cpu=OnCpu.REFUSED
+        False, "Store the KV cache as float8_e4m3fn (half the bytes of bf16), dequantized to torch_dtype on read."
     )
     kv_quant_config: KVQuantSpec | None = _quantization(
-        None, "KV-cache quantization settings: dtype, direct cast and K/V scale granularity.", cpu=OnCpu.REFUSED
+        None,
+        "KV-cache quantization settings (a dict or KVQuantSpec): dtype, direct cast, K/V scale granularity; "
+        "set alone, it quantizes the cache too.",
     )
     activation_quantization_type: Literal["static", "dynamic"] | None = _quantization(
         None,

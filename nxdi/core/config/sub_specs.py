@@ -21,6 +21,7 @@ from nxdi.core.config.fields import (
     MAX_TOKENS,
     MAX_VOCAB,
     JsonMap,
+    OnCpu,
     coerce,
     did_you_mean,
     field_types,
@@ -159,21 +160,33 @@ class ChunkedPrefillSpec:
 QuantGranularity = Literal["per_tensor_symmetric", "per_channel_symmetric", "per_key_symmetric"]
 
 
+_SCALED_ONLY = "scaled KV quantization (direct_cast=False) needs per-layer K/V scales, which nxdi does not load"
+
+
 @attrs.frozen(kw_only=True)
 class KVQuantSpec:
-    """KV-cache quantization (NxD `KVQuantizationConfig`)."""
+    """KV-cache quantization (NxD `KVQuantizationConfig`, whose attribute names these are)."""
 
     quant_dtype: Literal["float8_e4m3fn", "float8_e5m2"] = setting(
-        "float8_e4m3fn", "dtype of the quantized KV cache: float8_e4m3fn or float8_e5m2."
+        "float8_e4m3fn", "dtype of the quantized KV cache: float8_e4m3fn or float8_e5m2 (a torch dtype is accepted)."
     )
-    direct_cast: bool = setting(True, "Plain dtype casts in both directions, with no scales.")
-    k_quantization_type: QuantGranularity = setting(
-        "per_tensor_symmetric",
-        "Scale granularity for K: per_tensor_symmetric, per_channel_symmetric or per_key_symmetric.",
+    direct_cast: bool = setting(
+        True,
+        "Plain dtype casts in both directions, with no scales (values past the dtype's range saturate).",
+        cpu=OnCpu.REFUSED,
+        cpu_note=_SCALED_ONLY,
     )
-    v_quantization_type: QuantGranularity = setting(
+    k_quant_method: QuantGranularity = setting(
         "per_tensor_symmetric",
-        "Scale granularity for V: per_tensor_symmetric, per_channel_symmetric or per_key_symmetric.",
+        "Scale granularity for K with direct_cast=False: per_tensor_symmetric, per_channel_symmetric or per_key_symmetric.",
+        cpu=OnCpu.REFUSED,
+        cpu_note=_SCALED_ONLY,
+    )
+    v_quant_method: QuantGranularity = setting(
+        "per_tensor_symmetric",
+        "Scale granularity for V with direct_cast=False: per_tensor_symmetric, per_channel_symmetric or per_key_symmetric.",
+        cpu=OnCpu.REFUSED,
+        cpu_note=_SCALED_ONLY,
     )
 
 

@@ -38,6 +38,7 @@ def _qkv(kind: str, tail: tuple[str, ...], when: str | None = None) -> Any:
         (f"self_attn.k_proj.{kind}", ("KV", *tail)),
         (f"self_attn.v_proj.{kind}", ("KV", *tail)),
         when=when,
+        linear=kind == "weight",
     )
 
 
@@ -47,19 +48,19 @@ LLAMA_WEIGHTS = WeightTable(
         copy("input_norm", "input_layernorm.weight", ("E",)),
         _qkv("weight", ("E",)),
         _qkv("bias", (), when="qkv_bias"),
-        copy("attn.o", "self_attn.o_proj.weight", ("E", "Q")),
+        copy("attn.o", "self_attn.o_proj.weight", ("E", "Q"), linear=True),
         copy("attn.o_bias", "self_attn.o_proj.bias", ("E",), when="o_bias"),
         copy("attn.q_norm", "self_attn.q_norm.weight", ("D",), when="qk_norm"),
         copy("attn.k_norm", "self_attn.k_norm.weight", ("D",), when="qk_norm"),
         copy("post_norm", "post_attention_layernorm.weight", ("E",)),
-        copy("mlp.gate", "mlp.gate_proj.weight", ("F", "E")),
-        copy("mlp.up", "mlp.up_proj.weight", ("F", "E")),
-        copy("mlp.down", "mlp.down_proj.weight", ("E", "F")),
+        copy("mlp.gate", "mlp.gate_proj.weight", ("F", "E"), linear=True),
+        copy("mlp.up", "mlp.up_proj.weight", ("F", "E"), linear=True),
+        copy("mlp.down", "mlp.down_proj.weight", ("E", "F"), linear=True),
         copy("mlp.gate_bias", "mlp.gate_proj.bias", ("F",), when="mlp_bias"),
         copy("mlp.up_bias", "mlp.up_proj.bias", ("F",), when="mlp_bias"),
         copy("mlp.down_bias", "mlp.down_proj.bias", ("E",), when="mlp_bias"),
     ),
-    after=(copy("norm", "norm.weight", ("E",)), copy("lm_head", "lm_head.weight", ("V", "E"))),
+    after=(copy("norm", "norm.weight", ("E",)), copy("lm_head", "lm_head.weight", ("V", "E"), linear=True)),
 )
 """A Llama checkpoint as the decoder program takes it."""
 

@@ -38,6 +38,8 @@ def apply_transform(t: Tensor, transform: weights.Transform) -> Tensor:
     match transform:
         case weights.CastFloat(dtype=name):
             return cast_float(t, torch_dtype(name))
+        case weights.Rows():
+            return t.reshape(-1)
     raise AssertionError(f"unknown transform {transform!r}")
 
 
@@ -60,6 +62,7 @@ def apply_step(step: weights.WeightStep, sources: Sequence[Tensor], offsets: Seq
     already holds the aliased output.
     """
     assert step.combine is not weights.Combine.ALIAS, "an alias step reuses an earlier output"
+    sources = [t.reshape(1) if t.dim() == 0 else t for t in sources]  # a 0-d per-tensor scale is [1]
     parts = [
         take(t, tk, offset=offsets[i] if offsets else 0) if (tk := step.take(i)) is not None else t
         for i, t in enumerate(sources)

@@ -12,6 +12,8 @@ only the range of rows a Take spans (`Take.bounds`), so a rank holds its shard a
 - A tied lm_head stays an alias of the embedding only when both are split alike (vocab-parallel);
   otherwise the rank reads the embedding again, sliced as an lm_head.
 - Replicated weights (norms, row-parallel biases) are read whole by every rank.
+- A quantized linear's scales follow its rows: split by output rows, a rank reads the scales of
+  the rows it holds; split by input columns, it reads them all.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from returns.result import Failure, Result, Success
 
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.planning.sharding import ShardPlan, WeightShard
-from nxdi.core.weight_plan import Combine, Take, WeightPlan, WeightStep
+from nxdi.core.weight_plan import Combine, Take, WeightPlan, WeightStep, scale_name
 
 _LAYER = re.compile(r"^layers\.\d+\.")
 
@@ -58,6 +60,23 @@ def _takes(step: WeightStep, shard: WeightShard, rank: int) -> tuple[Take, ...]:
     return tuple(takes)
 
 
+def _scale_takes(step: WeightStep, values: WeightStep, shard: WeightShard, rank: int) -> WeightStep:
+    """A quantized linear's scale step, reading the scales of the rows `rank` holds of `values`.
+
+    Split along its output rows (dim 0), the rank's scales are those of its rows (a per-tensor
+    scale, repeated over the rows by the plan's own Take, stays repeated); split along its input
+    (dim 1) or replicated, every rank holds every row, so every scale.
+    """
+    if shard.dim != 0:
+        return step
+    takes = []
+    for k, rows in enumerate(_takes(values, shard, rank)):
+        base = step.take(k)
+        picked = [None if i is None else (base.indices[i] if base else i) for i in rows.indices]
+        takes.append(Take(dim=0, indices=picked))
+    return attrs.evolve(step, takes=tuple(takes))
+
+
 def _same_split(a: WeightShard, b: WeightShard) -> bool:
     return (a.dim, a.rank_spans, a.remap) == (b.dim, b.rank_spans, b.remap)
 
@@ -72,13 +91,17 @@ def rank_plan(plan: WeightPlan, shard: ShardPlan, rank: int) -> Result[WeightPla
     if not 0 <= rank < shard.tp:
         return Failure(ConfigError.of("rank", rank, f"must lie in 0..{shard.tp - 1}"))
     table = {w.name: w for w in shard.weights}
-    missing = [s.name for s in plan.steps if _pattern(s.name) not in table]
+    values_of = {scale_name(s.name): s for s in plan.steps if s.quantized}
+    missing = [s.name for s in plan.steps if _pattern(s.name) not in table and s.name not in values_of]
     if missing:
         why = "has no entry in the sharding plan"
         return Failure(ConfigError(problems=tuple(Problem.of(n, "<missing>", why) for n in missing)))
     by_name = {s.name: s for s in plan.steps}
     steps = []
     for step in plan.steps:
+        if (values := values_of.get(step.name)) is not None:
+            steps.append(_scale_takes(step, values, table[_pattern(values.name)], rank))
+            continue
         entry = table[_pattern(step.name)]
         if step.combine is Combine.ALIAS:
             target = by_name[step.sources[0]]

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from nxdi.core.model_spec import ModelSpec
+from nxdi.core.programs import kv_cache
 from nxdi.core.programs.kv_cache import KVCache
 
 
@@ -104,7 +105,7 @@ def write(cache: Tensor, new: Tensor, slot_mapping: Tensor) -> Tensor:
     real = flat >= 0
     block = torch.where(real, flat // bs, torch.full_like(flat, n))
     offset = torch.where(real, flat % bs, torch.zeros_like(flat))
-    return cache.index_put((block, offset), new.reshape(-1, *new.shape[2:]).to(cache.dtype))
+    return cache.index_put((block, offset), kv_cache.store(new.reshape(-1, *new.shape[2:]), cache.dtype))
 
 
 def gather(cache: Tensor, block_table: Tensor) -> Tensor:

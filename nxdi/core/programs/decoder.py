@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,15 +33,17 @@ from nxdi.core.programs.block_kv import BlockInputs
 from nxdi.core.programs.collectives import SINGLE, Collectives
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
+from nxdi.core.programs.linear import QuantizedWeight, Weight, linear
+from nxdi.core.weight_plan import SCALE_SUFFIX
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
 class Attention:
     """Self-attention weights of one layer. Linear weights are [out, in]; absent optional parts are None."""
 
-    qkv: Tensor
+    qkv: Weight
     """[(H + 2K) * D, E]: Q, K and V projections fused (the one layout; the weight plan fuses)."""
-    o: Tensor
+    o: Weight
     """[E, H * D]"""
     qkv_bias: Tensor | None = None
     o_bias: Tensor | None = None
@@ -53,9 +56,9 @@ class Attention:
 class GatedMLP:
     """`down(act(gate x) * up x)`: gate, up [F, E], down [E, F], optional biases."""
 
-    gate: Tensor
-    up: Tensor
-    down: Tensor
+    gate: Weight
+    up: Weight
+    down: Weight
     gate_bias: Tensor | None = None
     up_bias: Tensor | None = None
     down_bias: Tensor | None = None
@@ -87,31 +90,45 @@ class DecoderWeights:
     layers: tuple[Layer, ...]
     norm: Tensor
     """[E]"""
-    lm_head: Tensor
+    lm_head: Weight
     """[V, E]"""
 
 
-def _group(slots: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
+def _group(slots: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     """The slots under `prefix.`, by their remaining name."""
     return {k[len(prefix) + 1 :]: v for k, v in slots.items() if k.startswith(prefix + ".")}
 
 
-def _mlp_weights(parts: Mapping[str, Tensor], spec: ModelSpec) -> MLP:
+def _mlp_weights(parts: Mapping[str, Any], spec: ModelSpec) -> MLP:
     match spec.mlp_kind:
         case MlpKind.GATED:
             return GatedMLP(**parts)
     raise ValueError(f"the decoder program has no {spec.mlp_kind.value} MLP (checked by programs.catalog)")
 
 
+def _fold_quantized(slots: Mapping[str, Tensor]) -> dict[str, Any]:
+    """Slots with a `<slot>.scale` companion (quantized linears) become one `QuantizedWeight`
+    (typed Any: which fields may hold one is the weight table's `linear` flag, not a type)."""
+    out: dict[str, Any] = {}
+    for key, value in slots.items():
+        if key.endswith(SCALE_SUFFIX) and key.removesuffix(SCALE_SUFFIX) in slots:
+            continue
+        scale = slots.get(key + SCALE_SUFFIX)
+        out[key] = value if scale is None else QuantizedWeight(values=value, scale=scale)
+    return out
+
+
 def weights_from_slots(slots: Mapping[str, Tensor], *, spec: ModelSpec) -> DecoderWeights:
     """The weights value from slot paths (`WeightTable.slots`): `embed`, `layers.{i}.attn.qkv`, ...
+    A quantized linear comes as its values at the slot and its scale at `<slot>.scale`.
 
     Raises:
         TypeError: a slot the table declares has no field here (a table and program out of step).
     """
+    folded = _fold_quantized(slots)
 
     def layer(i: int) -> Layer:
-        parts = _group(slots, f"layers.{i}")
+        parts = _group(folded, f"layers.{i}")
         return Layer(
             input_norm=parts["input_norm"],
             attn=Attention(**_group(parts, "attn")),
@@ -120,10 +137,10 @@ def weights_from_slots(slots: Mapping[str, Tensor], *, spec: ModelSpec) -> Decod
         )
 
     return DecoderWeights(
-        embed=slots["embed"],
+        embed=folded["embed"],
         layers=tuple(layer(i) for i in range(spec.num_layers)),
-        norm=slots["norm"],
-        lm_head=slots["lm_head"],
+        norm=folded["norm"],
+        lm_head=folded["lm_head"],
     )
 
 
@@ -150,7 +167,7 @@ def _attention(
     """
     b, s = slots.shape
     h, kh, d = part.q_heads, part.kv_heads, spec.head_dim
-    q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([h * d, kh * d, kh * d], dim=-1)
+    q, k, v = linear(x, w.qkv, w.qkv_bias).split([h * d, kh * d, kh * d], dim=-1)
     q, k, v = q.view(b, s, h, d), k.view(b, s, kh, d), v.view(b, s, kh, d)
     if spec.qk_norm:
         assert w.q_norm is not None and w.k_norm is not None, "qk_norm needs q_norm and k_norm weights"
@@ -169,7 +186,7 @@ def _attention(
         v_cache = kv_cache.write(v_cache, v.transpose(1, 2), slots)
         o = layers.attend(q, k_cache, v_cache, mask)  # [B, S, H_r*D]
     bias = w.o_bias if part.tp == 1 else None  # with ranks, the bias is added once, after the sum
-    return F.linear(o.view(b * s, h * d), w.o, bias), k_cache, v_cache  # this rank's share of [N, E]
+    return linear(o.view(b * s, h * d), w.o, bias), k_cache, v_cache  # this rank's share of [N, E]
 
 
 def _block_attention(
@@ -178,9 +195,9 @@ def _block_attention(
     """Attention of q [B, S, H, D] over the segments' cached prefixes and this step's k, v [B, S, K, D];
     then the step's keys and values written at their slots. Returns [B, S, H*D] and the caches.
 
-    This step's keys pass through the cache dtype, as they would if they were read back from the
-    cache, so a block step computes what a contiguous one does."""
-    ks, vs = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    This step's keys pass through the cache dtype (a float8 cache's saturating cast included), as
+    they would if they were read back from the cache, so a block step computes what a contiguous one does."""
+    ks, vs = kv_cache.store(k, k_cache.dtype), kv_cache.store(v, v_cache.dtype)
     keys = torch.cat((block_kv.gather(k_cache, blocks.block_table), ks.transpose(1, 2)), dim=2)
     values = torch.cat((block_kv.gather(v_cache, blocks.block_table), vs.transpose(1, 2)), dim=2)
     o = layers.attend(q, keys, values, mask)
@@ -350,7 +367,7 @@ def forward(
     h = (_gather_sequence(h, coll, b=b) if sp else h).view(b, s, -1)
     if not all_logits:
         h = h.gather(1, out_index[:, :, None].expand(b, out_index.shape[1], h.shape[-1]))  # [B, R, E]
-    logits = F.linear(layers.rms_norm(h, w.norm, spec.norm_eps), w.lm_head)  # [B, S', V_r]
+    logits = linear(layers.rms_norm(h, w.norm, spec.norm_eps), w.lm_head)  # [B, S', V_r]
     if part.tp > 1:
         logits = coll.all_gather(logits, -1)[..., : spec.vocab_size]  # [B, S', V] on every rank
     return logits.float(), KVCache(k=tuple(ks), v=tuple(vs))

@@ -143,6 +143,6 @@ def _write_owned(cache: Tensor, new: Tensor, where: Tensor, owner: Tensor) -> Te
     rows whose token this rank owns; the other rows rewrite the slot's old value."""
     b, kh, _, d = new.shape
     index = where[:, None, :, None].expand(b, kh, 1, d)
-    old = cache.gather(2, index)
+    old = kv_cache.gather(cache, 2, index)
     keep = owner[:, None, :, None]
-    return cache.scatter(2, index, torch.where(keep, new.to(cache.dtype), old))
+    return kv_cache.scatter(cache, 2, index, torch.where(keep, kv_cache.store(new, cache.dtype), old))

@@ -5,6 +5,13 @@ head dim. Slot t holds the token at position t (right padding). A program receiv
 whose length T is the bucket being run, and returns a new cache of the same shape; the runtime
 splices it back into the full cache. `write` is the one place a cache changes; an in-place variant
 (index_put_/scatter_ for CPU reinplacing, Neuron aliasing) lives in effects and must agree with it.
+
+A quantized cache (`kv_cache_quant`, `kv_quant_config`) is a float8 tensor: values are cast to it
+when written (`store`, NxD's direct cast) and cast back to the compute dtype when attention reads
+them (`layers.attend`). `store` saturates at the float8 dtype's largest finite value (448 for
+float8_e4m3fn, 57344 for float8_e5m2): a plain cast gives NaN past 448 on some torch versions
+(2.9) and saturates on others (2.13), and NaN or inf in the cache would spread through attention.
+CPU torch has no scatter/gather kernels for float8, so those run on the cache's bytes (`bits`).
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ class KVCache:
         n = part.length
 
         def join(full: Tensor, head: Tensor) -> Tensor:
-            return torch.cat((head.to(full.dtype), full[:, :, n:]), dim=2)
+            return torch.cat((store(head, full.dtype), full[:, :, n:]), dim=2)
 
         return KVCache(
             k=tuple(join(f, p) for f, p in zip(self.k, part.k, strict=True)),
@@ -88,4 +95,36 @@ def write(cache: Tensor, new: Tensor, slots: Tensor) -> Tensor:
     """
     b, k, s, d = new.shape
     index = slots[:, None, :, None].expand(b, k, s, d)
-    return cache.scatter(2, index, new.to(cache.dtype))
+    return scatter(cache, 2, index, new)
+
+
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""The quantized cache dtypes."""
+
+
+def store(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """`x` cast to the cache dtype `dtype`; to a float8 dtype, saturated at its largest finite value."""
+    if dtype in FLOAT8 and x.dtype != dtype:
+        top = torch.finfo(dtype).max
+        x = x.clamp(-top, top)
+    return x.to(dtype)
+
+
+def bits(t: Tensor) -> Tensor:
+    """A float8 tensor's bytes as a uint8 view (the same memory); any other tensor as it is."""
+    return t.view(torch.uint8) if t.dtype in FLOAT8 else t
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """The inverse of `bits` (no view at all when nothing was viewed, so a plain cache's graph is unchanged)."""
+    return t if t.dtype == dtype else t.view(dtype)
+
+
+def scatter(cache: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
+    """`cache.scatter(dim, index, store(src))`, on the bytes of a float8 cache."""
+    return _as(bits(cache).scatter(dim, index, bits(store(src, cache.dtype))), cache.dtype)
+
+
+def gather(cache: Tensor, dim: int, index: Tensor) -> Tensor:
+    """`cache.gather(dim, index)`, on the bytes of a float8 cache."""
+    return _as(bits(cache).gather(dim, index), cache.dtype)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nxdi.core.model_spec import RopeKind, RopeSpec
+from nxdi.core.programs.linear import Weight, linear
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -188,13 +189,13 @@ ACTIVATION_FNS: dict[str, Callable[[Tensor], Tensor]] = {
 
 def gated_mlp(
     x: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
+    gate: Weight,
+    up: Weight,
+    down: Weight,
     *,
     activation: str,
     biases: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None),
 ) -> Tensor:
     """`down(act(gate(x)) * up(x))`: x [N, E], gate/up [F, E], down [E, F] -> [N, E]."""
     act = ACTIVATION_FNS[activation]
-    return F.linear(act(F.linear(x, gate, biases[0])) * F.linear(x, up, biases[1]), down, biases[2])
+    return linear(act(linear(x, gate, biases[0])) * linear(x, up, biases[1]), down, biases[2])

@@ -171,6 +171,7 @@ class CpuBackend:
         if self.pack_weights:
             packable = cpu_passes.packable_dtypes()
             cpu_passes.prepack_linears(gm, w_nodes, sig.weights, weights, packable)
+            cpu_passes.int8_weight_linears(gm, w_nodes, sig.weights, weights)
         in_place = cpu_passes.reinplace_cache_writes(gm, c_nodes) if self.in_place_cache else (False,) * len(c_nodes)
         gm.recompile()
         call = functools.partial(gm.forward, *weights.tensors)

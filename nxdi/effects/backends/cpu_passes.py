@@ -12,7 +12,9 @@ out of place). When weights are bound, two rewrites make it fast without changin
 2. **In-place cache writes.** A functional write of a cache input (`index_copy`, `scatter`,
    `index_put`) becomes its in-place twin when nothing reads the old cache (or a view of it) after
    the write, so a decode step does not copy the whole cache view per layer. The result is the
-   caller's tensor itself, which is why runs treat the given cache as consumed.
+   caller's tensor itself, which is why runs treat the given cache as consumed. A float8 cache is
+   scattered through a uint8 view of its bytes (`kv_cache.scatter`); that write goes in place the
+   same way, and the view back to float8 of its result is the cache input itself.
 
 3. **Less per-op overhead.** The graph runs op by op from Python, so every node costs a few
    microseconds whatever its size. Conversions to the dtype a tensor already has (48 of them in a
@@ -20,7 +22,12 @@ out of place). When weights are bound, two rewrites make it fast without changin
    rebuilds: 73 nodes) are merged, and nodes that depend on no input (RoPE inverse frequencies,
    `arange`s) are computed once at bind time.
 
-All rewrites are checked against the pure form by tests (same outputs, same new cache).
+4. **Int8 weights.** A linear whose weight is a dequantized int8 weight input (`quantized=True`,
+   `nxdi.core.programs.linear`) over a few bf16 rows (decode) calls torch's weight-only int8
+   kernel on the 1-byte values instead of building the bf16 weight every step.
+
+All rewrites are checked against the pure form by tests (same outputs, same new cache; the int8
+kernel within bf16 rounding).
 """
 
 from __future__ import annotations
@@ -114,6 +121,86 @@ def prepack_linears(
     return count
 
 
+_INT8_MM = torch.ops.aten._weight_int8pack_mm.default
+_MUL = torch.ops.aten.mul.Tensor
+_UNSQUEEZE = torch.ops.aten.unsqueeze.default
+INT8_MAX_ROWS = 8
+"""Linears over at most this many rows run the int8 kernel; larger ones (prefill) dequantize, which
+measured faster there (docs/cpu-backend.md, "Quantized weights")."""
+
+
+def int8_linear(x: Tensor, values: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`linear(x, values * scale[:, None], bias)` by torch's weight-only int8 kernel: x [..., K] bf16,
+    values [N, K] int8, scale [N] bf16 -> [..., N] bf16."""
+    y = _INT8_MM(x.reshape(-1, x.shape[-1]), values, scale)
+    y = y.view(*x.shape[:-1], y.shape[-1])
+    return y if bias is None else y + bias
+
+
+def _through_conversions(node: object) -> object:
+    while isinstance(node, fx.Node) and node.target in _CONVERSIONS:
+        node = node.args[0]
+    return node
+
+
+def _dequantized(w: object) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
+    """(values, scale, chain) when `w` is `programs.linear.dequantize` of a row-scaled weight:
+    `to(mul(to(values, f32), unsqueeze(to(scale, f32), 1)), dtype)`; chain = the nodes it made."""
+    if not (isinstance(w, fx.Node) and w.target in _CONVERSIONS):
+        return None
+    mul = w.args[0]
+    if not (isinstance(mul, fx.Node) and mul.target is _MUL and len(mul.args) == 2):
+        return None
+    conv, unsq = mul.args
+    if not (isinstance(conv, fx.Node) and conv.target in _CONVERSIONS):
+        return None
+    if not (isinstance(unsq, fx.Node) and unsq.target is _UNSQUEEZE and unsq.args[1] == 1):
+        return None
+    values, scale = conv.args[0], _through_conversions(unsq.args[0])
+    if not (isinstance(values, fx.Node) and isinstance(scale, fx.Node)):
+        return None
+    chain = [w, mul, conv, unsq]
+    chain += [n for n in (unsq.args[0],) if isinstance(n, fx.Node) and n is not scale]
+    return values, scale, chain
+
+
+def int8_weight_linears(
+    gm: fx.GraphModule, weight_nodes: Sequence[fx.Node], names: Sequence[str], weights: WeightSet
+) -> int:
+    """Rewrite `linear(x, dequantize(values, scale))` with int8 row-scaled weight inputs and bf16 x of
+    at most `INT8_MAX_ROWS` rows into `int8_linear` (the weight is read as 1-byte values, never
+    dequantized). The bf16 copy of each scale is made once per `WeightSet`. Returns the count."""
+    index = {n: i for i, n in enumerate(weight_nodes)}
+    graph, count = gm.graph, 0
+    for u in [n for n in graph.nodes if n.target is _LINEAR]:
+        x_val, found = _val(u.args[0]), _dequantized(u.args[1])
+        if x_val is None or x_val.dtype != torch.bfloat16 or _rows(u) > INT8_MAX_ROWS or found is None:
+            continue
+        values, scale, chain = found
+        if values not in index or scale not in index:
+            continue
+        v, sc = weights.tensors[index[values]], weights.tensors[index[scale]]
+        if v.dtype != torch.int8 or v.dim() != 2 or sc.dim() != 1 or sc.numel() != v.shape[0]:
+            continue
+        name = names[index[scale]]
+        attr = f"_nxdi_int8_scale_{index[scale]}"
+        if not hasattr(gm, attr):
+            scale_bf16 = weights.derive(f"int8-scale:{name}", lambda sc=sc: sc.to(torch.bfloat16).contiguous())
+            gm.register_buffer(attr, scale_bf16, persistent=False)
+        with graph.inserting_before(u):
+            new = graph.call_function(
+                int8_linear, (u.args[0], values, graph.get_attr(attr), u.args[2] if len(u.args) > 2 else None)
+            )
+        new.meta = dict(u.meta)
+        u.replace_all_uses_with(new)
+        graph.erase_node(u)
+        for node in chain:  # the dequantize nodes this linear alone used
+            if not node.users:
+                graph.erase_node(node)
+        count += 1
+    return count
+
+
 def _is_view(node: fx.Node) -> bool:
     """True for ops whose result may alias their first argument (views, getitem of split/unbind)."""
     if node.op != "call_function":
@@ -160,23 +247,47 @@ def _flat_nodes(arg: object) -> list[fx.Node]:
     return []
 
 
+def _same_bytes_views(node: fx.Node) -> list[fx.Node]:
+    """The `view(dtype)` users of `node` to a dtype of the same size (a float8 cache's uint8 bytes)."""
+    val = _val(node)
+    return [
+        u
+        for u in node.users
+        if u.target is _DTYPE_VIEW
+        and val is not None
+        and isinstance(u.args[1], torch.dtype)
+        and u.args[1].itemsize == val.dtype.itemsize
+    ]
+
+
 def reinplace_cache_writes(gm: fx.GraphModule, cache_nodes: Sequence[fx.Node]) -> tuple[bool, ...]:
     """Turn each cache input's single functional write into its in-place twin where that is safe.
+
+    The write may be on the cache or on a same-size dtype view of it (the bytes of a float8 cache);
+    then the view of its result back to the cache's dtype is replaced by the cache input itself.
 
     Returns, per cache input, whether it is now written in place.
     """
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     done = []
     for cache in cache_nodes:
-        writes = [u for u in cache.users if u.target in _IN_PLACE and u.args[0] is cache]
+        targets = [cache, *_same_bytes_views(cache)]
+        writes = [u for t in targets for u in t.users if u.target in _IN_PLACE and u.args[0] is t]
         ok = len(writes) == 1 and _safe_to_mutate(cache, writes[0], order)
         if ok:
-            writes[0].target = _IN_PLACE[writes[0].target]  # type: ignore[index]  # filtered to _IN_PLACE keys above
+            write = writes[0]
+            write.target = _IN_PLACE[write.target]  # type: ignore[index]  # filtered to _IN_PLACE keys above
+            cache_val = _val(cache)
+            for back in _same_bytes_views(write) if write.args[0] is not cache else []:
+                if cache_val is not None and back.args[1] == cache_val.dtype:
+                    back.replace_all_uses_with(cache)  # the written bytes, seen as the cache: the cache itself
+                    gm.graph.erase_node(back)
         done.append(ok)
     return tuple(done)
 
 
 _CONVERSIONS = (torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default)
+_DTYPE_VIEW = torch.ops.aten.view.dtype
 _FOLD_LIMIT = 1 << 20
 """Bytes: a folded constant larger than this stays computed per call (it would cost memory)."""
 

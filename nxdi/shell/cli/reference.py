@@ -86,6 +86,8 @@ def _cpu_text(row: Row) -> str:
             return "not yet (refused unless left at its default)"
         case OnCpu.WITH_TP:
             return "yes with tp_degree > 1 (no effect at 1)"
+        case OnCpu.WITH_QUANTIZED:
+            return "yes with quantized=True (no effect without)"
 
 
 def render_text(rows: list[Row]) -> str:
@@ -138,5 +140,6 @@ def field_help(name: str) -> str:
         OnCpu.NO: " [no effect on CPU]",
         OnCpu.REFUSED: " [not on CPU yet]",
         OnCpu.WITH_TP: " [on CPU with tp_degree > 1]",
+        OnCpu.WITH_QUANTIZED: " [with quantized=True]",
     }[info.cpu]
     return (describe(info) + cpu).replace("%", "%%")  # argparse formats help with %

@@ -195,3 +195,35 @@ def _scale_shape_problem(
     else:
         fix = "regenerate the quantized checkpoint with this config"
     return Problem.of(skey, list(got), reason, fix)
+
+
+def quantize_state_dict(
+    tensors: Mapping[str, torch.Tensor],
+    scheme: QuantScheme,
+    modules_to_not_convert: Iterable[str] | None = None,
+    *,
+    tie_word_embeddings: bool = False,
+    model_prefix: str = "model.",
+) -> Result[dict[str, torch.Tensor], ConfigError]:
+    """A Hugging Face causal-LM state dict in NxDI's quantized checkpoint layout.
+
+    The layout `save_quantized_state_dict` writes: the base model's keys without `model_prefix`
+    plus `lm_head.*` (a tied model's lm_head is written as its own `lm_head.weight`, as the
+    reference saves the lm_head module), every linear `quantized_keys` selects replaced by its
+    values and a `.scale`, everything else as given. `tensors` is not modified.
+
+    Returns:
+        Success(dict), or Failure(ConfigError) naming every weight the scheme cannot quantize
+        (e.g. blocks that do not tile it).
+    """
+    out = {k.removeprefix(model_prefix): t for k, t in tensors.items()}
+    if tie_word_embeddings and "lm_head.weight" not in out and "embed_tokens.weight" in out:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    problems: list[Problem] = []
+    for key in quantized_keys(out, modules_to_not_convert).quantized:
+        match weights.quantize(out[key], scheme, name=key):
+            case Success(q):
+                out[key], out[scale_key(key)] = q.values, q.scale
+            case Failure(err):
+                problems.extend(err.problems)
+    return Failure(ConfigError(problems=problems)) if problems else Success(out)
