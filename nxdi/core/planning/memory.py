@@ -3,9 +3,10 @@
 Theory of operation (all figures per logical core; every rank holds the same amount):
 - Weights: the rank's slice of every weight of the sharding plan, so padded Q heads, replicated KV
   heads and zero-padded intermediate/vocab sizes are counted. `lm_head` is counted even when tied to the
-  embedding, since the reference keeps a separate copy on device. With weight quantization, decoder
-  linear weights take one byte per value (mxfp4 too: an overestimate) plus fp32 scales (one per tensor,
-  or one per output row per channel); embeddings, norms and lm_head keep the dtype.
+  embedding, since the reference keeps a separate copy on device. With weight quantization, linear
+  weights (lm_head included) take one byte per value (mxfp4 too: an overestimate) plus fp32 scales (one
+  per tensor, or one per output row per channel), except those `modules_to_not_convert` keeps;
+  embeddings and norms keep the dtype.
 - KV cache: `kv_layout.KVLayout.bytes_per_rank`.
 - LoRA: `max_loras` adapters at `lora.bytes_per_core` each.
 - Activations: an estimate of the largest live tensors of one layer while encoding the largest
@@ -60,6 +61,8 @@ class MemoryRequest:
     weight_quant_dtype: str | None = None
     """Storage dtype of quantized decoder linear weights (`int8`, `f8e4m3`, ...); None when not quantized."""
     per_channel_scales: bool = False
+    quant_skip: tuple[str, ...] = ()
+    """`modules_to_not_convert`: linears whose module path contains one of these stay in the dtype."""
     strategy: gqa.GQAStrategy | None = None
     fused_qkv: bool = False
     vocab_parallel: bool = False
@@ -115,8 +118,9 @@ class MemoryPlan:
         return self.per_core_bytes <= self.hbm_per_core_bytes
 
 
-def _is_decoder_linear(w: sharding.WeightShard) -> bool:
-    return w.per_layer and w.name.endswith(".weight") and ("_proj." in w.name or ".Wqkv." in w.name)
+def _is_linear(w: sharding.WeightShard) -> bool:
+    """A linear layer's weight: what `quantized=True` stores in one byte per value."""
+    return w.name.endswith(".weight") and ("_proj." in w.name or ".Wqkv." in w.name or w.name == "lm_head.weight")
 
 
 def weight_bytes_per_core(plan: sharding.ShardPlan, req: MemoryRequest) -> int:
@@ -125,12 +129,14 @@ def weight_bytes_per_core(plan: sharding.ShardPlan, req: MemoryRequest) -> int:
     total = 0
     for w in plan.weights:
         n = w.rank_numel()
-        if req.weight_quant_dtype is not None and _is_decoder_linear(w):
-            out_features = w.rank_shape()[-2]
-            size = n + (out_features if req.per_channel_scales else 1) * SCALE_BYTES
-        else:
-            size = n * dt
-        total += size * (plan.num_layers if w.per_layer else 1)
+        names = [w.name.replace("{i}", str(i)) for i in range(plan.num_layers)] if w.per_layer else [w.name]
+        for name in names:
+            kept = any(pattern in name.removesuffix(".weight") for pattern in req.quant_skip)
+            if req.weight_quant_dtype is not None and _is_linear(w) and not kept:
+                out_features = w.rank_shape()[-2]
+                total += n + (out_features if req.per_channel_scales else 1) * SCALE_BYTES
+            else:
+                total += n * dt
     return total
 
 
@@ -243,6 +249,7 @@ def memory_request_for(
             kv_quant_dtype=spec.kv_dtype if spec.kv_quant_config is not None else kv_layout.KV_QUANT_DTYPE,
             weight_quant_dtype=spec.quantization_dtype if quantized else None,
             per_channel_scales=quantized and spec.quantization_type != "per_tensor_symmetric",
+            quant_skip=spec.modules_to_not_convert or (),
             fused_qkv=spec.fused_qkv,
             vocab_parallel=spec.vocab_parallel,
             flash_decoding_enabled=spec.flash_decoding_enabled,

@@ -104,8 +104,20 @@ def checkpoint_for(args: argparse.Namespace) -> Path:
     return path
 
 
-def compile_for(path: Path, args: argparse.Namespace, batch: int, tp: int, backend: str) -> tuple[str, Path, float]:
-    """Compile (or reuse) the benchmarked model: its model type, compiled folder and compile() seconds."""
+def compile_for(
+    path: Path,
+    args: argparse.Namespace,
+    batch: int,
+    tp: int,
+    backend: str,
+    *,
+    extra: dict[str, Any] | None = None,
+    tag: str = "",
+) -> tuple[str, Path, float]:
+    """Compile (or reuse) the benchmarked model: its model type, compiled folder and compile() seconds.
+
+    `extra` NeuronConfig kwargs (their `tag` ends the compiled folder's name); with `quantized=True`
+    the quantized checkpoint is written first to `quantized_checkpoints_path`, unless it exists."""
     from nxdi.shell.config import NeuronConfig, OnDeviceSamplingConfig
     from nxdi.shell.inference_config import load_pretrained_config
     from nxdi.shell.models import MODEL_TYPES, model_type_of
@@ -120,9 +132,13 @@ def compile_for(path: Path, args: argparse.Namespace, batch: int, tp: int, backe
         on_device_sampling_config=OnDeviceSamplingConfig(top_k=1),
         save_sharded_checkpoint=True,
         tp_degree=tp,
+        **(extra or {}),
     )
     config = cls.get_config_cls()(neuron, load_config=load_pretrained_config(path))
-    name = f"compiled-{path.name}-{backend}-tp{tp}-b{batch}-{args.prompt_len}-{args.new_tokens}"
+    if neuron.quantized and not Path(neuron.quantized_checkpoints_path).exists():
+        print(f"[bench] writing the quantized checkpoint {neuron.quantized_checkpoints_path} ...", flush=True)
+        cls.save_quantized_state_dict(path, config)
+    name = f"compiled-{path.name}-{backend}-tp{tp}-b{batch}-{args.prompt_len}-{args.new_tokens}{tag}"
     compiled = Path(args.work_dir) / name
     t = time.perf_counter()
     cls(path, config, backend=backend).compile(compiled)
@@ -270,7 +286,7 @@ def _bench_batch(
 ) -> dict[str, Any]:
     model, times = _nxdi_model(path, args, batch, tp, backend)
     with model:
-        result = {"backend": backend, **times, **_bench_model(model, args, batch, hf, tp)}
+        result = {"backend": backend, **times, **bench_side_by_side(model, args, batch, hf, tp)}
     if args.async_mode:
         from nxdi.shell.cli import bench_async
 
@@ -278,7 +294,9 @@ def _bench_batch(
     return result
 
 
-def _bench_model(model: Any, args: argparse.Namespace, batch: int, hf: Any, tp: int) -> dict[str, Any]:
+def bench_side_by_side(model: Any, args: argparse.Namespace, batch: int, hf: Any, tp: int) -> dict[str, Any]:
+    """nxdi's (and, with `hf`, transformers') TTFT, TPOT and throughput, alternating runs in this process
+    (`args.prompt_len`, `args.new_tokens`, `args.repeat`; also used by `nxdi bench roofline`)."""
     import torch
 
     ids = prompt(model, batch, args.prompt_len)

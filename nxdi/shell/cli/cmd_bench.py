@@ -19,6 +19,7 @@ BENCHES: dict[str, str] = {
     "generate": "nxdi.shell.cli.bench_generate",
     "load": "nxdi.shell.cli.bench_load",
     "serve": "nxdi.shell.cli.bench_serve",
+    "roofline": "nxdi.shell.cli.bench_roofline",
 }
 
 DEFAULT_BENCHES: tuple[str, ...] = ("plan",)

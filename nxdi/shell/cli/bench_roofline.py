@@ -1,0 +1,285 @@
+"""`nxdi bench roofline`: the decode roofline of a model on this machine, next to nxdi's and transformers' TPOT.
+
+    nxdi bench roofline [--shape small|tiny | --model-path DIR] [--dtype bfloat16] [--batch-size 1 4]
+                        [--weights dtype|int8-per-channel|...] [--prompt-len 128] [--new-tokens 128]
+                        [--repeat 3] [--threads 2] [--bandwidth-mib 1024] [--skip-hf] [--json]
+
+A decode step is memory bound: it reads every weight once and each sequence's KV cache. Its
+roofline is `bytes per step / memory bandwidth`, the fastest any implementation can decode here.
+- Bandwidth: measured in this process with `--threads` intra-op threads (the benchmark's): float32
+  `sum()` and `amax()` over a `--bandwidth-mib` buffer, alternating, 5 rounds
+  (`nxdi.effects.bandwidth`), before the models are loaded and again after each batch size's runs.
+  Other jobs on the machine only ever lower a sample, so the roofline uses the best sample of them
+  all; the median is shown beside it.
+- Bytes per step: `nxdi.core.planning.roofline.decode_step_bytes` (every weight but the gathered
+  embedding rows, a tied lm_head once; the KV cache read at the median decode step's context,
+  `--prompt-len + --new-tokens // 2` positions per sequence, and one position written).
+- TPOT: `nxdi bench generate --compare-hf`'s measurement (`bench_generate.bench_side_by_side`):
+  greedy decoding of `--new-tokens` tokens from a random `--prompt-len` prompt, nxdi and
+  transformers alternating `--repeat` times in this process; the p50 of every decode step.
+Each TPOT is shown as a share of the roofline (roofline time / measured time: 100% would be
+decoding at the measured bandwidth) and as the bandwidth it implies (bytes per step / TPOT).
+
+`--weights int8-per-channel` (or `int8-per-tensor`, `fp8-per-channel`) computes the roofline of
+quantized decoder linears (1 byte per value plus float32 scales, lm_head unquantized) and measures
+nxdi with `quantized=True` on a quantized checkpoint written once into `--work-dir` by
+`save_quantized_state_dict` (lm_head left unquantized, as counted); where the CPU engine refuses
+`quantized=True`, the roofline alone is printed, with the reason. transformers is not measured
+then (it would run float weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+# --weights -> (NeuronConfig quantization_dtype, per-channel scales); "dtype" is --dtype, unquantized.
+WEIGHTS: dict[str, tuple[str, bool] | None] = {
+    "dtype": None,
+    "int8-per-channel": ("int8", True),
+    "int8-per-tensor": ("int8", False),
+    "fp8-per-channel": ("f8e4m3", True),
+}
+_BANDWIDTH_REPEAT = 5
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from nxdi.shell.cli.bench_generate import SHAPES
+
+    p = sub.add_parser(
+        "roofline",
+        help="decode roofline (bytes per step / measured bandwidth) vs nxdi's and transformers' TPOT",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    p.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    p.add_argument("--model-path", default=None, help="benchmark this checkpoint instead of a random shape")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    p.add_argument("--weights", choices=list(WEIGHTS), default="dtype", help="weight storage (dtype: --dtype)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=3, help="timed runs per side (after one warm-up)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--bandwidth-mib", type=int, default=1024, help="buffer streamed to measure the bandwidth")
+    p.add_argument("--skip-hf", action="store_true", help="do not measure transformers")
+    p.add_argument("--work-dir", default=".nxdi-bench", help="random checkpoints and compiled models")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Raises UsageError listing every flag out of range, before anything is built or measured."""
+    from nxdi.shell.cli.errors import UsageError
+
+    low = [
+        f"{flag} must be >= {least}, got {value}"
+        for flag, value, least in (
+            ("--batch-size", min(args.batch_size), 1),
+            ("--prompt-len", args.prompt_len, 1),
+            ("--new-tokens", args.new_tokens, 2),  # one decode step at least (the first token is the prefill's)
+            ("--repeat", args.repeat, 1),
+            ("--threads", args.threads, 1),
+            ("--bandwidth-mib", args.bandwidth_mib, 1),
+        )
+        if value < least
+    ]
+    if low:
+        raise UsageError("; ".join(low))
+
+
+def model_spec_of(path: Path, dtype: str) -> Any:
+    """The ModelSpec of the checkpoint at `path` (UsageError for a model_type the engine does not run)."""
+    from nxdi.shell.cli.errors import UsageError
+    from nxdi.shell.config import NeuronConfig
+    from nxdi.shell.inference_config import load_pretrained_config
+    from nxdi.shell.models import MODEL_TYPES, model_type_of
+
+    try:
+        cls = MODEL_TYPES[model_type_of(path)]["causal-lm"]
+    except KeyError as e:
+        raise UsageError(e.args[0]) from None
+    return cls.get_config_cls()(NeuronConfig(torch_dtype=dtype), load_config=load_pretrained_config(path)).model_spec()
+
+
+def quantized_skip_reason() -> str | None:
+    """Why nxdi cannot be measured with quantized weights here, or None when it can."""
+    from nxdi.core.config.fields import OnCpu, info_of
+    from nxdi.core.config.neuron_spec import NeuronSpec
+
+    if info_of(NeuronSpec, "quantized").cpu is OnCpu.REFUSED:
+        return "the CPU engine refuses quantized=True yet"
+    return None
+
+
+def quantization_kwargs(path: Path, args: argparse.Namespace) -> tuple[dict[str, Any] | None, str]:
+    """NeuronConfig kwargs for `--weights` (None for unquantized weights) and the compiled folder's tag.
+    lm_head stays unquantized, as the roofline counts it; the quantized checkpoint goes in `--work-dir`."""
+    quant = WEIGHTS[args.weights]
+    if quant is None:
+        return None, ""
+    dtype, per_channel = quant
+    kind = "per_channel_symmetric" if per_channel else "per_tensor_symmetric"
+    tag = f"-{args.weights}"
+    return {
+        "quantized": True,
+        "quantized_checkpoints_path": str(Path(args.work_dir) / f"quantized-{path.name}-{args.dtype}{tag}.pt"),
+        "quantization_type": kind,
+        "quantization_dtype": dtype,
+        "modules_to_not_convert": ["lm_head"],
+    }, tag
+
+
+def _step(model_spec: Any, args: argparse.Namespace, batch: int, bandwidth: float) -> dict[str, Any]:
+    """The roofline of one batch size, as a JSON-ready dict."""
+    from nxdi.core.planning import roofline
+    from nxdi.shell.exceptions import unwrap
+
+    quant = WEIGHTS[args.weights]
+    context = args.prompt_len + args.new_tokens // 2
+    step = unwrap(
+        roofline.decode_step_bytes(
+            model_spec,
+            dtype=args.dtype,
+            batch=batch,
+            context=context,
+            weight_quant_dtype=quant[0] if quant else None,
+            per_channel_scales=quant[1] if quant else True,
+        ),
+        "Cannot compute the decode roofline",
+    )
+    line = roofline.Roofline(step_bytes=step, bandwidth_bytes_per_s=bandwidth, batch=batch)
+    return {
+        "batch_size": batch,
+        "context": context,
+        "step_bytes": {k: getattr(step, k) for k in ("weight_bytes", "kv_read_bytes", "kv_write_bytes")},
+        "total_bytes": step.total_bytes,
+        "roofline": {
+            "ms_per_step": 1e3 * line.step_s,
+            "tok_s_per_seq": 1.0 / line.step_s,
+            "tok_s": line.tokens_per_s,
+        },
+    }
+
+
+def _against(roof: dict[str, Any], tpot_ms: float) -> dict[str, float]:
+    """A measured TPOT against the roofline: share of it reached, and the bandwidth it implies."""
+    return {
+        "tpot_ms_p50": tpot_ms,
+        "pct_of_roofline": 100 * roof["roofline"]["ms_per_step"] / tpot_ms,
+        "effective_gb_s": roof["total_bytes"] / (tpot_ms / 1e3) / 1e9,
+    }
+
+
+def _tpots(path: Path, args: argparse.Namespace, batch: int, hf: Any) -> dict[str, float]:
+    """nxdi's (and transformers') TPOT p50 in ms, measured side by side in this process."""
+    from nxdi.shell.cli import bench_generate
+
+    extra, tag = quantization_kwargs(path, args)
+    model_type, compiled, _ = bench_generate.compile_for(path, args, batch, 1, "cpu", extra=extra, tag=tag)
+    model = bench_generate.load_compiled(model_type, compiled, "cpu")
+    with model:
+        measured = bench_generate.bench_side_by_side(model, args, batch, hf, 1)
+    return {side: measured[side]["tpot_ms"]["p50"] for side in ("nxdi", "transformers") if side in measured}
+
+
+def _with_tpots(roof: dict[str, Any], tpots: dict[str, float]) -> dict[str, Any]:
+    out = {**roof, **{side: _against(roof, ms) for side, ms in tpots.items()}}
+    if len(tpots) == 2:
+        out["ratio_hf_over_nxdi"] = tpots["transformers"] / tpots["nxdi"]
+    return out
+
+
+def _bandwidth(args: argparse.Namespace) -> Any:
+    from nxdi.effects import bandwidth
+
+    print(f"[bench] measuring the read bandwidth ({args.bandwidth_mib} MiB, threads {args.threads}) ...", flush=True)
+    return bandwidth.measure_read_bandwidth(buffer_bytes=args.bandwidth_mib << 20, repeat=_BANDWIDTH_REPEAT)
+
+
+def _bench_run(args: argparse.Namespace) -> dict[str, Any]:
+    """Bandwidth before the models and after each batch size (other jobs on the machine only ever
+    lower a sample, so the best of them all is the machine's), the TPOTs, then the rooflines."""
+    import torch
+
+    from nxdi.shell.cli import bench_generate
+
+    path = bench_generate.checkpoint_for(args)
+    model_spec = model_spec_of(path, args.dtype)
+    quantized = WEIGHTS[args.weights] is not None
+    skipped = quantized_skip_reason() if quantized else None
+    bw = _bandwidth(args)
+    tpots: dict[int, dict[str, float]] = {b: {} for b in args.batch_size}
+    if skipped is None:
+        hf = None
+        if not (args.skip_hf or quantized):  # transformers would run float weights
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+        for b in args.batch_size:
+            tpots[b] = _tpots(path, args, b, hf)
+            bw = bw.merged(_bandwidth(args))
+    results = [_with_tpots(_step(model_spec, args, b, bw.best), tpots[b]) for b in args.batch_size]
+    doc = {
+        "model": str(path),
+        "dtype": args.dtype,
+        "weights": args.weights,
+        "threads": args.threads,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "bandwidth": bw.to_dict(),
+        "results": results,
+    }
+    return doc if skipped is None else {**doc, "not_measured": skipped}
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The report as text."""
+    b = doc["bandwidth"]
+    weights = doc["dtype"] if doc["weights"] == "dtype" else f"{doc['weights']} ({doc['dtype']} elsewhere)"
+    lines = [
+        f"{doc['model']}: {weights} weights, {doc['prompt_len']}-token prompt + {doc['new_tokens']} new tokens, "
+        f"threads {doc['threads']}",
+        f"  read bandwidth (float32 sum/amax over {b['buffer_mib']:g} MiB, threads {b['threads']},"
+        f" {b['samples']} samples): "
+        f"best {b['best_gb_s']:.1f} GB/s, median {b['median_gb_s']:.1f} GB/s",
+    ]
+    for r in doc["results"]:
+        s, roof = r["step_bytes"], r["roofline"]
+        lines += [
+            f"batch {r['batch_size']}, context {r['context']} (the median decode step):",
+            f"  bytes per decode step {r['total_bytes'] / 1e6:.1f} MB = weights {s['weight_bytes'] / 1e6:.1f}"
+            f" + KV read {s['kv_read_bytes'] / 1e6:.2f} + KV write {s['kv_write_bytes'] / 1e6:.3f} MB",
+            f"  roofline at {b['best_gb_s']:.1f} GB/s: {roof['ms_per_step']:.3g} ms/step,"
+            f" {roof['tok_s_per_seq']:.1f} tok/s/seq, {roof['tok_s']:.1f} tok/s",
+        ]
+        for side in ("nxdi", "transformers"):
+            if side in r:
+                m = r[side]
+                lines.append(
+                    f"  {side:<12} TPOT p50 {m['tpot_ms_p50']:7.2f} ms   {m['pct_of_roofline']:5.1f}% of roofline"
+                    f"   (reads at {m['effective_gb_s']:.1f} GB/s)"
+                )
+        if "ratio_hf_over_nxdi" in r:
+            lines.append(f"  ratio (transformers / nxdi): TPOT {r['ratio_hf_over_nxdi']:.2f}x")
+    if "not_measured" in doc:
+        lines.append(f"nxdi and transformers not measured: {doc['not_measured']} (roofline only)")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the flags, measure, print the report (exit 2 with one message on bad flags)."""
+    import torch
+
+    _check_flags(args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        doc = _bench_run(args)
+    finally:
+        torch.set_num_threads(threads)  # callers in the same process (tests) keep their setting
+    print(json.dumps(doc, indent=2) if args.json else render(doc))
+    return 0

@@ -1,0 +1,77 @@
+"""`nxdi bench roofline` end to end on a tiny checkpoint: the report's fields, and its weight bytes
+against the checkpoint's own tensors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nxdi.shell.cli import bench_roofline
+from nxdi.shell.cli.main import main
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from nxdi.testing import checkpoints
+
+    path, _ = checkpoints.build_checkpoint(tmp_path_factory.mktemp("m"), "llama", checkpoints.SaveFormat.SAFETENSORS)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _keep_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    yield
+    assert torch.get_num_threads() == before  # the bench restores the caller's setting
+
+
+def _argv(model: Path, work: Path, *extra: str) -> list[str]:
+    argv = ["bench", "roofline", "--model-path", str(model), "--dtype", "float32", "--threads", "1"]
+    argv += ["--prompt-len", "8", "--new-tokens", "5", "--repeat", "1", "--bandwidth-mib", "8"]
+    return [*argv, "--work-dir", str(work), "--json", *extra]
+
+
+def _doc(capsys: pytest.CaptureFixture[str]) -> Any:
+    out = capsys.readouterr().out
+    return json.loads(out[out.index("{\n") :])  # progress lines come first
+
+
+def test_roofline_reports_both_sides_against_the_checkpoint_bytes(
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(_argv(tiny_llama, tmp_path)) == 0
+    doc = _doc(capsys)
+    (r,) = doc["results"]
+    tensors = load_file(tiny_llama / "model.safetensors")
+    expected = sum(4 * t.numel() for name, t in tensors.items() if "embed_tokens" not in name)  # float32
+    assert r["step_bytes"]["weight_bytes"] == expected
+    assert r["context"] == 8 + 5 // 2 and r["roofline"]["ms_per_step"] > 0
+    for side in ("nxdi", "transformers"):
+        assert r[side]["tpot_ms_p50"] > 0 and r[side]["pct_of_roofline"] > 0
+    assert r["ratio_hf_over_nxdi"] > 0
+    assert doc["bandwidth"]["best_gb_s"] >= doc["bandwidth"]["median_gb_s"] > 0
+    text = bench_roofline.render(doc)
+    assert "bytes per decode step" in text and "% of roofline" in text and "ratio (transformers / nxdi)" in text
+
+
+def test_int8_weights_shrink_the_roofline(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_argv(tiny_llama, tmp_path, "--weights", "int8-per-channel")) == 0
+    doc = _doc(capsys)
+    (r,) = doc["results"]
+    assert main(_argv(tiny_llama, tmp_path, "--skip-hf")) == 0
+    (float_r,) = _doc(capsys)["results"]
+    assert r["step_bytes"]["weight_bytes"] < float_r["step_bytes"]["weight_bytes"]
+    assert "transformers" not in r  # it would run float weights
+    assert ("nxdi" in r) != ("not_measured" in doc)  # measured, or the reason it could not be
+
+
+def test_bad_flags_are_one_message(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "roofline", "--new-tokens", "1", "--batch-size", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--new-tokens must be >= 2" in err and "--batch-size must be >= 1" in err and "Traceback" not in err
