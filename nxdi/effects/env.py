@@ -6,8 +6,9 @@ configuration stays a pure function of its inputs.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import attrs
 
@@ -40,6 +41,8 @@ class Env:
     """NEURON_RT_VISIBLE_CORES, for the Neuron runtime."""
     compile_cache_dir: str | None = None
     """NXDI_COMPILE_CACHE: where compiled programs are cached across model folders."""
+    kernel_dir: str | None = None
+    """NXDI_KERNEL_DIR: where nxdi's CPU kernels are built and cached (default ~/.cache/nxdi/kernels)."""
     backend: str | None = None
     """NXDI_BACKEND: the backend models compile and run on (`cpu`, `xla`, `neuron`; default cpu)."""
     num_threads: int | None = None
@@ -147,9 +150,22 @@ def read_env(environ: Mapping[str, str] | None = None) -> Env:
         platform_target=target,
         rt_visible_cores=env.get("NEURON_RT_VISIBLE_CORES"),
         compile_cache_dir=env.get("NXDI_COMPILE_CACHE"),
+        kernel_dir=env.get("NXDI_KERNEL_DIR") or None,
         backend=env.get("NXDI_BACKEND") or None,
         num_threads=_int(env, "NXDI_NUM_THREADS", problems),
         allow_nonfinite_weights=_flag(env, "NXDI_ALLOW_NONFINITE_WEIGHTS", problems),
         lock_timeout=_seconds(env, "NXDI_LOCK_TIMEOUT", problems),
         problems=tuple(problems),
     )
+
+
+@contextlib.contextmanager
+def path_prepended(directory: str | os.PathLike[str]) -> Iterator[None]:
+    """PATH with `directory` first while the block runs (tools installed beside the interpreter,
+    such as the `ninja` kernel builds need, are then found without an activated venv)."""
+    before = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([str(directory), before])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = before

@@ -23,8 +23,8 @@ out of place). When weights are bound, two rewrites make it fast without changin
    `arange`s) are computed once at bind time.
 
 4. **Int8 weights.** A linear whose weight is a dequantized int8 weight input (`quantized=True`,
-   `nxdi.core.programs.linear`) over a few bf16 rows (decode) calls torch's weight-only int8
-   kernel on the 1-byte values instead of building the bf16 weight every step.
+   `nxdi.core.programs.linear`) over a few rows (decode) calls an int8 kernel on the 1-byte values
+   (nxdi's own, `kernels/`, or torch's) instead of building the float weight every step.
 
 All rewrites are checked against the pure form by tests (same outputs, same new cache; the int8
 kernel within bf16 rounding).
@@ -38,6 +38,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, fx
 
+from nxdi.effects.backends import kernels
 from nxdi.effects.backends.base import WeightSet
 
 _LINEAR = torch.ops.aten.linear.default
@@ -124,9 +125,12 @@ def prepack_linears(
 _INT8_MM = torch.ops.aten._weight_int8pack_mm.default
 _MUL = torch.ops.aten.mul.Tensor
 _UNSQUEEZE = torch.ops.aten.unsqueeze.default
+KERNEL_MAX_ROWS = 2
+"""Linears over at most this many rows run nxdi's int8 kernel (it streams the weights; at 3-4 rows
+it measured slower than torch's)."""
 INT8_MAX_ROWS = 8
-"""Linears over at most this many rows run the int8 kernel; larger ones (prefill) dequantize, which
-measured faster there (docs/cpu-backend.md, "Quantized weights")."""
+"""Linears over at most this many bf16 rows run torch's int8 kernel otherwise; larger ones (prefill)
+dequantize, which measured faster there (docs/cpu-backend.md, "Quantized weights")."""
 
 
 def int8_linear(x: Tensor, values: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -137,6 +141,13 @@ def int8_linear(x: Tensor, values: Tensor, scale: Tensor, bias: Tensor | None = 
     return y if bias is None else y + bias
 
 
+def streamed_int8_linear(x: Tensor, values: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The same by nxdi's kernel (`kernels/int8_linear.cpp`): x [..., K] of at most
+    `KERNEL_MAX_ROWS` rows in bf16, fp16 or fp32, values [N, K] int8, scale [N] float32."""
+    y = torch.ops.nxdi_kernels.int8_linear(x.reshape(-1, x.shape[-1]), values, scale, bias)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 def _through_conversions(node: object) -> object:
     while isinstance(node, fx.Node) and node.target in _CONVERSIONS:
         node = node.args[0]
@@ -145,10 +156,11 @@ def _through_conversions(node: object) -> object:
 
 def _dequantized(w: object) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
     """(values, scale, chain) when `w` is `programs.linear.dequantize` of a row-scaled weight:
-    `to(mul(to(values, f32), unsqueeze(to(scale, f32), 1)), dtype)`; chain = the nodes it made."""
-    if not (isinstance(w, fx.Node) and w.target in _CONVERSIONS):
+    `to(mul(to(values, f32), unsqueeze(to(scale, f32), 1)), dtype)` (no outer `to` for fp32, no
+    inner one for a float32 scale); chain = the nodes it made."""
+    if not isinstance(w, fx.Node):
         return None
-    mul = w.args[0]
+    mul = w.args[0] if w.target in _CONVERSIONS else w
     if not (isinstance(mul, fx.Node) and mul.target is _MUL and len(mul.args) == 2):
         return None
     conv, unsq = mul.args
@@ -159,7 +171,7 @@ def _dequantized(w: object) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
     values, scale = conv.args[0], _through_conversions(unsq.args[0])
     if not (isinstance(values, fx.Node) and isinstance(scale, fx.Node)):
         return None
-    chain = [w, mul, conv, unsq]
+    chain = [*((w,) if w is not mul else ()), mul, conv, unsq]
     chain += [n for n in (unsq.args[0],) if isinstance(n, fx.Node) and n is not scale]
     return values, scale, chain
 
@@ -167,30 +179,34 @@ def _dequantized(w: object) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
 def int8_weight_linears(
     gm: fx.GraphModule, weight_nodes: Sequence[fx.Node], names: Sequence[str], weights: WeightSet
 ) -> int:
-    """Rewrite `linear(x, dequantize(values, scale))` with int8 row-scaled weight inputs and bf16 x of
-    at most `INT8_MAX_ROWS` rows into `int8_linear` (the weight is read as 1-byte values, never
-    dequantized). The bf16 copy of each scale is made once per `WeightSet`. Returns the count."""
+    """Rewrite `linear(x, dequantize(values, scale))` with int8 row-scaled weight inputs into an int8
+    kernel call that reads the 1-byte values and never builds the float weight: nxdi's kernel for
+    at most `KERNEL_MAX_ROWS` rows when it loads (`kernels.load()`), else torch's for bf16 x of at
+    most `INT8_MAX_ROWS` rows (its bf16 scale copy made once per `WeightSet`). Returns the count."""
     index = {n: i for i, n in enumerate(weight_nodes)}
     graph, count = gm.graph, 0
     for u in [n for n in graph.nodes if n.target is _LINEAR]:
         x_val, found = _val(u.args[0]), _dequantized(u.args[1])
-        if x_val is None or x_val.dtype != torch.bfloat16 or _rows(u) > INT8_MAX_ROWS or found is None:
+        if x_val is None or found is None or found[0] not in index or found[1] not in index:
             continue
         values, scale, chain = found
-        if values not in index or scale not in index:
-            continue
         v, sc = weights.tensors[index[values]], weights.tensors[index[scale]]
         if v.dtype != torch.int8 or v.dim() != 2 or sc.dim() != 1 or sc.numel() != v.shape[0]:
             continue
-        name = names[index[scale]]
-        attr = f"_nxdi_int8_scale_{index[scale]}"
-        if not hasattr(gm, attr):
-            scale_bf16 = weights.derive(f"int8-scale:{name}", lambda sc=sc: sc.to(torch.bfloat16).contiguous())
-            gm.register_buffer(attr, scale_bf16, persistent=False)
+        rows, bias = _rows(u), u.args[2] if len(u.args) > 2 else None
         with graph.inserting_before(u):
-            new = graph.call_function(
-                int8_linear, (u.args[0], values, graph.get_attr(attr), u.args[2] if len(u.args) > 2 else None)
-            )
+            if rows <= KERNEL_MAX_ROWS and x_val.dtype in _KERNEL_DTYPES and kernels.load():
+                f32 = weights.derive(f"f32-scale:{names[index[scale]]}", lambda sc=sc: sc.float().contiguous())
+                # 2-D x (the decoder's [N, E]) calls the op itself: no Python frame per call.
+                call = torch.ops.nxdi_kernels.int8_linear.default if x_val.dim() == 2 else streamed_int8_linear
+                new = graph.call_function(call, (u.args[0], values, _attr(gm, "f32", index[scale], f32), bias))
+            elif rows <= INT8_MAX_ROWS and x_val.dtype == torch.bfloat16:
+                bf16 = weights.derive(
+                    f"int8-scale:{names[index[scale]]}", lambda sc=sc: sc.to(torch.bfloat16).contiguous()
+                )
+                new = graph.call_function(int8_linear, (u.args[0], values, _attr(gm, "bf16", index[scale], bf16), bias))
+            else:
+                continue
         new.meta = dict(u.meta)
         u.replace_all_uses_with(new)
         graph.erase_node(u)
@@ -199,6 +215,17 @@ def int8_weight_linears(
                 graph.erase_node(node)
         count += 1
     return count
+
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _attr(gm: fx.GraphModule, kind: str, i: int, tensor: Tensor) -> fx.Node:
+    """A get_attr node of `tensor`, registered on `gm` once per (kind, weight index)."""
+    name = f"_nxdi_{kind}_scale_{i}"
+    if not hasattr(gm, name):
+        gm.register_buffer(name, tensor, persistent=False)
+    return gm.graph.get_attr(name)
 
 
 def _is_view(node: fx.Node) -> bool:

@@ -1,0 +1,106 @@
+"""nxdi's own CPU kernels, built on first use. Effects: runs the C++ compiler, writes a cache folder.
+
+One kernel today, `int8_linear.cpp` (torch op `nxdi_kernels::int8_linear`): the weight-only int8
+linear the CPU backend runs decode steps of quantized models with (`cpu_passes.int8_weight_linears`).
+It reads each weight byte once at close to the memory bandwidth, where torch's own
+`_weight_int8pack_mm` is compute-bound at batch 1 on the development CPU (docs/cpu-backend.md).
+
+It is compiled with torch's C++ extension tooling (the system's g++, and ninja, a dependency) the first time a quantized model is bound (about 6 s), into a folder keyed by the torch
+version and the source's hash (`NXDI_KERNEL_DIR`, default `~/.cache/nxdi/kernels`); later loads
+only load the library. Where it cannot be built or run (no AVX-512, no compiler), `load()` says why
+and the CPU backend falls back to torch's int8 kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from nxdi.effects import env
+
+SOURCE = Path(__file__).with_name("int8_linear.cpp")
+LIBRARY = "nxdi_kernels"
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-fopenmp"]
+_loaded: bool | None = None
+_why_not: str | None = None
+
+
+def kernel_dir() -> Path:
+    """The folder holding the built library for this torch version and source."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    root = Path(env.read_env().kernel_dir or Path.home() / ".cache" / "nxdi" / "kernels")
+    return root / f"torch-{torch.__version__}-{digest}"
+
+
+def _library_file() -> Path:
+    return kernel_dir() / f"{LIBRARY}.so"
+
+
+def build() -> Path:
+    """Compile the kernels into `kernel_dir()` (built beside it, then renamed in) and load them into
+    this process; the library file.
+
+    Raises:
+        RuntimeError / OSError: the compiler or the build failed (torch's message says why).
+    """
+    from torch.utils import cpp_extension
+
+    target = _library_file()
+    if target.is_file():
+        return target
+    target.parent.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent.parent))
+    try:
+        with env.path_prepended(Path(sys.executable).parent):  # the `ninja` nxdi depends on
+            cpp_extension.load(
+                name=LIBRARY,
+                sources=[str(SOURCE)],
+                extra_cflags=_FLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(work),
+                is_python_module=False,
+                verbose=False,
+            )
+        with contextlib.suppress(OSError):  # another process published the same build first
+            os.replace(work, target.parent)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def load() -> bool:
+    """Make `torch.ops.nxdi_kernels` available, building it on first use; False (see `why_not`)
+    when this CPU or machine cannot run or build it."""
+    global _loaded, _why_not
+    if _loaded is None:
+        _loaded, _why_not = _try_load()
+    return _loaded
+
+
+def why_not() -> str | None:
+    """Why `load()` returned False (None when it did not, or was not called)."""
+    return _why_not
+
+
+def _try_load() -> tuple[bool, str | None]:
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith("AVX512"):
+        return False, f"the kernel needs AVX-512 and this CPU offers {capability}"
+    try:
+        library = _library_file()
+        if library.is_file():
+            torch.ops.load_library(str(library))
+        else:
+            build()  # torch's extension loader loads the library it builds
+    except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as e:
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
+        return False, f"building it in {kernel_dir()} failed: {last}"
+    return True, None

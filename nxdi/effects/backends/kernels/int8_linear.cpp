@@ -1,0 +1,78 @@
+// nxdi's weight-only int8 linear for decode on AVX-512 CPUs: y = (x @ w.T) * scale (+ bias).
+//
+// x [M, K] (bf16, fp16 or fp32; M <= 4 rows), w [N, K] int8, scale [N] float32, bias [N] or none.
+// Each weight byte is read once, in order, and widened to fp32 in registers (vpmovsxbd +
+// vcvtdq2ps); the rows of x are multiplied with fp32 FMAs, so the result equals
+// dequantize-then-multiply up to fp32 summation order. Each output row is one sequential stream
+// (measured faster than interleaving rows), with kUnroll accumulators per row of x to hide the
+// FMA latency (software prefetching measured no gain over the hardware's). Output rows are split over torch's
+// intra-op (OpenMP) threads. Measurements: docs/cpu-backend.md, "Quantized weights".
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+namespace {
+
+
+template <int M, int kUnroll>
+void block(const float* x, const int8_t* w, const float* scale, const float* bias, float* y, int64_t K,
+           int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w + n * K;
+    __m512 acc[kUnroll][M];
+    for (int u = 0; u < kUnroll; ++u)
+      for (int m = 0; m < M; ++m) acc[u][m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 * kUnroll <= K; k += 16 * kUnroll) {
+      for (int u = 0; u < kUnroll; ++u) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + 16 * u));
+        const __m512 wf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+        for (int m = 0; m < M; ++m) acc[u][m] = _mm512_fmadd_ps(wf, _mm512_loadu_ps(x + m * K + k + 16 * u), acc[u][m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      __m512 sum = acc[0][m];
+      for (int u = 1; u < kUnroll; ++u) sum = _mm512_add_ps(sum, acc[u][m]);
+      float s = _mm512_reduce_add_ps(sum);
+      for (int64_t t = k; t < K; ++t) s += x[m * K + t] * static_cast<float>(row[t]);
+      y[m * N + n] = s * scale[n] + (bias ? bias[n] : 0.0f);
+    }
+  }
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "int8_linear: x [M, K] and w [N, K]");
+  TORCH_CHECK(w.scalar_type() == at::kChar, "int8_linear: w must be int8");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == w.size(0), "int8_linear: scale must be [N]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(M >= 1 && M <= 4, "int8_linear: x must have 1 to 4 rows");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor wc = w.contiguous();
+  const at::Tensor sf = scale.to(at::kFloat).contiguous();
+  const at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  const int8_t* wp = wc.data_ptr<int8_t>();
+  const float* sp = sf.data_ptr<float>();
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // Grain: whole groups of kRows rows, at least 64 rows (a few KB of weights) per task.
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    switch (M) {
+      case 1: block<1, 4>(xp, wp, sp, bp, yp, K, N, n0, n1); break;
+      case 2: block<2, 4>(xp, wp, sp, bp, yp, K, N, n0, n1); break;
+      case 3: block<3, 1>(xp, wp, sp, bp, yp, K, N, n0, n1); break;
+      default: block<4, 1>(xp, wp, sp, bp, yp, K, N, n0, n1); break;
+    }
+  });
+  return y.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(nxdi_kernels, m) {
+  m.def("int8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias=None) -> Tensor");
+  m.impl("int8_linear", c10::DispatchKey::CPU, &int8_linear);
+}

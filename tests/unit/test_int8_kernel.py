@@ -1,0 +1,104 @@
+"""nxdi's int8 linear kernel and the CPU backend's int8 rewrite.
+
+- The kernel equals dequantize-then-multiply (fp32 exactly up to summation order; bf16 up to the
+  output's rounding) for 1-4 rows, widths that are and are not multiples of its vector step, with
+  and without a bias.
+- The rewrite sends a decode linear (<= 2 rows) to nxdi's kernel, 3-8 bf16 rows to torch's, and
+  leaves prefill-sized linears dequantizing; without the kernel (an unsupported CPU) it falls back
+  to torch's, and the results stay equal to the pure graph's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, fx
+
+from nxdi.core.programs.linear import QuantizedWeight, linear
+from nxdi.effects.backends import cpu_passes, kernels
+from nxdi.effects.backends.base import WeightSet
+
+needs_kernel = pytest.mark.skipif(not kernels.load(), reason=f"nxdi's int8 kernel cannot run here: {kernels.why_not()}")
+
+
+def _case(m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    return x, w, torch.rand(n, generator=g) / 100, torch.randn(n, generator=g)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [64, 100, 2048])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_equals_dequantize_then_multiply(m: int, k: int, with_bias: bool) -> None:
+    x, w, scale, bias = _case(m, k, 37, torch.float32)
+    b = bias if with_bias else None
+    got = torch.ops.nxdi_kernels.int8_linear(x, w, scale, b)
+    want = x.double() @ (w.double() * scale.double()[:, None]).T + (0 if b is None else b.double())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@needs_kernel
+def test_kernel_bf16_rounds_only_the_output() -> None:
+    x, w, scale, _ = _case(2, 2048, 300, torch.bfloat16)
+    got = torch.ops.nxdi_kernels.int8_linear(x, w, scale, None)
+    want = (x.double() @ (w.double() * scale.double()[:, None]).T).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - want.double()).abs() <= want.double().abs() * 2**-8 + 1e-6).all()
+
+
+class _Linear(torch.nn.Module):
+    def forward(self, x: Tensor, values: Tensor, scale: Tensor) -> Tensor:
+        return linear(x, QuantizedWeight(values=values, scale=scale))
+
+
+def _graph(rows: int, dtype: torch.dtype) -> tuple[fx.GraphModule, list[Tensor], Tensor]:
+    x, w, scale, _ = _case(rows, 128, 48, dtype)
+    ep = torch.export.export(_Linear(), (x, w, scale)).run_decompositions({})
+    gm = ep.module()
+    return gm, [w, scale], x
+
+
+def _close(got: Tensor, want: Tensor, rel: float) -> None:
+    """Within `rel` of the largest output: the pure graph rounds the dequantized weight to bf16 and
+    the kernels do not, so near-zero outputs may differ by that much, not by a relative error."""
+    assert got.dtype == want.dtype
+    assert (got.double() - want.double()).abs().max() <= rel * want.double().abs().max()
+
+
+def _rewrite(rows: int, dtype: torch.dtype) -> tuple[set[object], Tensor, Tensor]:
+    gm, weights, x = _graph(rows, dtype)
+    want = gm(x, *weights)
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    cpu_passes.int8_weight_linears(gm, nodes[1:3], ["w", "w.scale"], WeightSet(tensors=weights))
+    gm.recompile()
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    return targets, gm(x, *weights), want
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_rows_run_nxdis_kernel(dtype: torch.dtype) -> None:
+    targets, got, want = _rewrite(1, dtype)
+    assert torch.ops.nxdi_kernels.int8_linear.default in targets and torch.ops.aten.linear.default not in targets
+    _close(got, want, 2**-7 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_rows_beyond_the_kernel_take_torchs_or_stay_dequantized() -> None:
+    targets, got, want = _rewrite(4, torch.bfloat16)
+    assert cpu_passes.int8_linear in targets
+    _close(got, want, 2**-7)
+    targets, _, _ = _rewrite(16, torch.bfloat16)
+    assert torch.ops.aten.linear.default in targets  # prefill-sized: dequantize, then oneDNN
+
+
+def test_without_the_kernel_decode_falls_back_to_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "load", lambda: False)
+    targets, got, want = _rewrite(1, torch.bfloat16)
+    assert cpu_passes.int8_linear in targets and cpu_passes.streamed_int8_linear not in targets
+    _close(got, want, 2**-7)
+    targets, _, _ = _rewrite(1, torch.float32)  # torch's kernel is bf16-only: fp32 stays dequantized
+    assert torch.ops.aten.linear.default in targets
