@@ -64,10 +64,17 @@ def save_quantized(
         case Success(tensors):
             if target.suffix == ".safetensors":
                 return Success(checkpoint.write_safetensors(target, tensors))
-            return Success(files.publish(target, lambda tmp: torch.save(tensors, tmp)))
+            return Success(files.publish(target, lambda tmp: _save_pickle(tensors, tmp)))
         case Failure(err):
             return Failure(err)
     raise AssertionError("unreachable")
+
+
+def _save_pickle(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    # Through a file object: torch names the zip archive after a path's stem, and refuses the
+    # temporary file's (it starts with a dot).
+    with open(path, "wb") as f:
+        torch.save(tensors, f)
 
 
 def quant_problem(path: str | None) -> Problem | None:
