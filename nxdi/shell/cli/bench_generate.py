@@ -58,6 +58,14 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model a bench command measures: `--shape` or `--model-path`, `--dtype`, `--batch-size`."""
+    p.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    p.add_argument("--model-path", default=None, help="benchmark this checkpoint instead of a random shape")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1])
+
+
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "generate",
@@ -66,10 +74,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    p.add_argument("--shape", choices=sorted(SHAPES), default="small")
-    p.add_argument("--model-path", default=None, help="benchmark this checkpoint instead of a random shape")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    add_model_args(p)
     p.add_argument("--tp-degree", type=int, nargs="+", default=[1], help="tensor-parallel degrees to compare")
     p.add_argument("--backend", nargs="+", default=["cpu"], choices=["cpu", "xla", "neuron"])
     p.add_argument("--prompt-len", type=int, default=128)

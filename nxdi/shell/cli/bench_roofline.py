@@ -46,7 +46,7 @@ _BANDWIDTH_REPEAT = 5
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from nxdi.shell.cli.bench_generate import SHAPES
+    from nxdi.shell.cli.bench_generate import add_model_args
 
     p = sub.add_parser(
         "roofline",
@@ -55,10 +55,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    p.add_argument("--shape", choices=sorted(SHAPES), default="small")
-    p.add_argument("--model-path", default=None, help="benchmark this checkpoint instead of a random shape")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    add_model_args(p)
     p.add_argument("--weights", choices=list(WEIGHTS), default="dtype", help="weight storage (dtype: --dtype)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
