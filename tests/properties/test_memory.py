@@ -78,3 +78,22 @@ def test_verdict_and_min_tp_are_consistent(model: ModelSpec, req: memory.MemoryR
     degrees = sharding.valid_tp_degrees(req.platform, req.lnc)
     fitting = [t for t in degrees if memory.memory_plan(model, attrs.evolve(req, tp_degree=t)).unwrap().fits]
     assert plan.min_tp_degree == (fitting[0] if fitting else None)
+
+
+def test_quantized_weights_count_lm_head_and_honour_modules_to_not_convert() -> None:
+    """int8 linears (lm_head included, as quantized=True stores it) take a byte per value plus a
+    float32 scale per row; a linear modules_to_not_convert keeps stays in the dtype, per layer."""
+    model = ModelSpec(
+        model_type="llama", hidden_size=8, num_attention_heads=2, num_kv_heads=1, head_dim=4,
+        num_layers=2, vocab_size=10, intermediate_size=16, max_position_embeddings=64,
+    )  # fmt: skip
+    plan = sharding.shard_plan(model, tp=1, fused_qkv=True).unwrap()
+    base = memory.MemoryRequest(tp_degree=1, torch_dtype="bfloat16", weight_quant_dtype="int8", per_channel_scales=True)
+
+    def weights(*skip: str) -> int:
+        return memory.weight_bytes_per_core(plan, attrs.evolve(base, quant_skip=skip))
+
+    lm_head = 10 * 8  # vocab x hidden
+    assert weights("lm_head") - weights() == 2 * lm_head - (lm_head + 10 * 4)
+    up = 16 * 8  # one layer's up_proj
+    assert weights("layers.0.mlp.up_proj") - weights() == 2 * up - (up + 16 * 4)
