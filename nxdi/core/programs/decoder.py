@@ -167,12 +167,16 @@ def _attention(
     """
     b, s = slots.shape
     h, kh, d = part.q_heads, part.kv_heads, spec.head_dim
-    q, k, v = linear(x, w.qkv, w.qkv_bias).split([h * d, kh * d, kh * d], dim=-1)
-    q, k, v = q.view(b, s, h, d), k.view(b, s, kh, d), v.view(b, s, kh, d)
+    qkv = linear(x, w.qkv, w.qkv_bias).view(b, s, h + 2 * kh, d)
+    v = qkv[:, :, h + kh :]
     if spec.qk_norm:
         assert w.q_norm is not None and w.k_norm is not None, "qk_norm needs q_norm and k_norm weights"
-        q, k = layers.rms_norm(q, w.q_norm, spec.norm_eps), layers.rms_norm(k, w.k_norm, spec.norm_eps)
-    q, k = layers.apply_rope(q, *rope), layers.apply_rope(k, *rope)
+        q = layers.rms_norm(qkv[:, :, :h], w.q_norm, spec.norm_eps)
+        k = layers.rms_norm(qkv[:, :, h : h + kh], w.k_norm, spec.norm_eps)
+        q, k = layers.apply_rope(q, *rope), layers.apply_rope(k, *rope)
+    else:  # q and k heads roped together: the same elementwise ops, half the calls
+        qk = layers.apply_rope(qkv[:, :, : h + kh], *rope)
+        q, k = qk[:, :, :h], qk[:, :, h:]
     if blocks is not None:
         assert mask is not None, "a block step has a mask per layer"
         o, k_cache, v_cache = _block_attention(q, k, v, k_cache, v_cache, mask, blocks)
@@ -248,7 +252,8 @@ def _block_masks(
 
 
 def _rope_tables(positions: Tensor, seq_len: Tensor, spec: ModelSpec, w: DecoderWeights) -> tuple[Tensor, Tensor]:
-    """cos/sin [B, S, 1, D] at `positions` [B, S]; `seq_len`, the longest real sequence (dynamic NTK)."""
+    """cos and `layers.signed_sin` [B, S, 1, D] at `positions` [B, S]; `seq_len`, the longest real
+    sequence (dynamic NTK)."""
     assert spec.rope is not None, "the dense decoder uses rotary positions"
     cos, sin = layers.rope_cos_sin(
         spec.rope,
@@ -258,7 +263,7 @@ def _rope_tables(positions: Tensor, seq_len: Tensor, spec: ModelSpec, w: Decoder
         dtype=w.embed.dtype,
         seq_len=seq_len,
     )
-    return cos[:, :, None], sin[:, :, None]
+    return cos[:, :, None], layers.signed_sin(sin)[:, :, None]
 
 
 def _embed(w: DecoderWeights, ids: Tensor, spec: ModelSpec, part: Partition, coll: Collectives) -> Tensor:
