@@ -15,8 +15,8 @@
 namespace {
 
 
-template <int M, int kUnroll>
-void block(const float* x, const int8_t* w, const float* scale, const float* bias, float* y, int64_t K,
+template <int M, int kUnroll, typename Out>
+void block(const float* x, const int8_t* w, const float* scale, const float* bias, Out* y, int64_t K,
            int64_t N, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* row = w + n * K;
@@ -36,9 +36,23 @@ void block(const float* x, const int8_t* w, const float* scale, const float* bia
       for (int u = 1; u < kUnroll; ++u) sum = _mm512_add_ps(sum, acc[u][m]);
       float s = _mm512_reduce_add_ps(sum);
       for (int64_t t = k; t < K; ++t) s += x[m * K + t] * static_cast<float>(row[t]);
-      y[m * N + n] = s * scale[n] + (bias ? bias[n] : 0.0f);
+      y[m * N + n] = static_cast<Out>(s * scale[n] + (bias ? bias[n] : 0.0f));
     }
   }
+}
+
+template <typename Out>
+void run(const float* x, const int8_t* w, const float* scale, const float* bias, Out* y, int64_t M, int64_t K,
+         int64_t N) {
+  // Grain: at least 64 output rows (a few KB of weights) per task.
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    switch (M) {
+      case 1: block<1, 4>(x, w, scale, bias, y, K, N, n0, n1); break;
+      case 2: block<2, 4>(x, w, scale, bias, y, K, N, n0, n1); break;
+      case 3: block<3, 1>(x, w, scale, bias, y, K, N, n0, n1); break;
+      default: block<4, 1>(x, w, scale, bias, y, K, N, n0, n1); break;
+    }
+  });
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
@@ -48,26 +62,27 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == w.size(0), "int8_linear: scale must be [N]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(M >= 1 && M <= 4, "int8_linear: x must have 1 to 4 rows");
+  // x is at most 4 rows: widened to fp32 once, here, rather than per weight vector.
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor wc = w.contiguous();
   const at::Tensor sf = scale.to(at::kFloat).contiguous();
   const at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const float* xp = xf.data_ptr<float>();
-  const int8_t* wp = wc.data_ptr<int8_t>();
-  const float* sp = sf.data_ptr<float>();
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  // Grain: whole groups of kRows rows, at least 64 rows (a few KB of weights) per task.
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    switch (M) {
-      case 1: block<1, 4>(xp, wp, sp, bp, yp, K, N, n0, n1); break;
-      case 2: block<2, 4>(xp, wp, sp, bp, yp, K, N, n0, n1); break;
-      case 3: block<3, 1>(xp, wp, sp, bp, yp, K, N, n0, n1); break;
-      default: block<4, 1>(xp, wp, sp, bp, yp, K, N, n0, n1); break;
-    }
-  });
-  return y.to(x.scalar_type());
+  at::Tensor y = at::empty({M, N}, x.options());  // written in x's dtype: no conversion pass after
+  switch (x.scalar_type()) {
+    case at::kBFloat16:
+      run(xf.data_ptr<float>(), wc.data_ptr<int8_t>(), sf.data_ptr<float>(), bp, y.data_ptr<at::BFloat16>(), M, K, N);
+      break;
+    case at::kHalf:
+      run(xf.data_ptr<float>(), wc.data_ptr<int8_t>(), sf.data_ptr<float>(), bp, y.data_ptr<at::Half>(), M, K, N);
+      break;
+    case at::kFloat:
+      run(xf.data_ptr<float>(), wc.data_ptr<int8_t>(), sf.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, N);
+      break;
+    default:
+      TORCH_CHECK(false, "int8_linear: x must be bf16, fp16 or fp32");
+  }
+  return y;
 }
 
 }  // namespace
