@@ -6,8 +6,9 @@ Rules (NxDI `save_quantized_state_dict` / NxD `quantize.convert`):
   `weights.scale_shape_for`). Bias, norms and embeddings stay as they are.
 - Quantized by default: every linear projection, i.e. attention q/k/v/o (or fused Wqkv), MLP
   gate/up/down, and lm_head (NxD swaps every Column/RowParallelLinear, and lm_head is one).
-  Embeddings and norms are never quantized. NxDI's own saver writes `hf_model.model.state_dict()`,
-  which has no lm_head, so quantized checkpoints usually list "lm_head" in modules_to_not_convert.
+  Embeddings and norms are never quantized. NxDI's causal-LM saver writes the base model's state
+  dict (keys without `model.`) plus the lm_head module's (`lm_head.weight`, and `lm_head.scale`
+  when it was quantized; a tied model's lm_head is written as its own weight).
 - `modules_to_not_convert` entries are *substrings* of the module path (the key without
   `.weight`): "layers.0.mlp" skips layers.0.mlp.{gate,up,down}_proj, and "lm_head" skips lm_head.
   As in the reference, "layers.1" also matches "layers.10...": write "layers.1." to be exact.
