@@ -56,6 +56,12 @@ def module_of(name: str) -> str:
     return name.removesuffix(".weight")
 
 
+def kept_in_float(name: str, modules_to_not_convert: Iterable[str] | None) -> bool:
+    """True when an entry of `modules_to_not_convert` is a substring of the module path of weight
+    key `name` (the reference's matching: "layers.1" also matches "layers.10...")."""
+    return any(pattern in module_of(name) for pattern in modules_to_not_convert or ())
+
+
 @attrs.frozen(kw_only=True)
 class WeightQuant:
     """How a quantized checkpoint stores its linear weights (`NeuronConfig(quantized=True, ...)`)."""
@@ -74,7 +80,7 @@ class WeightQuant:
 
     def excludes(self, name: str) -> bool:
         """True when `modules_to_not_convert` keeps the linear `name` (a `.weight` key) in float."""
-        return any(pattern in module_of(name) for pattern in self.skip)
+        return kept_in_float(name, self.skip)
 
     def block(self) -> tuple[int, int]:
         """(rows, columns) per scale block of a [out, in] weight; 1 for an axis not blocked."""

@@ -13,6 +13,7 @@ from nxdi.core.host.quant import weights
 from nxdi.core.host.quant.weights import QuantDtype, QuantScheme, QuantType, parse_quant_scheme
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.programs.linear import QuantizedWeight
+from nxdi.core.weight_plan import WeightQuant, scale_name
 from nxdi.testing.strategies.decoders import dense_specs
 
 DIVISORS = [1, 2, 4, 8, 16]
@@ -135,7 +136,6 @@ def test_quantized_rank_weights_dequantize_to_the_rank_slice_of_the_float_weight
     from nxdi.core.planning import sharding
     from nxdi.core.planning.rank_weights import rank_plan
     from nxdi.core.programs.linear import dequantize
-    from nxdi.core.weight_plan import WeightQuant, scale_name
     from nxdi.testing.strategies.decoders import plan_of, random_state_dict
 
     scheme = parse_quant_scheme(quantization_type=qtype).unwrap()
@@ -165,7 +165,5 @@ def test_quantized_rank_weights_dequantize_to_the_rank_slice_of_the_float_weight
 
 def dequantize_state(tensors: dict[str, Tensor], key: str) -> Tensor:
     """The float weight of quantized `key` (values times their scale, in float32)."""
-    from nxdi.core.host.quant import layout
-
-    scale = tensors[layout.scale_key(key)]
+    scale = tensors[scale_name(key)]
     return tensors[key].float() * (scale if scale.numel() == 1 else scale.reshape(-1, 1))

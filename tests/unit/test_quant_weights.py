@@ -8,6 +8,7 @@ from returns.result import Failure, Success
 
 from nxdi.core.host.quant import layout, weights
 from nxdi.core.host.quant.weights import QuantDtype, QuantType
+from nxdi.core.weight_plan import scale_name
 
 
 def scheme(qtype: str = "per_tensor_symmetric", dtype: str = "int8", **kw: object) -> weights.QuantScheme:
@@ -194,7 +195,7 @@ def _state_dict(s: weights.QuantScheme, skip: list[str]) -> dict[str, torch.Tens
     sd = {k: torch.randn(8, 16) for k in NAMES}
     for key in layout.quantized_keys(NAMES, skip).quantized:
         q = quantize_ok(sd[key], s)
-        sd[key], sd[layout.scale_key(key)] = q.values, q.scale
+        sd[key], sd[scale_name(key)] = q.values, q.scale
     return sd
 
 

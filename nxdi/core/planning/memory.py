@@ -27,6 +27,7 @@ from nxdi.core.errors import ConfigError
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import gqa, kv_layout, lora, sharding
 from nxdi.core.platform import PLATFORMS, Platform
+from nxdi.core.weight_plan import kept_in_float
 
 SCORE_TILE_ROWS = 1024
 """Query rows whose attention scores are assumed live at once (flash-attention style tiling)."""
@@ -131,8 +132,7 @@ def weight_bytes_per_core(plan: sharding.ShardPlan, req: MemoryRequest) -> int:
         n = w.rank_numel()
         names = [w.name.replace("{i}", str(i)) for i in range(plan.num_layers)] if w.per_layer else [w.name]
         for name in names:
-            kept = any(pattern in name.removesuffix(".weight") for pattern in req.quant_skip)
-            if req.weight_quant_dtype is not None and _is_linear(w) and not kept:
+            if req.weight_quant_dtype is not None and _is_linear(w) and not kept_in_float(name, req.quant_skip):
                 out_features = w.rank_shape()[-2]
                 total += n + (out_features if req.per_channel_scales else 1) * SCALE_BYTES
             else:

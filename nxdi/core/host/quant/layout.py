@@ -25,6 +25,7 @@ from returns.result import Failure, Result, Success
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.host.quant import weights
 from nxdi.core.host.quant.weights import QuantScheme, QuantType
+from nxdi.core.weight_plan import kept_in_float, module_of, scale_name
 
 LINEAR_LEAVES = frozenset(
     {"q_proj", "k_proj", "v_proj", "o_proj", "Wqkv", "gate_proj", "up_proj", "down_proj", "lm_head"}
@@ -61,21 +62,6 @@ class QuantPlan:
     """Linear `.weight` keys kept in float because modules_to_not_convert matched them."""
 
 
-def scale_key(weight_key: str) -> str:
-    """`a.b.weight` -> `a.b.scale`."""
-    return weight_key.removesuffix("weight") + "scale"
-
-
-def module_path(weight_key: str) -> str:
-    """`layers.0.mlp.up_proj.weight` -> `layers.0.mlp.up_proj`."""
-    return weight_key.removesuffix(".weight")
-
-
-def is_excluded(path: str, modules_to_not_convert: Iterable[str] | None) -> bool:
-    """True when any entry is a substring of the module path (the reference's matching)."""
-    return any(pattern in path for pattern in modules_to_not_convert or ())
-
-
 def is_linear_weight(key: str) -> bool:
     """True for `<...>.<leaf>.weight` with leaf one of `LINEAR_LEAVES`."""
     parts = key.split(".")
@@ -92,8 +78,8 @@ def quantized_keys(names: Iterable[str], modules_to_not_convert: Iterable[str] |
     skip = tuple(modules_to_not_convert or ())
     linear = sorted(k for k in set(names) if is_linear_weight(k))
     return QuantPlan(
-        quantized=[k for k in linear if not is_excluded(module_path(k), skip)],
-        excluded=[k for k in linear if is_excluded(module_path(k), skip)],
+        quantized=[k for k in linear if not kept_in_float(k, skip)],
+        excluded=[k for k in linear if kept_in_float(k, skip)],
     )
 
 
@@ -156,7 +142,7 @@ def _check_one(tensors: Mapping[str, TensorMeta], key: str, scheme: QuantScheme)
     regen = "regenerate the quantized checkpoint with this config"
     meta = tensors.get(key)
     if meta is None:
-        return [Problem.missing(key, f"{regen}, or add {module_path(key)!r} to modules_to_not_convert")]
+        return [Problem.missing(key, f"{regen}, or add {module_of(key)!r} to modules_to_not_convert")]
     want = scheme.dtype.torch_dtype
     if meta.dtype != want:
         stored = _QUANT_DTYPES.get(meta.dtype)
@@ -164,7 +150,7 @@ def _check_one(tensors: Mapping[str, TensorMeta], key: str, scheme: QuantScheme)
         out.append(
             Problem.of(key, str(meta.dtype), f"must be {want} for quantization_dtype={scheme.dtype.value!r}", fix)
         )
-    skey = scale_key(key)
+    skey = scale_name(key)
     smeta = tensors.get(skey)
     if smeta is None:
         out.append(Problem.missing(skey, f"{regen}; every quantized weight needs its scale"))
@@ -224,7 +210,7 @@ def quantize_state_dict(
     for key in quantized_keys(out, modules_to_not_convert).quantized:
         match weights.quantize(out[key], scheme, name=key):
             case Success(q):
-                out[key], out[scale_key(key)] = q.values, q.scale
+                out[key], out[scale_name(key)] = q.values, q.scale
             case Failure(err):
                 problems.extend(err.problems)
     return Failure(ConfigError(problems=problems)) if problems else Success(out)
