@@ -33,7 +33,7 @@ kernel within bf16 rounding).
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, fx
@@ -64,10 +64,15 @@ def packable_dtypes() -> frozenset[torch.dtype]:
     return frozenset(dtypes)
 
 
+def _on_rows(x: Tensor, linear_2d: Callable[[Tensor], Tensor]) -> Tensor:
+    """A 2-D-only linear kernel applied to x [..., K]: its rows flattened, the leading dims restored."""
+    y = linear_2d(x.reshape(-1, x.shape[-1]))
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear` with a prepacked weight: x [..., K], packed [N, K] (mkldnn layout) -> [..., N]."""
-    y = _POINTWISE(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
-    return y.view(*x.shape[:-1], y.shape[-1])
+    return _on_rows(x, lambda rows: _POINTWISE(rows, packed, bias, "none", [], ""))
 
 
 def _rows(node: fx.Node) -> int:
@@ -136,16 +141,14 @@ dequantize, which measured faster there (docs/cpu-backend.md, "Quantized weights
 def int8_linear(x: Tensor, values: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
     """`linear(x, values * scale[:, None], bias)` by torch's weight-only int8 kernel: x [..., K] bf16,
     values [N, K] int8, scale [N] bf16 -> [..., N] bf16."""
-    y = _INT8_MM(x.reshape(-1, x.shape[-1]), values, scale)
-    y = y.view(*x.shape[:-1], y.shape[-1])
+    y = _on_rows(x, lambda rows: _INT8_MM(rows, values, scale))
     return y if bias is None else y + bias
 
 
 def streamed_int8_linear(x: Tensor, values: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
     """The same by nxdi's kernel (`kernels/int8_linear.cpp`): x [..., K] of at most
     `KERNEL_MAX_ROWS` rows in bf16, fp16 or fp32, values [N, K] int8, scale [N] float32."""
-    y = torch.ops.nxdi_kernels.int8_linear(x.reshape(-1, x.shape[-1]), values, scale, bias)
-    return y.view(*x.shape[:-1], y.shape[-1])
+    return _on_rows(x, lambda rows: torch.ops.nxdi_kernels.int8_linear(rows, values, scale, bias))
 
 
 def _through_conversions(node: object) -> object:
