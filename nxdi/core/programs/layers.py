@@ -188,8 +188,21 @@ ACTIVATION_FNS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu_new": _gelu_tanh,
     "gelu_pytorch_tanh": _gelu_tanh,
     "relu": F.relu,
+    "sigmoid": torch.sigmoid,  # the GPT-OSS style swiglu experts' gate activation
 }
 """Hugging Face `hidden_act` names -> functions."""
+
+
+def activation(name: str) -> Callable[[Tensor], Tensor]:
+    """The function for a Hugging Face `hidden_act` name.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    fn = ACTIVATION_FNS.get(name)
+    if fn is None:
+        raise ValueError(f"unknown activation {name!r} (known: {', '.join(sorted(ACTIVATION_FNS))})")
+    return fn
 
 
 def gated_mlp(
