@@ -10,7 +10,8 @@ Theory of operation:
 2. Rename. Every checkpoint key is renamed once: a leading model prefix (`"model."`) becomes the new
    prefix (`""`), and a trailing `.weight_scale` becomes `.scale`.
 3. Steps. Each weight comes from one `WeightStep`: its sources are copied (one source), concatenated
-   along dim 0 (fused QKV: `Wqkv = [Q; K; V]`), or aliased to an earlier step (tied embeddings: the
+   along dim 0 (fused QKV: `Wqkv = [Q; K; V]`), stacked along a new dim 0 (a mixture of experts'
+   per-expert tensors, `experts.{x}.w1` for every expert x: [X, F, E]), or aliased to an earlier step (tied embeddings: the
    lm_head *is* the embedding, stored once), then passed through the step's transforms (a float cast
    today; GQA head padding and tensor-parallel slices join `Transform`).
 4. Check. `check_checkpoint` compares a checkpoint's keys and shapes with the plan and reports every
@@ -140,24 +141,41 @@ class Weight:
     """The ModelSpec flag it exists under (`qkv_bias`, ...); None: always."""
     linear: bool = False
     """A linear layer's [out, in] weight: what `quantized=True` stores as int8/fp8 values plus scales."""
+    experts: bool = False
+    """One source per expert: its one source's name has an `{x}` field, filled with every expert
+    index 0..X-1, and the X tensors are stacked along a new dim 0."""
 
     def exists(self, spec: ModelSpec) -> bool:
         return self.when is None or bool(getattr(spec, self.when))
 
+    def source_names(self, spec: ModelSpec, prefix: str = "") -> tuple[str, ...]:
+        """The checkpoint names of its sources (every expert's, for an experts weight)."""
+        if self.experts:
+            return tuple(prefix + self.sources[0].name.format(x=x) for x in range(spec.num_experts))
+        return tuple(prefix + s.name for s in self.sources)
+
     def source_shapes(self, spec: ModelSpec) -> tuple[Shape, ...]:
-        """The sources' shapes in sizes."""
+        """The sources' shapes in sizes (one per expert for an experts weight)."""
         sizes = dims(spec)
-        return tuple(tuple(sizes[d] for d in s.shape) for s in self.sources)
+        shapes = tuple(tuple(sizes[d] for d in s.shape) for s in self.sources)
+        return shapes * spec.num_experts if self.experts else shapes
 
     def shape(self, spec: ModelSpec) -> Shape:
-        """The produced shape: the source's, or the sources' concatenated along dim 0."""
+        """The produced shape: the source's, the sources' concatenated along dim 0, or stacked."""
         shapes = self.source_shapes(spec)
+        if self.experts:
+            return (len(shapes), *shapes[0])
         return (sum(s[0] for s in shapes), *shapes[0][1:])
 
 
 def copy(slot: str, name: str, shape: tuple[str, ...], *, when: str | None = None, linear: bool = False) -> Weight:
     """A weight copied from the checkpoint tensor of the same name."""
     return Weight(slot=slot, name=name, sources=(Source(name=name, shape=shape),), when=when, linear=linear)
+
+
+def stacked(slot: str, name: str, source: str, shape: tuple[str, ...]) -> Weight:
+    """An experts weight: `source` (with an `{x}` field) of every expert, stacked into [X, *shape]."""
+    return Weight(slot=slot, name=name, sources=(Source(name=source, shape=shape),), experts=True)
 
 
 def fused(
@@ -223,6 +241,8 @@ class Combine(enum.Enum):
     """One source, unchanged."""
     CONCAT = "concat"
     """Several sources concatenated along dim 0 (fused QKV)."""
+    STACK = "stack"
+    """Several sources of one shape stacked along a new dim 0 (one per expert)."""
     ALIAS = "alias"
     """The very tensor an earlier step produced (tied embeddings); never copied."""
 
@@ -302,7 +322,12 @@ class WeightStep:
     def shape(self) -> Shape:
         """Shape of the produced weight."""
         taken = [tk.out_shape(s) if (tk := self.take(i)) else s for i, s in enumerate(self.source_shapes)]
-        shape = (sum(s[0] for s in taken), *taken[0][1:]) if self.combine is Combine.CONCAT else taken[0]
+        if self.combine is Combine.CONCAT:
+            shape = (sum(s[0] for s in taken), *taken[0][1:])
+        elif self.combine is Combine.STACK:
+            shape = (len(taken), *taken[0])
+        else:
+            shape = taken[0]
         for t in self.transforms:
             shape = t.out_shape(shape)
         return shape
@@ -354,10 +379,10 @@ def rename_key(key: str, *, model_prefix: str = STATE_DICT_MODEL_PREFIX, new_pre
 
 def _step(name: str, weight: Weight, *, prefix: str, spec: ModelSpec, casts: tuple[Transform, ...]) -> WeightStep:
     """The step for one weight (`prefix` is its layer prefix); names ending in `scale` keep their dtype."""
-    combine = Combine.CONCAT if len(weight.sources) > 1 else Combine.COPY
+    combine = Combine.STACK if weight.experts else Combine.CONCAT if len(weight.sources) > 1 else Combine.COPY
     return WeightStep(
         name=name,
-        sources=tuple(prefix + s.name for s in weight.sources),
+        sources=weight.source_names(spec, prefix),
         source_shapes=weight.source_shapes(spec),
         combine=combine,
         transforms=() if name.endswith("scale") else casts,

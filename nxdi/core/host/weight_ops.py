@@ -67,7 +67,10 @@ def apply_step(step: weights.WeightStep, sources: Sequence[Tensor], offsets: Seq
         take(t, tk, offset=offsets[i] if offsets else 0) if (tk := step.take(i)) is not None else t
         for i, t in enumerate(sources)
     ]
-    out = parts[0] if step.combine is weights.Combine.COPY else torch.cat(parts, dim=0)
+    if step.combine is weights.Combine.STACK:
+        out = torch.stack(parts)
+    else:
+        out = parts[0] if step.combine is weights.Combine.COPY else torch.cat(parts, dim=0)
     for t in step.transforms:
         out = apply_transform(out, t)
     return out

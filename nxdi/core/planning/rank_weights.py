@@ -7,6 +7,7 @@ padding, a padded intermediate or vocabulary size), and which spans of that layo
 original indices the rank needs, in order, None for a zero row. The checkpoint reader then reads
 only the range of rows a Take spans (`Take.bounds`), so a rank holds its shard and nothing more.
 
+- A stacked step (one source per expert) takes the same rows or columns of every expert.
 - A fused step (Q, K and V concatenated) gets one Take per source: the rank's Q rows from q_proj,
   its K rows from k_proj, its V rows from v_proj, which concatenate into its `[Q_r; K_r; V_r]`.
 - A tied lm_head stays an alias of the embedding only when both are split alike (vocab-parallel);
@@ -47,6 +48,10 @@ def _takes(step: WeightStep, shard: WeightShard, rank: int) -> tuple[Take, ...]:
     """One Take per source of `step`: its rows (along the split dim) that `rank` holds."""
     assert shard.dim is not None
     spans = _padded_indices(shard, rank)
+    if step.combine is Combine.STACK:  # the split dim counts the stacked expert dim; each expert is split alike
+        assert shard.dim > 0, "experts are split inside each expert, not across them"
+        every = Take(dim=shard.dim - 1, indices=[i for span in spans for i in span])
+        return (every,) * len(step.sources)
     if len(step.sources) == 1:
         return (Take(dim=shard.dim, indices=[i for span in spans for i in span]),)
     # Fused: the shard's layout indexes the concatenation of the sources; span k lies in source k.
