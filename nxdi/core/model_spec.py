@@ -106,6 +106,9 @@ class ModelSpec:
     num_experts: int = 0
     """Experts per MoE layer; 0 for dense models."""
     num_experts_per_tok: int = 0
+    moe_normalize: bool = True
+    """MoE: the chosen experts' router weights are renormalised to sum to 1 (Mixtral; Qwen3-MoE's
+    `norm_topk_prob`)."""
     pad_token_id: int | None = setting(None, "Padding token id (runtime only).", graph=False)
     bos_token_id: int | None = setting(None, "Beginning-of-sequence token id (runtime only).", graph=False)
     eos_token_ids: tuple[int, ...] = attrs.field(
@@ -143,6 +146,14 @@ class ModelSpec:
     def cache_window(self) -> int | None:
         """The window every layer shares, which bounds the positions a KV cache must keep (None: all)."""
         return None if self.full_attention_layers else self.sliding_window
+
+    def active_params(self) -> int:
+        """Parameters one token reads: all of them, less the experts it does not choose."""
+        if not self.is_moe:
+            return self.num_params()
+        e, f = self.hidden_size, self.intermediate_size
+        expert = (3 if self.gated_mlp else 2) * e * f + ((2 * f if self.gated_mlp else f) + e if self.mlp_bias else 0)
+        return self.num_params() - self.num_layers * (self.num_experts - self.num_experts_per_tok) * expert
 
     def num_params(self) -> int:
         """Parameter count of the checkpoint (tied embeddings counted once)."""

@@ -48,6 +48,7 @@ from returns.result import Failure, Result, Success
 from torch import Tensor
 
 from nxdi.core.config.neuron_spec import NeuronSpec
+from nxdi.core.config.sub_specs import MoESpec
 from nxdi.core.errors import ArtifactError, CheckpointError, Problem
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
@@ -116,9 +117,10 @@ class EngineModel:
         return planned.unwrap()
 
     def partition(self) -> Partition:
-        """What every rank holds (one rank: everything, GQA kept native)."""
+        """What every rank holds (one rank: everything, GQA kept native; with its MoE settings)."""
         if self.tp == 1:
-            return Partition.single(self.model)
+            single = Partition.single(self.model)
+            return attrs.evolve(single, moe=self.spec.moe or MoESpec()) if self.model.is_moe else single
         checked = check_partition(self.model, self.spec)
         assert isinstance(checked, Success), f"a model that passed its checks shards: {checked}"
         return checked.unwrap()
@@ -157,7 +159,8 @@ class EngineModel:
     def step_spec(self) -> StepSpec:
         """The static part of every step program."""
         ods = self.spec.on_device_sampling_config
-        part = None if self.tp == 1 else self.partition()
+        # One rank needs no partition, unless it carries a mixture of experts' settings.
+        part = self.partition() if self.tp > 1 or self.model.is_moe else None
         if ods is None:
             return StepSpec(model=self.model, partition=part)
         return StepSpec(

@@ -17,10 +17,12 @@ from __future__ import annotations
 import enum
 import json
 import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 import transformers
 
@@ -97,9 +99,14 @@ def build_model(variant: str, *, seed: int = 0, **overrides: Any) -> transformer
 
 
 def _checkpoint_tensors(model: transformers.PreTrainedModel) -> dict[str, torch.Tensor]:
-    """The state dict as Hugging Face saves it: tied `lm_head.weight` left out, tensors contiguous."""
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    return {k: v.detach().contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    """The tensors as Hugging Face saves them (tied `lm_head.weight` left out; mixture-of-experts
+    weights per expert, as the hub stores them, where the module holds them fused): what
+    `save_pretrained` writes, read back."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        return {
+            k: v for f in sorted(Path(tmp).glob("*.safetensors")) for k, v in safetensors.torch.load_file(f).items()
+        }
 
 
 def _shards(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from nxdi.core import families
 from nxdi.core.host.logit_validation import DEFAULT_TOL_MAP, compare_position, max_relative_logit_error
 from nxdi.shell.exceptions import IncompatibleConfigError
 from tests.support.engine_fixtures import (
@@ -110,8 +111,15 @@ def test_reset_kv_cache_populated_and_reset_kv_cache(loaded_model: Callable[...,
 
 # --- bf16 ----------------------------------------------------------------------------------------
 
+DENSE = tuple(r.name for r in families.runnable() if not r.moe)
+"""The bf16 checks on random weights below run on dense families: a random router's expert scores
+are near ties, and one within bf16 rounding of a tie picks another expert, a jump no logit
+tolerance describes (seen on qwen3_moe: 0.19 against rtol 0.05 at one position). The mixtures of
+experts are checked in bf16 on briefly trained checkpoints, where the router decides
+(tests/e2e/test_accuracy.py)."""
 
-@pytest.mark.parametrize("variant", FAMILIES)
+
+@pytest.mark.parametrize("variant", DENSE)
 def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(
     variant: str,
     loaded_model: Callable[..., Any],
@@ -146,7 +154,7 @@ def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(
     assert err.abs().max() <= 1.25 * ref.abs().max()
 
 
-@pytest.mark.parametrize("variant", FAMILIES)
+@pytest.mark.parametrize("variant", DENSE)
 def test_bf16_greedy_tokens_agree_with_transformers_bf16_until_a_near_tie(
     variant: str, loaded_model: Callable[..., Any], tiny_model: Callable[[str], Any]
 ) -> None:

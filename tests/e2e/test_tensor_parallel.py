@@ -1,6 +1,6 @@
 """Tensor parallelism end to end: rank processes (gloo) driven through the documented API, and torchrun.
 
-- Every family at tp 2 and 4 (with sequence parallelism, vocabulary-parallel embeddings and flash
+- Every family at tp 2 and 4, the mixtures of experts included (with sequence parallelism, vocabulary-parallel embeddings and flash
   decoding switched on in some of them): greedy tokens equal transformers' (batch 1 and a padded
   batch of 4), logits within 1e-5 of the largest logit against tp 1.
 - GQA layouts: KV heads replicated (2 KV heads at tp 4), Q heads zero padded (6 Q heads at tp 4),
@@ -108,6 +108,10 @@ CASES = [  # (family, tp_degree, compiled batch, settings): each family at tp 2 
     ("qwen3", 2, 4, ()),
     ("qwen3", 4, 1, (SP,)),
     ("qwen3", 4, 4, (FD,)),
+    ("mixtral", 2, 1, ()),  # mixtures of experts: every expert split along its intermediate width
+    ("mixtral", 2, 4, (SP,)),
+    ("qwen3_moe", 2, 4, (VP,)),
+    ("qwen3_moe", 4, 1, ()),
 ]
 
 

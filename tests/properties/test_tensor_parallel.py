@@ -1,6 +1,6 @@
 """Tensor parallelism in the programs, with ranks as threads (tests/support/thread_ranks.py).
 
-- every rank of a tp-way split gives the logits of one rank holding everything, through a prefill
+- every rank of a tp-way split (dense or mixture of experts) gives the logits of one rank holding everything, through a prefill
   and decode steps, whatever the head counts (GQA replication, zero-padded heads, MHA conversion),
   with the embedding split along hidden or vocabulary, with and without sequence parallelism, and
   with flash decoding (each rank caching 1/g of the sequence) wherever the layout allows it;
@@ -24,7 +24,14 @@ from nxdi.core.planning.partition import Partition, partition_of
 from nxdi.core.planning.rank_weights import rank_plan
 from nxdi.core.programs import inputs, kv_cache
 from nxdi.core.programs.collectives import SINGLE, Collectives
-from nxdi.testing.strategies.decoders import dense_specs, plan_of, program_of, random_state_dict, random_weights
+from nxdi.testing.strategies.decoders import (
+    decoder_specs,
+    dense_specs,
+    plan_of,
+    program_of,
+    random_state_dict,
+    random_weights,
+)
 from tests.support.thread_ranks import run_ranks
 
 SEEDS = st.integers(0, 2**31 - 1)
@@ -32,7 +39,7 @@ SEEDS = st.integers(0, 2**31 - 1)
 
 @st.composite
 def tp_cases(draw: st.DrawFn) -> tuple[ModelSpec, int, bool, bool]:
-    return draw(dense_specs()), draw(st.integers(2, 4)), draw(st.booleans()), draw(st.booleans())
+    return draw(decoder_specs()), draw(st.integers(2, 4)), draw(st.booleans()), draw(st.booleans())
 
 
 def _rank_weights(spec: ModelSpec, tp: int, vocab_parallel: bool, seed: int) -> tuple[sharding.ShardPlan, list[Any]]:

@@ -12,7 +12,7 @@ from nxdi.core import weight_plan as weights
 from nxdi.core.families.llama import LLAMA_WEIGHTS
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
-from nxdi.testing.strategies.decoders import checkpoint_shapes, dense_specs, plan_of, random_state_dict
+from nxdi.testing.strategies.decoders import checkpoint_shapes, dense_specs, moe_specs, plan_of, random_state_dict
 from nxdi.testing.strategies.hf_configs import model_specs
 
 DENSE = ("llama", "mistral", "qwen2", "qwen3")
@@ -116,3 +116,22 @@ def test_convert_fuses_ties_and_casts_without_touching_the_input(spec: ModelSpec
         assert out["lm_head.weight"] is out["embed_tokens.weight"]
     else:
         assert torch.equal(out["lm_head.weight"], sd["lm_head.weight"].to(target))
+
+
+@settings(deadline=None, max_examples=20)
+@given(moe_specs(), SEEDS)
+def test_convert_stacks_every_expert_in_order(spec: ModelSpec, seed: int) -> None:
+    sd = random_state_dict(spec, seed)
+    out = weight_ops.convert(plan_of(spec), sd).unwrap()
+    expert = "block_sparse_moe.experts.{x}.w{n}" if spec.model_type == "mixtral" else "mlp.experts.{x}.{n}_proj"
+    names = (
+        {"gate": "1", "up": "3", "down": "2"}
+        if spec.model_type == "mixtral"
+        else {p: p for p in ("gate", "up", "down")}
+    )
+    for i in range(spec.num_layers):
+        for part, n in names.items():
+            got = out[f"layers.{i}.mlp.experts.{part}_proj.weight"]
+            assert got.shape[0] == spec.num_experts
+            for x in range(spec.num_experts):
+                assert torch.equal(got[x], sd[f"model.layers.{i}." + expert.format(x=x, n=n) + ".weight"])

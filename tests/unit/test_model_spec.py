@@ -637,3 +637,15 @@ def test_missing_heads_is_reported_once_not_as_missing_kv_heads_too() -> None:
 )
 def test_each_problem_names_its_field(raw: dict[str, Any], field: str) -> None:
     assert [p.field for p in failure(raw).problems] == [field]
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_active_params_count_the_chosen_experts_only(name: str) -> None:
+    """One token reads every parameter but those of the experts it does not choose."""
+    from nxdi.testing.checkpoints import build_model
+
+    model = build_model(name)
+    spec = parsed(model.config.to_dict())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    unchosen = experts * (spec.num_experts - spec.num_experts_per_tok) // spec.num_experts
+    assert spec.active_params() == _unique_param_count(model) - unchosen

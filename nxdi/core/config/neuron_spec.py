@@ -637,7 +637,6 @@ class NeuronSpec:
     moe: MoESpec | None = _moe(
         None,
         "Mixture-of-experts options, set through MoENeuronConfig's flat attributes; default None (dense model).",
-        cpu="used by MoE families, which have no CPU program yet",
     )
 
     # --- derived (the reference computes these; never inputs) ------------------------------

@@ -225,7 +225,9 @@ class MoESpec:
     capacity_factor: float | None = setting(
         None, "Tokens per expert as a multiple of the fair share; None never drops tokens."
     )
-    glu_mlp: bool = setting(True, "Experts use a gated (GLU) MLP.")
+    glu_mlp: bool = setting(
+        True, "Experts use a gated (GLU) MLP.", cpu=OnCpu.REFUSED, cpu_note="the CPU MoE block runs gated experts"
+    )
     glu_type: Literal["glu", "swiglu"] = setting("glu", 'Gated activation form: "glu" or "swiglu".')
     hidden_act_scaling_factor: float = setting(1.0, "Scaling factor applied inside the expert activation.")
     hidden_act_bias: float = setting(0.0, "Bias added inside the expert activation.")
@@ -241,26 +243,60 @@ class MoESpec:
     up_clamp_lower_limit: float | None = setting(
         None, "Lower clamp on the expert up projection output; default None (no clamp)."
     )
-    use_index_calc_kernel: bool = setting(False, "Use the index-calculation kernel for expert token routing.")
-    moe_mask_padded_tokens: bool = setting(False, "Exclude padding tokens from expert routing.")
+    use_index_calc_kernel: bool = setting(
+        False, "Use the index-calculation kernel for expert token routing.", cpu="a Neuron kernel"
+    )
+    moe_mask_padded_tokens: bool = setting(
+        False,
+        "Exclude padding tokens from expert routing.",
+        cpu=OnCpu.REFUSED,
+        cpu_note="the MoE block takes a token mask but the engine does not pass it yet",
+    )
     early_expert_affinity_modulation: bool = setting(
         False, "Scale expert inputs by router affinities before the expert MLP instead of after."
     )
     normalize_top_k_affinities: bool = setting(
         True, "Renormalize the top-k router weights to sum to 1 (kwarg alias: not disable_normalize_top_k_affinities)."
     )
-    fused_shared_experts: bool = setting(False, "Fuse the shared experts into the routed-expert computation.")
-    shared_experts_sequence_parallel_enabled: bool = setting(False, "Run the shared experts with sequence parallelism.")
-    return_expert_index: bool = setting(False, "Also return the chosen expert indices.")
-    return_router_logits: bool = setting(False, "Also return the router logits.")
-    hybrid_sharding_config: HybridShardingSpec | None = setting(
-        None, "Separate MoE TP/EP degrees for context encoding and token generation."
+    fused_shared_experts: bool = setting(
+        False,
+        "Fuse the shared experts into the routed-expert computation.",
+        cpu="no family nxdi runs has shared experts",
     )
-    moe_tp_degree: int = setting(1, "Tensor-parallel degree inside MoE layers.", bounds=(1, MAX_DEGREE))
-    moe_ep_degree: int = setting(1, "Expert-parallel degree inside MoE layers, in ranks.", bounds=(1, MAX_DEGREE))
-    transpose_shared_experts_weights: bool = setting(False, "Transpose the shared-expert weights at load.")
+    shared_experts_sequence_parallel_enabled: bool = setting(
+        False, "Run the shared experts with sequence parallelism.", cpu="no family nxdi runs has shared experts"
+    )
+    return_expert_index: bool = setting(
+        False, "Also return the chosen expert indices.", cpu=OnCpu.REFUSED, cpu_note="not among the outputs yet"
+    )
+    return_router_logits: bool = setting(
+        False, "Also return the router logits.", cpu=OnCpu.REFUSED, cpu_note="not among the outputs yet"
+    )
+    hybrid_sharding_config: HybridShardingSpec | None = setting(
+        None,
+        "Separate MoE TP/EP degrees for context encoding and token generation.",
+        cpu=OnCpu.REFUSED,
+        cpu_note="expert parallelism is not implemented yet",
+    )
+    moe_tp_degree: int = setting(
+        1,
+        "Tensor-parallel degree inside MoE layers; 1 or tp_degree while moe_ep_degree is 1 (then every rank splits every expert).",
+        bounds=(1, MAX_DEGREE),
+    )
+    moe_ep_degree: int = setting(
+        1,
+        "Expert-parallel degree inside MoE layers, in ranks.",
+        bounds=(1, MAX_DEGREE),
+        cpu=OnCpu.REFUSED,
+        cpu_note="expert parallelism is not implemented yet",
+    )
+    transpose_shared_experts_weights: bool = setting(
+        False, "Transpose the shared-expert weights at load.", cpu="no family nxdi runs has shared experts"
+    )
     blockwise_matmul_config: JsonMap = setting(
-        JsonMap(), "Blockwise expert matmul settings (NxD BlockwiseMatmulConfig kwargs); default empty."
+        JsonMap(),
+        "Blockwise expert matmul settings (NxD BlockwiseMatmulConfig kwargs); default empty.",
+        cpu="settings of a Neuron kernel",
     )
     router_config: RouterSpec = setting(
         RouterSpec(),

@@ -13,7 +13,7 @@ from typing import Any
 from nxdi.core.families import reader
 from nxdi.core.families.reader import ConfigReader
 from nxdi.core.families.record import ClassNames, FamilyRecord, ProgramKind
-from nxdi.core.weight_plan import WeightTable, copy, fused
+from nxdi.core.weight_plan import Source, Weight, WeightTable, copy, fused, stacked
 
 REQUIRED = (
     "hidden_size",
@@ -42,17 +42,24 @@ def _qkv(kind: str, tail: tuple[str, ...], when: str | None = None) -> Any:
     )
 
 
+ATTENTION: tuple[Weight, ...] = (
+    copy("input_norm", "input_layernorm.weight", ("E",)),
+    _qkv("weight", ("E",)),
+    _qkv("bias", (), when="qkv_bias"),
+    copy("attn.o", "self_attn.o_proj.weight", ("E", "Q"), linear=True),
+    copy("attn.o_bias", "self_attn.o_proj.bias", ("E",), when="o_bias"),
+    copy("attn.q_norm", "self_attn.q_norm.weight", ("D",), when="qk_norm"),
+    copy("attn.k_norm", "self_attn.k_norm.weight", ("D",), when="qk_norm"),
+    copy("post_norm", "post_attention_layernorm.weight", ("E",)),
+)
+"""A Llama layer's norms and attention, which the MoE families share."""
+EMBED = (copy("embed", "embed_tokens.weight", ("V", "E")),)
+HEAD = (copy("norm", "norm.weight", ("E",)), copy("lm_head", "lm_head.weight", ("V", "E"), linear=True))
+
 LLAMA_WEIGHTS = WeightTable(
-    before=(copy("embed", "embed_tokens.weight", ("V", "E")),),
+    before=EMBED,
     layer=(
-        copy("input_norm", "input_layernorm.weight", ("E",)),
-        _qkv("weight", ("E",)),
-        _qkv("bias", (), when="qkv_bias"),
-        copy("attn.o", "self_attn.o_proj.weight", ("E", "Q"), linear=True),
-        copy("attn.o_bias", "self_attn.o_proj.bias", ("E",), when="o_bias"),
-        copy("attn.q_norm", "self_attn.q_norm.weight", ("D",), when="qk_norm"),
-        copy("attn.k_norm", "self_attn.k_norm.weight", ("D",), when="qk_norm"),
-        copy("post_norm", "post_attention_layernorm.weight", ("E",)),
+        *ATTENTION,
         copy("mlp.gate", "mlp.gate_proj.weight", ("F", "E"), linear=True),
         copy("mlp.up", "mlp.up_proj.weight", ("F", "E"), linear=True),
         copy("mlp.down", "mlp.down_proj.weight", ("E", "F"), linear=True),
@@ -60,9 +67,25 @@ LLAMA_WEIGHTS = WeightTable(
         copy("mlp.up_bias", "mlp.up_proj.bias", ("F",), when="mlp_bias"),
         copy("mlp.down_bias", "mlp.down_proj.bias", ("E",), when="mlp_bias"),
     ),
-    after=(copy("norm", "norm.weight", ("E",)), copy("lm_head", "lm_head.weight", ("V", "E"), linear=True)),
+    after=HEAD,
 )
 """A Llama checkpoint as the decoder program takes it."""
+
+
+def moe_weights(*, router: str, gate: str, up: str, down: str) -> WeightTable:
+    """A Llama checkpoint whose MLPs are mixtures of experts: the router's key and each expert's
+    gate [F, E], up [F, E] and down [E, F] keys with an `{x}` for the expert (stacked to [X, ...])."""
+    return WeightTable(
+        before=EMBED,
+        layer=(
+            *ATTENTION,
+            Weight(slot="mlp.router", name="mlp.router.weight", sources=(Source(name=router, shape=("X", "E")),)),
+            stacked("mlp.gate", "mlp.experts.gate_proj.weight", gate, ("F", "E")),
+            stacked("mlp.up", "mlp.experts.up_proj.weight", up, ("F", "E")),
+            stacked("mlp.down", "mlp.experts.down_proj.weight", down, ("E", "F")),
+        ),
+        after=HEAD,
+    )
 
 
 def read_llama_like(r: ConfigReader, model_type: str, **family: Any) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import attrs
 from returns.result import Result, Success
 
 from nxdi.core.config.neuron_spec import NeuronSpec
+from nxdi.core.config.sub_specs import MoESpec
 from nxdi.core.errors import ConfigError, Problem, problems_of, problems_result
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import buckets, gqa
@@ -43,6 +44,9 @@ class Partition:
     kv_group: int = attrs.field(default=1, validator=attrs.validators.gt(0))
     """Flash decoding: g contiguous ranks share one KV head and each caches 1/g of the sequence
     (`nxdi.core.programs.flash_decoding`); 1 without."""
+    moe: MoESpec | None = None
+    """The MoE settings of a mixture-of-experts model (every rank holds every expert's share of the
+    intermediate width); None for a dense one."""
 
     def cache_slots(self, positions: int) -> int:
         """KV-cache slots a rank holds for `positions` positions: ceil(positions / kv_group)."""
@@ -68,10 +72,12 @@ def partition_of(
     sequence_parallel: bool = False,
     reduce_dtype: str | None = None,
     kv_group: int = 1,
+    moe: MoESpec | None = None,
 ) -> Partition:
     """The per-rank shapes `plan` gives every rank (tp 1 gives `Partition.single`)."""
+    moe = (moe or MoESpec()) if model.is_moe else None
     if plan.tp == 1:
-        return attrs.evolve(Partition.single(model), sequence_parallel=False, vocab_parallel=vocab_parallel)
+        return attrs.evolve(Partition.single(model), sequence_parallel=False, vocab_parallel=vocab_parallel, moe=moe)
     tp, c = plan.tp, plan.counts
     return Partition(
         tp=tp,
@@ -84,6 +90,7 @@ def partition_of(
         sequence_parallel=sequence_parallel,
         reduce_dtype=reduce_dtype,
         kv_group=kv_group,
+        moe=moe,
     )
 
 
@@ -91,7 +98,11 @@ def partition_for(model: ModelSpec, spec: NeuronSpec) -> Result[Partition, Confi
     """The per-rank shapes of `model` under `spec` (tp_degree, vocab_parallel, sequence_parallel_enabled)."""
     return shard_plan_for(model, spec).map(
         lambda plan: partition_of(
-            plan, model, vocab_parallel=spec.vocab_parallel, sequence_parallel=spec.sequence_parallel_enabled
+            plan,
+            model,
+            vocab_parallel=spec.vocab_parallel,
+            sequence_parallel=spec.sequence_parallel_enabled,
+            moe=spec.moe,
         )
     )
 
@@ -135,7 +146,7 @@ def check_partition(model: ModelSpec, spec: NeuronSpec) -> Result[Partition, Con
     group = (
         plan.bind(lambda p: _flash_decoding_group(p, model)) if spec.flash_decoding_enabled and tp > 1 else Success(1)
     )
-    problems = problems_of(plan, sequence, group)
+    problems = (*problems_of(plan, sequence, group), *_moe_problems(model, spec))
     if problems:
         return problems_result(Partition.single(model), problems)
     return Success(
@@ -146,5 +157,25 @@ def check_partition(model: ModelSpec, spec: NeuronSpec) -> Result[Partition, Con
             sequence_parallel=spec.sequence_parallel_enabled,
             reduce_dtype=spec.rpl_reduce_dtype,
             kv_group=group.unwrap(),
+            moe=spec.moe,
         )
     )
+
+
+def _moe_problems(model: ModelSpec, spec: NeuronSpec) -> list[Problem]:
+    """What a mixture of experts cannot run with: quantized weights (the experts would stay in
+    float), and a moe_tp_degree other than 1 (unset) or tp_degree (with moe_ep_degree 1, which
+    `neuron_checks` enforces, every rank splits every expert's intermediate width)."""
+    if not model.is_moe:
+        return []
+    problems = []
+    if spec.quantized:
+        why = (
+            "would leave the expert weights, most of a mixture of experts, in float: nxdi does not quantize experts yet"
+        )
+        problems.append(Problem.of("quantized", True, why, "set quantized=False"))
+    if spec.moe is not None and spec.moe.moe_tp_degree not in (1, spec.tp_degree):
+        why = f"must equal tp_degree={spec.tp_degree} (moe_tp_degree x moe_ep_degree = tp_degree, moe_ep_degree=1)"
+        fix = f"set moe_tp_degree={spec.tp_degree} or leave it 1"
+        problems.append(Problem.of("moe_tp_degree", spec.moe.moe_tp_degree, why, fix))
+    return problems

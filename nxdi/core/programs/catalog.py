@@ -46,7 +46,7 @@ class Program:
 def _decoder_gaps(spec: ModelSpec) -> list[Problem]:
     """What the decoder program does not implement yet, one problem each."""
     gaps = [
-        (spec.mlp_kind is not MlpKind.GATED, "mlp", spec.mlp_kind.value, "a gated MLP"),
+        (spec.mlp_kind is MlpKind.PLAIN, "mlp", spec.mlp_kind.value, "a gated MLP or a mixture of gated experts"),
         (spec.norm is not NormKind.RMS, "norm", spec.norm.value, "RMSNorm"),
         (spec.position is not PositionKind.ROPE or spec.rope is None, "position", spec.position.value, "RoPE"),
         (spec.clip_qkv is not None, "clip_qkv", spec.clip_qkv, "no q/k/v clamping"),

@@ -1,6 +1,7 @@
 """The decoder program: Llama and every family that is Llama plus ModelSpec fields. Pure.
 
-Covers RoPE (every scaling kind), GQA, tied embeddings, sliding windows (`spec.sliding_window`, per
+Covers RoPE (every scaling kind), GQA, tied embeddings, mixtures of experts (`nxdi.core.programs.moe`,
+every expert split over the ranks along its intermediate width), sliding windows (`spec.sliding_window`, per
 layer with `spec.full_attention_layers`), projection biases (`spec.qkv_bias`, `o_bias`,
 `mlp_bias`), per-head q/k RMSNorm (`spec.qk_norm`) and an explicit `spec.head_dim`: every
 difference between the families it runs is a field of the `ModelSpec`, decided when the program is
@@ -26,9 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from nxdi.core.config.sub_specs import MoESpec
 from nxdi.core.model_spec import MlpKind, ModelSpec
 from nxdi.core.planning.partition import Partition
-from nxdi.core.programs import block_kv, flash_decoding, inputs, kv_cache, layers
+from nxdi.core.programs import block_kv, flash_decoding, inputs, kv_cache, layers, moe
 from nxdi.core.programs.block_kv import BlockInputs
 from nxdi.core.programs.collectives import SINGLE, Collectives
 from nxdi.core.programs.inputs import StepInputs
@@ -64,9 +66,9 @@ class GatedMLP:
     down_bias: Tensor | None = None
 
 
-MLP = GatedMLP
-"""The feed-forward block of a layer, one case per `ModelSpec.mlp_kind` the program runs (MoE and
-the plain two-matrix MLP join as further cases, each handled by a `match` in `_mlp`)."""
+MLP = GatedMLP | moe.Experts
+"""The feed-forward block of a layer, one case per `ModelSpec.mlp_kind` the program runs (the plain
+two-matrix MLP joins as a further case, handled by a `match` in `_mlp`)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
@@ -103,6 +105,8 @@ def _mlp_weights(parts: Mapping[str, Any], spec: ModelSpec) -> MLP:
     match spec.mlp_kind:
         case MlpKind.GATED:
             return GatedMLP(**parts)
+        case MlpKind.MOE:
+            return moe.Experts(**parts)
     raise ValueError(f"the decoder program has no {spec.mlp_kind.value} MLP (checked by programs.catalog)")
 
 
@@ -208,8 +212,30 @@ def _block_attention(
     return o, block_kv.write(k_cache, ks, blocks.slot_mapping), block_kv.write(v_cache, vs, blocks.slot_mapping)
 
 
-def _mlp(m: MLP, x: Tensor, spec: ModelSpec, part: Partition) -> tuple[Tensor, Tensor | None]:
-    """The feed-forward block of normed x [N, E] on this rank's share of the intermediate width.
+def moe_options(spec: ModelSpec, settings: MoESpec) -> moe.MoEOptions:
+    """The MoE block's options from the model and its MoENeuronConfig settings (the checkpoint's
+    renormalisation, which `normalize_top_k_affinities=False` turns off)."""
+    return moe.MoEOptions(
+        top_k=spec.num_experts_per_tok,
+        activation=spec.activation,
+        router_act=settings.router_config.act_fn,
+        router_dtype=getattr(torch, settings.router_config.dtype),
+        normalize_top_k=spec.moe_normalize and settings.normalize_top_k_affinities,
+        capacity_factor=settings.capacity_factor,
+        glu_type=settings.glu_type,
+        hidden_act_scaling_factor=settings.hidden_act_scaling_factor,
+        hidden_act_bias=settings.hidden_act_bias,
+        gate_clamp_upper=settings.gate_clamp_upper_limit,
+        gate_clamp_lower=settings.gate_clamp_lower_limit,
+        up_clamp_upper=settings.up_clamp_upper_limit,
+        up_clamp_lower=settings.up_clamp_lower_limit,
+        early_affinity_modulation=settings.early_expert_affinity_modulation,
+    )
+
+
+def _mlp(m: MLP, x: Tensor, spec: ModelSpec, part: Partition, *, decode: bool) -> tuple[Tensor, Tensor | None]:
+    """The feed-forward block of normed x [N, E] on this rank's share of the intermediate width
+    (`decode`: a token-generation step, which picks the MoE path by NxD's token-generation rule).
 
     Returns the partial output [N, E] (to be summed over ranks) and the bias to add after the sum
     (None with one rank, where it is applied inside the last linear, as transformers does).
@@ -219,6 +245,10 @@ def _mlp(m: MLP, x: Tensor, spec: ModelSpec, part: Partition) -> tuple[Tensor, T
             after = m.down_bias if part.tp > 1 else None
             biases = (m.gate_bias, m.up_bias, m.down_bias if part.tp == 1 else None)
             return layers.gated_mlp(x, m.gate, m.up, m.down, activation=spec.activation, biases=biases), after
+        case moe.Experts():
+            options = moe_options(spec, part.moe or MoESpec())
+            path = moe.choose_path(x.shape[0], spec.num_experts, options, token_generation=decode)
+            return moe.forward(x, m, options, path=path).hidden, None
 
 
 def _masks(slots: Tensor, length: int, spec: ModelSpec, part: Partition) -> list[Tensor | None]:
@@ -365,7 +395,7 @@ def forward(
         )
         h = h + _reduce(a, lw.attn.o_bias if part.tp > 1 else None, coll, part, b=b, sp=sp)
         normed = layers.rms_norm(h, lw.post_norm, spec.norm_eps)
-        partial, bias = _mlp(lw.mlp, _gather_sequence(normed, coll, b=b) if sp else normed, spec, part)
+        partial, bias = _mlp(lw.mlp, _gather_sequence(normed, coll, b=b) if sp else normed, spec, part, decode=s == 1)
         h = h + _reduce(partial, bias, coll, part, b=b, sp=sp)
         ks.append(k_cache)
         vs.append(v_cache)

@@ -51,6 +51,7 @@ def _model_dict(m: ModelSpec) -> dict[str, Any]:
         "head_dim": m.head_dim,
         "vocab_size": m.vocab_size,
         "num_experts": m.num_experts,
+        "active_params": m.active_params(),
     }
 
 
@@ -93,7 +94,11 @@ def _n(count: int, noun: str) -> str:
 
 def _model_lines(r: PlanRun) -> list[str]:
     m, s = r.model, r.spec
-    experts = f", {m.num_experts} experts ({m.num_experts_per_tok} per token)" if m.is_moe else ""
+    experts = (
+        f", {m.num_experts} experts ({m.num_experts_per_tok} per token: {_count(m.active_params())} active)"
+        if m.is_moe
+        else ""
+    )
     return [
         f"Model      {m.model_type} from {r.config_file}: {_count(m.num_params())} parameters{experts}",
         f"           {m.num_layers} layers, hidden {m.hidden_size}, ffn {m.intermediate_size}, vocab {m.vocab_size}; "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 from hypothesis import strategies as st
 
@@ -68,6 +69,32 @@ def dense_specs(draw: st.DrawFn, *, max_positions: int = 32) -> ModelSpec:
         sliding_window=window,
         full_attention_layers=tuple(sorted(full)),
     )
+
+
+@st.composite
+def moe_specs(draw: st.DrawFn, *, max_positions: int = 32) -> ModelSpec:
+    """A tiny mixture-of-experts spec (Mixtral or Qwen3-MoE): a dense spec's attention with 2-4
+    experts of which 1 to all are chosen per token."""
+    base = draw(dense_specs(max_positions=max_positions))
+    model_type = draw(st.sampled_from(["mixtral", "qwen3_moe"]))
+    experts = draw(st.integers(2, 4))
+    return attrs.evolve(
+        base,
+        model_type=model_type,
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=model_type == "qwen3_moe",
+        full_attention_layers=() if model_type == "mixtral" else base.full_attention_layers,
+        num_experts=experts,
+        num_experts_per_tok=draw(st.integers(1, experts)),
+        moe_normalize=draw(st.booleans()),
+    )
+
+
+def decoder_specs(*, max_positions: int = 32) -> st.SearchStrategy[ModelSpec]:
+    """Dense and mixture-of-experts specs."""
+    return st.one_of(dense_specs(max_positions=max_positions), moe_specs(max_positions=max_positions))
 
 
 def program_of(spec: ModelSpec) -> catalog.Program:

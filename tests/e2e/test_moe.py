@@ -1,0 +1,64 @@
+"""Mixtures of experts through the documented API, beyond what every family gets (test_families.py,
+test_tensor_parallel.py, test_accuracy.py): MoENeuronConfig settings that take effect, and those
+refused with a named error.
+
+- capacity_factor: below full capacity tokens are dropped (the prefill logits change); at a
+  capacity that holds every token the logits are those of no capacity_factor.
+- Refused, every problem named: expert parallelism, quantized weights, a moe_tp_degree other
+  than 1 or tp_degree, outputs not wired yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from nxdi.shell.config import MoENeuronConfig
+from nxdi.shell.exceptions import IncompatibleConfigError
+from nxdi.shell.inference_config import load_pretrained_config
+from nxdi.shell.models import MixtralInferenceConfig, NeuronMixtralForCausalLM
+from tests.support.engine_fixtures import PROMPTS, SEQ_LEN
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _model(path: Path, **kwargs: Any) -> Any:
+    neuron = MoENeuronConfig(torch_dtype="float32", seq_len=SEQ_LEN, output_logits=True, **kwargs)
+    return NeuronMixtralForCausalLM(path, MixtralInferenceConfig(neuron, load_config=load_pretrained_config(path)))
+
+
+def _prefill_logits(model: Any) -> torch.Tensor:
+    model.to_cpu()
+    ids = torch.tensor([PROMPTS[0]])
+    return model(ids).logits
+
+
+def test_capacity_factor_drops_tokens_only_below_full_capacity(tiny_checkpoint: Callable[..., Path]) -> None:
+    path = tiny_checkpoint("mixtral")  # 4 experts, 2 per token: full capacity from 2.0
+    free = _prefill_logits(_model(path))
+    assert torch.allclose(_prefill_logits(_model(path, capacity_factor=1.9)), free, atol=1e-5)  # ceil(0.95 T) = T
+    # The 12-token prompt runs in a 64-token bucket: capacity ceil(64 * 2 * 0.1 / 4) = 4 tokens per
+    # expert, fewer than the prompt's 24 choices need.
+    dropped = _prefill_logits(_model(path, capacity_factor=0.1))
+    assert (dropped - free).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({"tp_degree": 2, "moe_tp_degree": 1, "moe_ep_degree": 2}, "moe.moe_ep_degree"),
+        ({"quantized": True, "quantized_checkpoints_path": "/nonexistent/q.pt"}, "quantized"),
+        ({"tp_degree": 2, "moe_tp_degree": 4}, "moe_tp_degree"),
+        ({"return_router_logits": True}, "moe.return_router_logits"),
+        ({"moe_mask_padded_tokens": True}, "moe.moe_mask_padded_tokens"),
+    ],
+)
+def test_settings_not_implemented_are_refused_naming_the_field(
+    settings: dict[str, Any], field: str, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    with pytest.raises(IncompatibleConfigError, match=field.replace(".", r"\.") + "="):
+        _model(tiny_checkpoint("mixtral"), **settings).to_cpu()
