@@ -9,7 +9,7 @@ rank process holds its KV heads of every block.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from nxdi.shell.exceptions import IncompatibleConfigError
 from nxdi.shell.inference_config import load_pretrained_config
 from nxdi.shell.models import CONFIG_TYPES, MODEL_TYPES
 from tests.support.block_serving import serve_chunked, serve_rows
-from tests.support.engine_fixtures import load_model, model_type_of, program_calls
+from tests.support.engine_fixtures import model_type_of, program_calls
 from tests.support.serving import REQUESTS, Request
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -129,21 +129,6 @@ def test_a_compiled_block_program_writes_the_cache_in_place(
     assert [t.data_ptr() for t in (*runtime.cache.k, *runtime.cache.v)] == before, "no copy of the block cache per step"
 
 
-@pytest.fixture
-def tp_model(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> Iterator[Callable[..., Any]]:
-    """`tp_model(backend=None, **neuron_config)`: a private llama model (its rank processes), closed after the test."""
-    made: list[Any] = []
-
-    def make(**kwargs: Any) -> Any:
-        model = load_model(tiny_checkpoint("llama"), "llama", workdir=tmp_path, **kwargs)
-        made.append(model)
-        return model
-
-    yield make
-    for model in made:
-        model.close()
-
-
 CHUNKED = dict(BLOCKS, batch_size=1, chunked_prefill_config={"max_num_seqs": 4}, max_context_length=16)
 TP_CASES = {  # name: (load_model arguments at tp_degree 2, how the client serves it)
     "rows-on-device-top_k-1": (dict(BLOCKS, on_device_sampling_config={"top_k": 1}), "rows"),
@@ -160,7 +145,7 @@ def test_block_kv_with_tensor_parallelism_gives_every_requests_greedy_tokens(
     """Two rank processes, each holding its KV heads of every block, serve what one rank does
     (transformers' greedy tokens, as the tp 1 tests above show)."""
     config, served = TP_CASES[case]
-    model = tp_model(tp_degree=2, **config)
+    model = tp_model("llama", tp_degree=2, **config)
     if served == "rows":
         tokens, _ = serve_rows(model, sampled="on_device_sampling_config" in config)
         assert tokens == _expected(hf_greedy, REQUESTS)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
@@ -162,21 +162,6 @@ def test_the_block_kv_layout_with_a_float8_cache_gives_the_contiguous_tokens_in_
     assert tokens == [want[i, : r.new_tokens].tolist() for i, r in enumerate(REQUESTS)]
 
 
-@pytest.fixture
-def tp_model(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> Iterator[Callable[..., Any]]:
-    """`tp_model(**neuron_config)`: a private llama model over rank processes, closed after the test."""
-    made: list[Any] = []
-
-    def make(**kwargs: Any) -> Any:
-        model = load_model(tiny_checkpoint("llama"), "llama", workdir=tmp_path, **kwargs)
-        made.append(model)
-        return model
-
-    yield make
-    for model in made:
-        model.close()
-
-
 @pytest.mark.parametrize(
     "ranks", [{"tp_degree": 2}, {"tp_degree": 4, "flash_decoding_enabled": True}], ids=["tp2", "tp4-flash-decoding"]
 )
@@ -185,7 +170,7 @@ def test_rank_processes_with_a_float8_cache_give_the_one_rank_tokens(
 ) -> None:
     """With flash decoding each rank of a group holds a share of a KV head's positions; a rank that
     does not own a new token's position writes the slot's old float8 bytes back."""
-    model = tp_model(batch_size=4, kv_cache_quant=True, **ranks)
+    model = tp_model("llama", batch_size=4, kv_cache_quant=True, **ranks)
     one = loaded_model("llama", batch_size=4, kv_cache_quant=True)
     assert torch.equal(nxdi_generate(model, PROMPTS), nxdi_generate(one, PROMPTS))
 

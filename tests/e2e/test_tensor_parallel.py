@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,21 +71,6 @@ def wait_until_gone(pids: list[int], seconds: float = 10.0) -> list[int]:
         time.sleep(0.05)
         alive = [p for p in alive if p in rank_processes()]
     return alive
-
-
-@pytest.fixture
-def tp_model(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> Iterator[Callable[..., Any]]:
-    """`tp_model(variant, path=None, **neuron_config)`: a private loaded model, closed after the test."""
-    made: list[Any] = []
-
-    def make(variant: str, path: Path | None = None, **kwargs: Any) -> Any:
-        model = load_model(path or tiny_checkpoint(variant), variant, workdir=tmp_path, **kwargs)
-        made.append(model)
-        return model
-
-    yield make
-    for model in made:
-        model.close()
 
 
 # --- numbers: every family -------------------------------------------------------------------

@@ -122,6 +122,22 @@ def loaded_model(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.
     return make_loaded_model(tiny_checkpoint, tmp_path_factory.mktemp("compiled") if ENGINE == "compiled" else None)
 
 
+@pytest.fixture
+def tp_model(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """`tp_model(variant, path=None, **neuron_config)`: a private loaded model (its rank processes
+    are not shared with other tests), closed after the test."""
+    made: list[Any] = []
+
+    def make(variant: str, path: Path | None = None, **kwargs: Any) -> Any:
+        model = load_model(path or tiny_checkpoint(variant), variant, workdir=tmp_path, **kwargs)
+        made.append(model)
+        return model
+
+    yield make
+    for model in made:
+        model.close()
+
+
 @pytest.fixture(scope="session")
 def hf_greedy(tiny_model: Callable[[str], Any]) -> Callable[..., Tensor]:
     """`hf_greedy(variant, prompts, new_tokens=NEW_TOKENS)`: transformers' greedy new tokens [B, N]
