@@ -147,17 +147,20 @@ class ModelSpec:
         """The window every layer shares, which bounds the positions a KV cache must keep (None: all)."""
         return None if self.full_attention_layers else self.sliding_window
 
+    def _mlp_params(self) -> int:
+        """Parameters of one MLP (one expert's, in a mixture of experts)."""
+        e, f = self.hidden_size, self.intermediate_size
+        bias = (2 * f if self.gated_mlp else f) + e if self.mlp_bias else 0
+        return (3 if self.gated_mlp else 2) * e * f + bias
+
     def active_params(self) -> int:
         """Parameters one token reads: all of them, less the experts it does not choose."""
-        if not self.is_moe:
-            return self.num_params()
-        e, f = self.hidden_size, self.intermediate_size
-        expert = (3 if self.gated_mlp else 2) * e * f + ((2 * f if self.gated_mlp else f) + e if self.mlp_bias else 0)
-        return self.num_params() - self.num_layers * (self.num_experts - self.num_experts_per_tok) * expert
+        unchosen = self.num_experts - self.num_experts_per_tok if self.is_moe else 0
+        return self.num_params() - self.num_layers * unchosen * self._mlp_params()
 
     def num_params(self) -> int:
         """Parameter count of the checkpoint (tied embeddings counted once)."""
-        e, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        e, v = self.hidden_size, self.vocab_size
         attn = e * self.q_size + 2 * e * self.kv_size + self.q_size * e
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
@@ -165,9 +168,7 @@ class ModelSpec:
             attn += e
         if self.qk_norm:
             attn += 2 * self.head_dim
-        mlp = (3 if self.gated_mlp else 2) * e * f
-        if self.mlp_bias:
-            mlp += (2 * f if self.gated_mlp else f) + e
+        mlp = self._mlp_params()
         if self.is_moe:
             mlp = mlp * self.num_experts + e * self.num_experts
         norm = 2 * e if self.norm is NormKind.LAYER and self.norm_bias else e

@@ -398,7 +398,7 @@ def _quantized_steps(
     per output row (`Rows`; a per-tensor scale is repeated over its source's rows by a Take), so a
     fused weight whose sources have different per-tensor scales is still one weight.
     """
-    sources = tuple(prefix + s.name for s in weight.sources)
+    sources = weight.source_names(spec, prefix)
     kept = [s for s in sources if quant.excludes(s)]
     if len(kept) == len(sources):
         return ()

@@ -48,7 +48,6 @@ from returns.result import Failure, Result, Success
 from torch import Tensor
 
 from nxdi.core.config.neuron_spec import NeuronSpec
-from nxdi.core.config.sub_specs import MoESpec
 from nxdi.core.errors import ArtifactError, CheckpointError, Problem
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
@@ -119,8 +118,7 @@ class EngineModel:
     def partition(self) -> Partition:
         """What every rank holds (one rank: everything, GQA kept native; with its MoE settings)."""
         if self.tp == 1:
-            single = Partition.single(self.model)
-            return attrs.evolve(single, moe=self.spec.moe or MoESpec()) if self.model.is_moe else single
+            return Partition.single(self.model, moe=self.spec.moe)
         checked = check_partition(self.model, self.spec)
         assert isinstance(checked, Success), f"a model that passed its checks shards: {checked}"
         return checked.unwrap()

@@ -53,14 +53,16 @@ class Partition:
         return -(-positions // self.kv_group)
 
     @classmethod
-    def single(cls, model: ModelSpec) -> Partition:
-        """One rank holding everything (native GQA: no head replication or padding)."""
+    def single(cls, model: ModelSpec, *, moe: MoESpec | None = None) -> Partition:
+        """One rank holding everything (native GQA: no head replication or padding); a mixture of
+        experts with `moe`'s settings (the defaults when None)."""
         return cls(
             q_heads=model.num_attention_heads,
             kv_heads=model.num_kv_heads,
             intermediate=model.intermediate_size,
             hidden=model.hidden_size,
             vocab=model.vocab_size,
+            moe=(moe or MoESpec()) if model.is_moe else None,
         )
 
 
@@ -75,9 +77,8 @@ def partition_of(
     moe: MoESpec | None = None,
 ) -> Partition:
     """The per-rank shapes `plan` gives every rank (tp 1 gives `Partition.single`)."""
-    moe = (moe or MoESpec()) if model.is_moe else None
     if plan.tp == 1:
-        return attrs.evolve(Partition.single(model), sequence_parallel=False, vocab_parallel=vocab_parallel, moe=moe)
+        return attrs.evolve(Partition.single(model, moe=moe), sequence_parallel=False, vocab_parallel=vocab_parallel)
     tp, c = plan.tp, plan.counts
     return Partition(
         tp=tp,
@@ -90,7 +91,7 @@ def partition_of(
         sequence_parallel=sequence_parallel,
         reduce_dtype=reduce_dtype,
         kv_group=kv_group,
-        moe=moe,
+        moe=(moe or MoESpec()) if model.is_moe else None,
     )
 
 

@@ -246,7 +246,8 @@ def _mlp(m: MLP, x: Tensor, spec: ModelSpec, part: Partition, *, decode: bool) -
             biases = (m.gate_bias, m.up_bias, m.down_bias if part.tp == 1 else None)
             return layers.gated_mlp(x, m.gate, m.up, m.down, activation=spec.activation, biases=biases), after
         case moe.Experts():
-            options = moe_options(spec, part.moe or MoESpec())
+            assert part.moe is not None, "a mixture of experts' partition carries its settings"
+            options = moe_options(spec, part.moe)
             path = moe.choose_path(x.shape[0], spec.num_experts, options, token_generation=decode)
             return moe.forward(x, m, options, path=path).hidden, None
 
