@@ -6,7 +6,7 @@ layer with `spec.full_attention_layers`), projection biases (`spec.qkv_bias`, `o
 `mlp_bias`), per-head q/k RMSNorm (`spec.qk_norm`) and an explicit `spec.head_dim`: every
 difference between the families it runs is a field of the `ModelSpec`, decided when the program is
 traced, never from tensor values. The weights come in one layout (fused QKV), built from the
-family's weight table by `weights_from_slots`.
+family's weight table by `weights_from_slots`. Self-attention lives in `nxdi.core.programs.attention`.
 
 One step, context encoding or token generation alike (the shapes say which):
     h = embed[input_ids]                                   [B*S, E]
@@ -30,28 +30,13 @@ from torch import Tensor
 from nxdi.core.config.sub_specs import MoESpec
 from nxdi.core.model_spec import MlpKind, ModelSpec
 from nxdi.core.planning.partition import Partition
-from nxdi.core.programs import block_kv, flash_decoding, inputs, kv_cache, layers, moe
+from nxdi.core.programs import attention, inputs, layers, moe
 from nxdi.core.programs.block_kv import BlockInputs
 from nxdi.core.programs.collectives import SINGLE, Collectives
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 from nxdi.core.programs.linear import QuantizedWeight, Weight, linear
 from nxdi.core.weight_plan import SCALE_SUFFIX
-
-
-@dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
-class Attention:
-    """Self-attention weights of one layer. Linear weights are [out, in]; absent optional parts are None."""
-
-    qkv: Weight
-    """[(H + 2K) * D, E]: Q, K and V projections fused (the one layout; the weight plan fuses)."""
-    o: Weight
-    """[E, H * D]"""
-    qkv_bias: Tensor | None = None
-    o_bias: Tensor | None = None
-    q_norm: Tensor | None = None
-    """[D] per-head RMSNorm of q and k before RoPE (`spec.qk_norm`)."""
-    k_norm: Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
@@ -77,7 +62,7 @@ class Layer:
 
     input_norm: Tensor
     """[E]"""
-    attn: Attention
+    attn: attention.Attention
     post_norm: Tensor
     """[E]"""
     mlp: MLP
@@ -135,7 +120,7 @@ def weights_from_slots(slots: Mapping[str, Tensor], *, spec: ModelSpec) -> Decod
         parts = _group(folded, f"layers.{i}")
         return Layer(
             input_norm=parts["input_norm"],
-            attn=Attention(**_group(parts, "attn")),
+            attn=attention.Attention(**_group(parts, "attn")),
             post_norm=parts["post_norm"],
             mlp=_mlp_weights(_group(parts, "mlp"), spec),
         )
@@ -146,70 +131,6 @@ def weights_from_slots(slots: Mapping[str, Tensor], *, spec: ModelSpec) -> Decod
         norm=folded["norm"],
         lm_head=folded["lm_head"],
     )
-
-
-def _attention(
-    w: Attention,
-    x: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    *,
-    rope: tuple[Tensor, Tensor],
-    mask: Tensor | None,
-    window: int | None,
-    slots: Tensor,
-    spec: ModelSpec,
-    part: Partition,
-    coll: Collectives,
-    blocks: BlockInputs | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Self-attention over this rank's heads of normed x [N, E] (N = B*S).
-
-    Returns this rank's partial output [N, E] (summed over ranks, plus the o_proj bias when there
-    are several, it is the attention output) and the written k/v caches [B, K_r, T, D] (with flash
-    decoding, this rank's share of the sequence: [B, 1, T_l, D]).
-    """
-    b, s = slots.shape
-    h, kh, d = part.q_heads, part.kv_heads, spec.head_dim
-    qkv = linear(x, w.qkv, w.qkv_bias).view(b, s, h + 2 * kh, d)
-    v = qkv[:, :, h + kh :]
-    if spec.qk_norm:
-        assert w.q_norm is not None and w.k_norm is not None, "qk_norm needs q_norm and k_norm weights"
-        q = layers.rms_norm(qkv[:, :, :h], w.q_norm, spec.norm_eps)
-        k = layers.rms_norm(qkv[:, :, h : h + kh], w.k_norm, spec.norm_eps)
-        q, k = layers.apply_rope(q, *rope), layers.apply_rope(k, *rope)
-    else:  # q and k heads roped together: the same elementwise ops, half the calls
-        qk = layers.apply_rope(qkv[:, :, : h + kh], *rope)
-        q, k = qk[:, :, :h], qk[:, :, h:]
-    if blocks is not None:
-        assert mask is not None, "a block step has a mask per layer"
-        o, k_cache, v_cache = _block_attention(q, k, v, k_cache, v_cache, mask, blocks)
-    elif part.kv_group > 1:
-        o, k_cache, v_cache = flash_decoding.attend(
-            q, k, v, k_cache, v_cache, slots=slots, window=window, group=part.kv_group, coll=coll
-        )
-    else:
-        assert mask is not None, "without flash decoding every layer has a mask"
-        k_cache = kv_cache.write(k_cache, k.transpose(1, 2), slots)
-        v_cache = kv_cache.write(v_cache, v.transpose(1, 2), slots)
-        o = layers.attend(q, k_cache, v_cache, mask)  # [B, S, H_r*D]
-    bias = w.o_bias if part.tp == 1 else None  # with ranks, the bias is added once, after the sum
-    return linear(o.view(b * s, h * d), w.o, bias), k_cache, v_cache  # this rank's share of [N, E]
-
-
-def _block_attention(
-    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, blocks: BlockInputs
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Attention of q [B, S, H, D] over the segments' cached prefixes and this step's k, v [B, S, K, D];
-    then the step's keys and values written at their slots. Returns [B, S, H*D] and the caches.
-
-    This step's keys pass through the cache dtype (a float8 cache's saturating cast included), as
-    they would if they were read back from the cache, so a block step computes what a contiguous one does."""
-    ks, vs = kv_cache.store(k, k_cache.dtype), kv_cache.store(v, v_cache.dtype)
-    keys = torch.cat((block_kv.gather(k_cache, blocks.block_table), ks.transpose(1, 2)), dim=2)
-    values = torch.cat((block_kv.gather(v_cache, blocks.block_table), vs.transpose(1, 2)), dim=2)
-    o = layers.attend(q, keys, values, mask)
-    return o, block_kv.write(k_cache, ks, blocks.slot_mapping), block_kv.write(v_cache, vs, blocks.slot_mapping)
 
 
 def moe_options(spec: ModelSpec, settings: MoESpec) -> moe.MoEOptions:
@@ -250,51 +171,6 @@ def _mlp(m: MLP, x: Tensor, spec: ModelSpec, part: Partition, *, decode: bool) -
             options = moe_options(spec, part.moe)
             path = moe.choose_path(x.shape[0], spec.num_experts, options, token_generation=decode)
             return moe.forward(x, m, options, path=path).hidden, None
-
-
-def _masks(slots: Tensor, length: int, spec: ModelSpec, part: Partition) -> list[Tensor | None]:
-    """Each layer's attention mask [B, 1, G*S, T]; layers with the same window share one tensor.
-    None with flash decoding, which masks by the positions each rank holds."""
-    if part.kv_group > 1:
-        return [None] * spec.num_layers
-    groups = part.q_heads // part.kv_heads
-    built: dict[int | None, Tensor] = {}
-    out: list[Tensor | None] = []
-    for i in range(spec.num_layers):
-        window = spec.layer_window(i)
-        if window not in built:
-            built[window] = layers.fold_mask(layers.visible_mask(slots, length, window=window), groups)
-        out.append(built[window])
-    return out
-
-
-def _block_masks(
-    positions: Tensor, blocks: BlockInputs, block_size: int, spec: ModelSpec, part: Partition
-) -> list[Tensor | None]:
-    """Each layer's mask over `[prefixes | this step]` [B, 1, G*S, R*P + S]; one per distinct window."""
-    groups = part.q_heads // part.kv_heads
-    built: dict[int | None, Tensor] = {}
-    for i in range(spec.num_layers):
-        window = spec.layer_window(i)
-        if window not in built:
-            seen = block_kv.visible(positions, blocks, block_size=block_size, window=window)
-            built[window] = layers.fold_mask(seen, groups)
-    return [built[spec.layer_window(i)] for i in range(spec.num_layers)]
-
-
-def _rope_tables(positions: Tensor, seq_len: Tensor, spec: ModelSpec, w: DecoderWeights) -> tuple[Tensor, Tensor]:
-    """cos and `layers.signed_sin` [B, S, 1, D] at `positions` [B, S]; `seq_len`, the longest real
-    sequence (dynamic NTK)."""
-    assert spec.rope is not None, "the dense decoder uses rotary positions"
-    cos, sin = layers.rope_cos_sin(
-        spec.rope,
-        positions,
-        head_dim=spec.head_dim,
-        max_positions=spec.max_position_embeddings,
-        dtype=w.embed.dtype,
-        seq_len=seq_len,
-    )
-    return cos[:, :, None], layers.signed_sin(sin)[:, :, None]
 
 
 def _embed(w: DecoderWeights, ids: Tensor, spec: ModelSpec, part: Partition, coll: Collectives) -> Tensor:
@@ -364,14 +240,14 @@ def forward(
     sp = part.sequence_parallel and s > 1  # context encoding only: a decode step has one token
     if blocks is None:
         slots = inputs.write_slots(x)  # [B, S]
-        rope = _rope_tables(slots, slots.gather(1, x.last_index[:, None]).max() + 1, spec, w)
-        masks = _masks(slots, cache.length, spec, part)
+        rope = attention.rope_tables(slots, slots.gather(1, x.last_index[:, None]).max() + 1, spec, w.embed.dtype)
+        masks = attention.masks(slots, cache.length, spec, part)
         out_index = x.last_index[:, None]  # [B, 1]
     else:
         assert part.kv_group == 1, "a block cache is not split over the sequence (flash decoding)"
         slots = x.position_ids.clamp(min=0)  # a padding token's position is any value
-        rope = _rope_tables(slots, torch.where(blocks.segment >= 0, slots, 0).max() + 1, spec, w)
-        masks = _block_masks(slots, blocks, int(cache.k[0].shape[1]), spec, part)
+        rope = attention.rope_tables(slots, torch.where(blocks.segment >= 0, slots, 0).max() + 1, spec, w.embed.dtype)
+        masks = attention.block_masks(slots, blocks, int(cache.k[0].shape[1]), spec, part)
         out_index = blocks.out_index  # [B, R]
     h = _embed(w, x.input_ids.reshape(-1), spec, part, coll)  # [B*S, E]
     if sp:
@@ -380,7 +256,7 @@ def forward(
     for i, (lw, mask, k_cache, v_cache) in enumerate(zip(w.layers, masks, cache.k, cache.v, strict=True)):
         normed = layers.rms_norm(h, lw.input_norm, spec.norm_eps)
         normed = _gather_sequence(normed, coll, b=b) if sp else normed
-        a, k_cache, v_cache = _attention(
+        a, k_cache, v_cache = attention.attend(
             lw.attn,
             normed,
             k_cache,

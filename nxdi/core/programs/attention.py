@@ -1,0 +1,145 @@
+"""Self-attention of the decoder program: the fused-QKV attention block, its masks and RoPE tables. Pure.
+
+`attend` runs one layer's attention over this rank's heads against a contiguous cache view, a
+flash-decoding sequence shard (`nxdi.core.programs.flash_decoding`) or a block cache
+(`nxdi.core.programs.block_kv`); `masks` / `block_masks` build each layer's mask once per distinct
+sliding window; `rope_tables` the cos/sin tables every layer shares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from nxdi.core.model_spec import ModelSpec
+from nxdi.core.planning.partition import Partition
+from nxdi.core.programs import block_kv, flash_decoding, kv_cache, layers
+from nxdi.core.programs.block_kv import BlockInputs
+from nxdi.core.programs.collectives import Collectives
+from nxdi.core.programs.linear import Weight, linear
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
+class Attention:
+    """Self-attention weights of one layer. Linear weights are [out, in]; absent optional parts are None."""
+
+    qkv: Weight
+    """[(H + 2K) * D, E]: Q, K and V projections fused (the one layout; the weight plan fuses)."""
+    o: Weight
+    """[E, H * D]"""
+    qkv_bias: Tensor | None = None
+    o_bias: Tensor | None = None
+    q_norm: Tensor | None = None
+    """[D] per-head RMSNorm of q and k before RoPE (`spec.qk_norm`)."""
+    k_norm: Tensor | None = None
+
+
+def attend(
+    w: Attention,
+    x: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    *,
+    rope: tuple[Tensor, Tensor],
+    mask: Tensor | None,
+    window: int | None,
+    slots: Tensor,
+    spec: ModelSpec,
+    part: Partition,
+    coll: Collectives,
+    blocks: BlockInputs | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Self-attention over this rank's heads of normed x [N, E] (N = B*S).
+
+    Returns this rank's partial output [N, E] (summed over ranks, plus the o_proj bias when there
+    are several, it is the attention output) and the written k/v caches [B, K_r, T, D] (with flash
+    decoding, this rank's share of the sequence: [B, 1, T_l, D]).
+    """
+    b, s = slots.shape
+    h, kh, d = part.q_heads, part.kv_heads, spec.head_dim
+    qkv = linear(x, w.qkv, w.qkv_bias).view(b, s, h + 2 * kh, d)
+    v = qkv[:, :, h + kh :]
+    if spec.qk_norm:
+        assert w.q_norm is not None and w.k_norm is not None, "qk_norm needs q_norm and k_norm weights"
+        q = layers.rms_norm(qkv[:, :, :h], w.q_norm, spec.norm_eps)
+        k = layers.rms_norm(qkv[:, :, h : h + kh], w.k_norm, spec.norm_eps)
+        q, k = layers.apply_rope(q, *rope), layers.apply_rope(k, *rope)
+    else:  # q and k heads roped together: the same elementwise ops, half the calls
+        qk = layers.apply_rope(qkv[:, :, : h + kh], *rope)
+        q, k = qk[:, :, :h], qk[:, :, h:]
+    if blocks is not None:
+        assert mask is not None, "a block step has a mask per layer"
+        o, k_cache, v_cache = _block_attention(q, k, v, k_cache, v_cache, mask, blocks)
+    elif part.kv_group > 1:
+        o, k_cache, v_cache = flash_decoding.attend(
+            q, k, v, k_cache, v_cache, slots=slots, window=window, group=part.kv_group, coll=coll
+        )
+    else:
+        assert mask is not None, "without flash decoding every layer has a mask"
+        k_cache = kv_cache.write(k_cache, k.transpose(1, 2), slots)
+        v_cache = kv_cache.write(v_cache, v.transpose(1, 2), slots)
+        o = layers.attend(q, k_cache, v_cache, mask)  # [B, S, H_r*D]
+    bias = w.o_bias if part.tp == 1 else None  # with ranks, the bias is added once, after the sum
+    return linear(o.view(b * s, h * d), w.o, bias), k_cache, v_cache  # this rank's share of [N, E]
+
+
+def _block_attention(
+    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, blocks: BlockInputs
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention of q [B, S, H, D] over the segments' cached prefixes and this step's k, v [B, S, K, D];
+    then the step's keys and values written at their slots. Returns [B, S, H*D] and the caches.
+
+    This step's keys pass through the cache dtype (a float8 cache's saturating cast included), as
+    they would if they were read back from the cache, so a block step computes what a contiguous one does."""
+    ks, vs = kv_cache.store(k, k_cache.dtype), kv_cache.store(v, v_cache.dtype)
+    keys = torch.cat((block_kv.gather(k_cache, blocks.block_table), ks.transpose(1, 2)), dim=2)
+    values = torch.cat((block_kv.gather(v_cache, blocks.block_table), vs.transpose(1, 2)), dim=2)
+    o = layers.attend(q, keys, values, mask)
+    return o, block_kv.write(k_cache, ks, blocks.slot_mapping), block_kv.write(v_cache, vs, blocks.slot_mapping)
+
+
+def masks(slots: Tensor, length: int, spec: ModelSpec, part: Partition) -> list[Tensor | None]:
+    """Each layer's attention mask [B, 1, G*S, T]; layers with the same window share one tensor.
+    None with flash decoding, which masks by the positions each rank holds."""
+    if part.kv_group > 1:
+        return [None] * spec.num_layers
+    groups = part.q_heads // part.kv_heads
+    built: dict[int | None, Tensor] = {}
+    out: list[Tensor | None] = []
+    for i in range(spec.num_layers):
+        window = spec.layer_window(i)
+        if window not in built:
+            built[window] = layers.fold_mask(layers.visible_mask(slots, length, window=window), groups)
+        out.append(built[window])
+    return out
+
+
+def block_masks(
+    positions: Tensor, blocks: BlockInputs, block_size: int, spec: ModelSpec, part: Partition
+) -> list[Tensor | None]:
+    """Each layer's mask over `[prefixes | this step]` [B, 1, G*S, R*P + S]; one per distinct window."""
+    groups = part.q_heads // part.kv_heads
+    built: dict[int | None, Tensor] = {}
+    for i in range(spec.num_layers):
+        window = spec.layer_window(i)
+        if window not in built:
+            seen = block_kv.visible(positions, blocks, block_size=block_size, window=window)
+            built[window] = layers.fold_mask(seen, groups)
+    return [built[spec.layer_window(i)] for i in range(spec.num_layers)]
+
+
+def rope_tables(positions: Tensor, seq_len: Tensor, spec: ModelSpec, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and `layers.signed_sin` [B, S, 1, D] at `positions` [B, S]; `seq_len`, the longest real
+    sequence (dynamic NTK)."""
+    assert spec.rope is not None, "the dense decoder uses rotary positions"
+    cos, sin = layers.rope_cos_sin(
+        spec.rope,
+        positions,
+        head_dim=spec.head_dim,
+        max_positions=spec.max_position_embeddings,
+        dtype=dtype,
+        seq_len=seq_len,
+    )
+    return cos[:, :, None], layers.signed_sin(sin)[:, :, None]
