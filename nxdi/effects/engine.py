@@ -111,7 +111,7 @@ class EngineModel:
 
     def shard_plan(self) -> sharding.ShardPlan:
         """The sharding of the program's layout (Q, K and V fused) over tp ranks."""
-        planned = sharding.shard_plan(self.model, tp=self.tp, fused_qkv=True, vocab_parallel=self.spec.vocab_parallel)
+        planned = sharding.shard_plan_for(self.model, attrs.evolve(self.spec, fused_qkv=True))
         assert isinstance(planned, Success), f"a model that passed its checks shards: {planned}"
         return planned.unwrap()
 

@@ -50,7 +50,7 @@ def test_capacity_factor_drops_tokens_only_below_full_capacity(tiny_checkpoint: 
 @pytest.mark.parametrize(
     ("settings", "field"),
     [
-        ({"tp_degree": 2, "moe_tp_degree": 1, "moe_ep_degree": 2}, "moe.moe_ep_degree"),
+        ({"tp_degree": 4, "moe_ep_degree": 2}, "moe_tp_degree"),  # 1 x 2 ranks is not tp_degree=4
         ({"quantized": True, "quantized_checkpoints_path": "/nonexistent/q.pt"}, "quantized"),
         ({"tp_degree": 2, "moe_tp_degree": 4}, "moe_tp_degree"),
         ({"return_router_logits": True}, "moe.return_router_logits"),

@@ -97,26 +97,34 @@ CASES = [  # (family, tp_degree, compiled batch, settings): each family at tp 2 
     ("mixtral", 2, 4, (SP,)),
     ("qwen3_moe", 2, 4, (VP,)),
     ("qwen3_moe", 4, 1, ()),
+    # expert parallelism: (moe_tp_degree, moe_ep_degree) = (1, 2), then (2, 2)
+    ("mixtral", 2, 4, (("moe_tp_degree", 1), ("moe_ep_degree", 2))),
+    ("qwen3_moe", 4, 4, (SP, ("moe_tp_degree", 2), ("moe_ep_degree", 2))),
 ]
+
+
+def _kwargs(settings: tuple[str | tuple[str, int], ...]) -> dict[str, Any]:
+    """A case's settings as model kwargs: a name turns a flag on, a pair sets a value."""
+    return dict(s if isinstance(s, tuple) else (s, True) for s in settings)
 
 
 @pytest.mark.parametrize(
     ("variant", "tp", "batch", "settings"),
     CASES,
-    ids=[f"{v}-tp{t}-b{b}-{'-'.join(s) or 'plain'}" for v, t, b, s in CASES],
+    ids=[f"{v}-tp{t}-b{b}-{'-'.join(f'{k}{v}' for k, v in _kwargs(s).items()) or 'plain'}" for v, t, b, s in CASES],
 )
 def test_tokens_equal_transformers_and_logits_equal_one_rank(
     variant: str,
     tp: int,
     batch: int,
-    settings: tuple[str, ...],
+    settings: tuple[str | tuple[str, int], ...],
     tp_model: Callable[..., Any],
     loaded_model: Callable[..., Any],
     hf_greedy: Callable[..., torch.Tensor],
 ) -> None:
     """Batch 4 holds prompts of 1 to 14 tokens, right padded."""
     prompts = PROMPTS[:batch]
-    model = tp_model(variant, tp_degree=tp, batch_size=batch, **dict.fromkeys(settings, True))
+    model = tp_model(variant, tp_degree=tp, batch_size=batch, **_kwargs(settings))
     assert torch.equal(nxdi_generate(model, prompts), hf_greedy(variant, prompts))
 
     tokens = hf_greedy(variant, prompts)[:, : LOGIT_STEPS - 1]

@@ -1,6 +1,6 @@
 """Tensor parallelism in the programs, with ranks as threads (tests/support/thread_ranks.py).
 
-- every rank of a tp-way split (dense or mixture of experts) gives the logits of one rank holding everything, through a prefill
+- every rank of a tp-way split (dense, or a mixture of experts with or without expert parallelism) gives the logits of one rank holding everything, through a prefill
   and decode steps, whatever the head counts (GQA replication, zero-padded heads, MHA conversion),
   with the embedding split along hidden or vocabulary, with and without sequence parallelism, and
   with flash decoding (each rank caching 1/g of the sequence) wherever the layout allows it;
@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nxdi.core.config.sub_specs import MoESpec
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import sharding
@@ -37,13 +38,43 @@ from tests.support.thread_ranks import run_ranks
 SEEDS = st.integers(0, 2**31 - 1)
 
 
+@attrs.frozen
+class TPCase:
+    spec: ModelSpec
+    tp: int
+    vocab_parallel: bool
+    sequence_parallel: bool
+    moe_ep: int = 1
+    """Expert groups (a mixture of experts: a divisor of tp and of the experts)."""
+
+    def shard(self) -> sharding.ShardPlan:
+        return sharding.shard_plan(
+            self.spec, tp=self.tp, fused_qkv=True, vocab_parallel=self.vocab_parallel, moe_ep=self.moe_ep
+        ).unwrap()
+
+    def partition(self) -> Partition:
+        moe = MoESpec(moe_tp_degree=self.tp // self.moe_ep, moe_ep_degree=self.moe_ep) if self.spec.is_moe else None
+        return partition_of(
+            self.shard(),
+            self.spec,
+            vocab_parallel=self.vocab_parallel,
+            sequence_parallel=self.sequence_parallel,
+            moe=moe,
+        )
+
+
 @st.composite
-def tp_cases(draw: st.DrawFn) -> tuple[ModelSpec, int, bool, bool]:
-    return draw(decoder_specs()), draw(st.integers(2, 4)), draw(st.booleans()), draw(st.booleans())
+def tp_cases(draw: st.DrawFn) -> TPCase:
+    spec, tp = draw(decoder_specs()), draw(st.integers(2, 4))
+    groups = [g for g in range(1, tp + 1) if tp % g == 0 and spec.is_moe and spec.num_experts % g == 0] or [1]
+    moe_ep = draw(st.one_of(st.just(groups[-1]), st.sampled_from(groups)))  # the most expert groups, often
+    return TPCase(spec, tp, draw(st.booleans()), draw(st.booleans()), moe_ep)
 
 
-def _rank_weights(spec: ModelSpec, tp: int, vocab_parallel: bool, seed: int) -> tuple[sharding.ShardPlan, list[Any]]:
-    shard = sharding.shard_plan(spec, tp=tp, fused_qkv=True, vocab_parallel=vocab_parallel).unwrap()
+def _rank_weights(
+    spec: ModelSpec, tp: int, vocab_parallel: bool, seed: int, moe_ep: int = 1
+) -> tuple[sharding.ShardPlan, list[Any]]:
+    shard = sharding.shard_plan(spec, tp=tp, fused_qkv=True, vocab_parallel=vocab_parallel, moe_ep=moe_ep).unwrap()
     state = random_state_dict(spec, seed)
     program = program_of(spec)
     weights = []
@@ -79,13 +110,13 @@ def _run(spec: ModelSpec, w: Any, part: Partition, coll: Collectives, toks: list
 
 @settings(deadline=None, max_examples=25)
 @given(case=tp_cases(), seed=SEEDS, n=st.integers(2, 8))
-def test_every_rank_gives_the_logits_of_one_rank(case: tuple[ModelSpec, int, bool, bool], seed: int, n: int) -> None:
-    spec, tp, vocab_parallel, sequence_parallel = case
+def test_every_rank_gives_the_logits_of_one_rank(case: TPCase, seed: int, n: int) -> None:
+    spec, tp = case.spec, case.tp
     toks = torch.randint(0, spec.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
     bucket = -(-n // tp) * tp  # sequence parallelism splits the context bucket over the ranks
     expected = _run(spec, random_weights(spec, seed), Partition.single(spec), SINGLE, toks, bucket)
-    shard, weights = _rank_weights(spec, tp, vocab_parallel, seed)
-    part = partition_of(shard, spec, vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel)
+    _, weights = _rank_weights(spec, tp, case.vocab_parallel, seed, case.moe_ep)
+    part = case.partition()
     for got in run_ranks(tp, lambda rank, coll: _run(spec, weights[rank], part, coll, toks, bucket)):
         _close(got, expected)
 
@@ -116,9 +147,8 @@ def test_flash_decoding_gives_the_logits_of_one_rank(case: tuple[ModelSpec, int]
 
 @settings(deadline=None, max_examples=25)
 @given(case=tp_cases(), seed=SEEDS)
-def test_every_rank_holds_the_shapes_the_planner_reports(case: tuple[ModelSpec, int, bool, bool], seed: int) -> None:
-    spec, tp, vocab_parallel, _ = case
-    shard = sharding.shard_plan(spec, tp=tp, fused_qkv=True, vocab_parallel=vocab_parallel).unwrap()
+def test_every_rank_holds_the_shapes_the_planner_reports(case: TPCase, seed: int) -> None:
+    spec, tp, shard = case.spec, case.tp, case.shard()
     entries = {w.name: w for w in shard.weights}
     state = random_state_dict(spec, seed)
     for rank in range(tp):
@@ -129,13 +159,14 @@ def test_every_rank_holds_the_shapes_the_planner_reports(case: tuple[ModelSpec, 
 
 
 @given(case=tp_cases())
-def test_the_ranks_together_read_every_source_row_and_nothing_else(case: tuple[ModelSpec, int, bool, bool]) -> None:
-    spec, tp, vocab_parallel, _ = case
-    shard = sharding.shard_plan(spec, tp=tp, fused_qkv=True, vocab_parallel=vocab_parallel).unwrap()
+def test_the_ranks_together_read_every_source_row_and_nothing_else(case: TPCase) -> None:
+    spec, tp, shard = case.spec, case.tp, case.shard()
     read: dict[tuple[str, int], set[int]] = {}
+    keys: set[str] = set()  # every key some rank reads (expert parallelism: each expert by its group)
     for rank in range(tp):
         for step in rank_plan(plan_of(spec), shard, rank).unwrap().steps:
             for i, (key, shape) in enumerate(step.source_items()):
+                keys.add(key)
                 take = step.take(i)
                 if take is None:
                     continue  # replicated: every rank reads it whole
@@ -143,5 +174,6 @@ def test_the_ranks_together_read_every_source_row_and_nothing_else(case: tuple[M
                 assert rows <= set(range(shape[take.dim])), f"{key}: reads rows outside the source"
                 read.setdefault((key, take.dim), set()).update(rows)
     sources = plan_of(spec).source_shapes()
+    assert keys >= set(sources), f"read by no rank: {sorted(set(sources) - keys)[:3]}"
     for (key, dim), rows in read.items():
         assert rows == set(range(sources[key][dim])), f"{key}: some rows are read by no rank"

@@ -79,13 +79,14 @@ def load_model(
     `torch_dtype` defaults to float32 (the checkpoint's own dtype would win otherwise); `workdir`
     holds compiled folders when ENGINE is "compiled" or `backend` names one (which always compiles).
     """
-    from nxdi.shell.config import NeuronConfig
+    from nxdi.shell.config import MoENeuronConfig, NeuronConfig
     from nxdi.shell.inference_config import load_pretrained_config
     from nxdi.shell.models import CONFIG_TYPES, MODEL_TYPES
 
     kwargs = {"torch_dtype": "float32", "seq_len": SEQ_LEN, **neuron_config_kwargs}
     model_type = model_type_of(variant)
-    config = CONFIG_TYPES[model_type](NeuronConfig(**kwargs), load_config=load_pretrained_config(path))
+    neuron_config = (MoENeuronConfig if families.by_model_type()[model_type].moe else NeuronConfig)(**kwargs)
+    config = CONFIG_TYPES[model_type](neuron_config, load_config=load_pretrained_config(path))
     model = MODEL_TYPES[model_type]["causal-lm"](path, config, backend=backend)
     return _bring_up(model, workdir, compiled=backend is not None)
 

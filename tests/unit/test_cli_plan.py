@@ -13,7 +13,7 @@ import pytest
 from nxdi.shell.cli import bench_plan
 from nxdi.shell.cli.bench_timing import Timings
 from nxdi.shell.cli.main import main
-from tests.support.planner_configs import LLAMA_31_8B, LLAMA_31_70B, OPT_13B, PLAN_JSON_KEYS
+from tests.support.planner_configs import LLAMA_31_8B, LLAMA_31_70B, MIXTRAL_8X7B, OPT_13B, PLAN_JSON_KEYS
 
 JSON_KEYS = PLAN_JSON_KEYS
 L8_TRN1 = ["--instance", "trn1.32xlarge", "--tp-degree", "32"]
@@ -21,10 +21,11 @@ L8_TRN1 = ["--instance", "trn1.32xlarge", "--tp-degree", "32"]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Model folders holding only a config.json: llama-8b, llama-70b, opt-13b."""
+    """Model folders holding only a config.json: llama-8b, llama-70b, opt-13b, mixtral-8x7b."""
     root = tmp_path_factory.mktemp("models")
     out = {}
-    for name, config in (("llama-8b", LLAMA_31_8B), ("llama-70b", LLAMA_31_70B), ("opt-13b", OPT_13B)):
+    configs = (("llama-8b", LLAMA_31_8B), ("llama-70b", LLAMA_31_70B), ("opt-13b", OPT_13B), ("mixtral", MIXTRAL_8X7B))
+    for name, config in configs:
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(config))
         out[name] = root / name
@@ -133,6 +134,21 @@ def test_resident_adapters_count_in_memory(models: dict[str, Path], capsys: pyte
     status, doc = _plan_json(capsys, models["llama-8b"], *L8_TRN1, "--max-loras", "8", "--lora-rank", "32")
     assert status == 0 and doc["lora"]["requested"] == 8 and doc["lora"]["max_adapters"] > 8
     assert doc["memory"]["lora_bytes_per_core"] == 8 * doc["lora"]["bytes_per_core"] > 0
+
+
+def test_mixtral_experts_per_rank(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = _plan(
+        capsys, models["mixtral"], "--tp-degree", "32", "--moe-ep-degree", "8", "--moe-tp-degree", "4"
+    )
+    assert status == 0 and "46.70B parameters, 8 experts (2 per token: 12.88B active)" in out
+    assert "8 per layer in 8 expert groups of 4 ranks: 1 expert per rank, each 3584 of its 14336" in out
+    status, doc = _plan_json(capsys, models["mixtral"], "--tp-degree", "32")
+    assert status == 0 and (doc["sharding"]["experts_per_rank"], doc["sharding"]["expert_rows_per_rank"]) == (8, 448)
+    status, _, err = _plan(capsys, models["mixtral"], "--tp-degree", "32", "--moe-ep-degree", "8")
+    assert status == 2 and "moe_tp_degree=1: x moe_ep_degree=8 must equal tp_degree=32" in err
+    assert "set moe_tp_degree=4" in err
+    status, _, err = _plan(capsys, models["llama-8b"], "--moe-ep-degree", "2")  # not a mixture of experts
+    assert status == 2 and "moe_ep_degree=2: is not a NeuronConfig attribute" in err
 
 
 def test_invalid_input_lists_every_problem(

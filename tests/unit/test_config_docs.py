@@ -51,7 +51,7 @@ def test_refused_and_inert_verdicts_reach_nested_attributes() -> None:
     rows = {r.name: r for r in reference.reference_rows()}
     assert rows["lora_config.max_loras"].cpu is OnCpu.REFUSED  # lora_config is not on the CPU yet
     assert rows["router_config.act_fn"].cpu is OnCpu.YES  # the CPU MoE block routes with it
-    assert rows["moe_ep_degree"].cpu is OnCpu.REFUSED  # expert parallelism is not implemented yet
+    assert rows["moe_ep_degree"].cpu is OnCpu.YES  # expert groups of ranks on the CPU engine
     assert rows["on_device_sampling_config.top_k"].cpu is OnCpu.YES
 
 

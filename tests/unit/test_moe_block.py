@@ -56,7 +56,7 @@ def _full(options: MoEOptions, num_experts: int) -> MoEOptions:
     return dataclasses.replace(options, capacity_factor=num_experts / options.top_k)
 
 
-def _run(x: Tensor, e: Experts, options: MoEOptions, path: MoEPath, **kw: Tensor) -> Tensor:
+def _run(x: Tensor, e: Experts, options: MoEOptions, path: MoEPath, **kw: Any) -> Tensor:
     if path is MoEPath.CAPACITY and options.capacity_factor is None:
         options = _full(options, e.router.shape[0])
     return moe.forward(x, e, options, path=path, **kw).hidden
@@ -167,9 +167,7 @@ def test_paths_agree_and_split_over_ranks(case: str, tokens: int) -> None:
     assert want.abs().max() > 0
     for path in PATHS:
         torch.testing.assert_close(_run(x, e, options, path), want, rtol=0, atol=1e-5)
-        halves = [
-            _run(x, _slice(e, first, 4), dataclasses.replace(options, first_expert=first), path) for first in (0, 4)
-        ]
+        halves = [_run(x, _slice(e, first, 4), options, path, first_expert=first) for first in (0, 4)]
         torch.testing.assert_close(halves[0] + halves[1], want, rtol=0, atol=1e-5)
 
 
@@ -250,7 +248,7 @@ def test_capacity_renormalises_survivors_top2() -> None:
     p = torch.softmax(x[2], dim=-1)[3]
     torch.testing.assert_close(raw[2], p * _expert_fn(e, 3, x[2]), rtol=0, atol=1e-6)
     # Expert parallelism: the rank holding experts 2, 3 sees the same dropping.
-    part = moe.forward(x, _slice(e, 2, 2), dataclasses.replace(options, first_expert=2)).hidden
+    part = moe.forward(x, _slice(e, 2, 2), options, first_expert=2).hidden
     torch.testing.assert_close(part[2], want[2], rtol=0, atol=1e-6)
 
 
@@ -312,7 +310,7 @@ def test_bad_options_and_shapes_raise() -> None:
         MoEOptions(top_k=1, capacity_factor=0.0)
     e = _random_experts(4, 8, 6, seed=0)
     with pytest.raises(ValueError, match="exceed"):
-        moe.forward(torch.zeros(2, 8), _slice(e, 0, 2), MoEOptions(top_k=1, first_expert=3))
+        moe.forward(torch.zeros(2, 8), _slice(e, 0, 2), MoEOptions(top_k=1), first_expert=3)
     with pytest.raises(ValueError, match="top_k"):
         moe.forward(torch.zeros(2, 8), e, MoEOptions(top_k=5))
     with pytest.raises(ValueError, match="do not"):
@@ -332,8 +330,9 @@ class _Bound(torch.nn.Module):
         )
         self.options, self.path = options, path
 
-    def forward(self, x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        out = moe.forward(x, Experts(**dict(self.w)), self.options, token_mask=mask, path=self.path)
+    def forward(self, x: Tensor, mask: Tensor, first: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        e = Experts(**dict(self.w))
+        out = moe.forward(x, e, self.options, token_mask=mask, path=self.path, first_expert=first)
         return out.hidden, out.router_logits, out.expert_index
 
 
@@ -341,10 +340,12 @@ class _Bound(torch.nn.Module):
 def test_exports_with_static_shapes(path: MoEPath) -> None:
     e = _random_experts(4, 8, 6, seed=3, bias=True)
     options = MoEOptions(top_k=2, capacity_factor=1.0 if path is MoEPath.CAPACITY else None)
-    module = _Bound(_slice(e, 2, 2), dataclasses.replace(options, first_expert=2), path)
+    module = _Bound(_slice(e, 2, 2), options, path)
     g = torch.Generator().manual_seed(0)
     x, mask = torch.randn(6, 8, generator=g), torch.tensor([True] * 5 + [False])
-    ep = torch.export.export(module, (x, mask), strict=False)
+    ep = torch.export.export(module, (x, mask, torch.tensor(2)), strict=False)
     x2 = torch.randn(6, 8, generator=g)  # other values, same shape: the graph must not depend on them
-    for got, want in zip(ep.module()(x2, mask), module(x2, mask), strict=True):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    for first in (2, 0):  # nor on the rank's first expert, a tensor input as a rank's program has it
+        rank = torch.tensor(first)
+        for got, want in zip(ep.module()(x2, mask, rank), module(x2, mask, rank), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -7,7 +7,7 @@ from returns.result import Failure, Success
 
 from nxdi.core.planning import gqa, sharding
 from nxdi.core.platform import Platform
-from tests.support.planner_configs import LLAMA_3_8B, LLAMA_31_70B, OPT_13B, spec
+from tests.support.planner_configs import LLAMA_3_8B, LLAMA_31_70B, MIXTRAL_8X7B, OPT_13B, spec
 
 R, M = gqa.GQAStrategy.REPLICATE_TO_TP_DEGREE, gqa.GQAStrategy.CONVERT_TO_MHA
 
@@ -190,3 +190,18 @@ def test_multi_head_models_get_no_strategy_warning() -> None:
     strategy, notes = gqa.determine_strategy(8, 40, q=40)
     assert strategy is M and notes == ()
     assert gqa.determine_strategy(8, 10, q=40)[1] != ()
+
+
+def test_mixtral_8x7b_experts_at_tp32_with_8_expert_groups() -> None:
+    """moe_ep_degree=8, moe_tp_degree=4: ranks 4g..4g+3 hold expert g, each a quarter of its width."""
+    plan = sharding.shard_plan(spec(MIXTRAL_8X7B), tp=32, moe_ep=8).unwrap()
+    gate = plan.weight("layers.{i}.mlp.experts.gate_proj.weight")
+    down = plan.weight("layers.{i}.mlp.experts.down_proj.weight")
+    assert gate.rank_shape(5) == (1, 3584, 4096) and down.rank_shape(5) == (1, 4096, 3584)
+    assert gate.expert_spans is not None and gate.expert_spans[5] == (1, 2)  # rank 5: expert group 1
+    assert gate.rank_spans[5] == ((3584, 7168),) and down.rank_spans[5] == ((3584, 7168),)  # quarter 1
+    assert plan.weight("layers.{i}.mlp.router.weight").rank_shape(5) == (8, 4096)  # every rank routes
+    assert sharding.shard_plan(spec(MIXTRAL_8X7B), tp=32).unwrap().weight(gate.name).rank_shape(5) == (8, 448, 4096)
+    for ep in (3, 16, 64):  # divides neither tp nor the 8 experts, or not both
+        bad = sharding.shard_plan(spec(MIXTRAL_8X7B), tp=32, moe_ep=ep)
+        assert isinstance(bad, Failure) and bad.failure().problems[0].field == "moe_ep_degree"

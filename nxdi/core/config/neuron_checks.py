@@ -162,6 +162,22 @@ def _parallel(s: NeuronSpec) -> Iterator[Problem]:
             "pick a context length that is a multiple of tp_degree",
         )
     yield from _attention_dp(s)
+    yield from _moe_degrees(s)
+
+
+def _moe_degrees(s: NeuronSpec) -> Iterator[Problem]:
+    """The MoE layers' ranks: moe_ep_degree expert groups of moe_tp_degree ranks make up tp_degree
+    (moe_tp_degree 1 with moe_ep_degree 1 means unset: every rank splits every expert)."""
+    if s.moe is None:
+        return
+    tp, moe_tp, moe_ep = s.tp_degree, s.moe.moe_tp_degree, s.moe.moe_ep_degree
+    if moe_ep == 1 and moe_tp not in (1, tp):
+        why = f"must equal tp_degree={tp} (moe_tp_degree x moe_ep_degree = tp_degree, moe_ep_degree=1)"
+        yield Problem.of("moe_tp_degree", moe_tp, why, f"set moe_tp_degree={tp} or leave it 1")
+    elif moe_ep > 1 and moe_tp * moe_ep != tp:
+        why = f"x moe_ep_degree={moe_ep} must equal tp_degree={tp}: the ranks are laid out as expert groups"
+        fix = f"set moe_tp_degree={tp // moe_ep}" if tp % moe_ep == 0 else f"use a moe_ep_degree dividing {tp}"
+        yield Problem.of("moe_tp_degree", moe_tp, why, fix)
 
 
 def _attention_dp(s: NeuronSpec) -> Iterator[Problem]:

@@ -280,15 +280,13 @@ class MoESpec:
     )
     moe_tp_degree: int = setting(
         1,
-        "Tensor-parallel degree inside MoE layers; 1 or tp_degree while moe_ep_degree is 1 (then every rank splits every expert).",
+        "Ranks splitting each expert's intermediate width; moe_tp_degree x moe_ep_degree = tp_degree (1 with moe_ep_degree 1: unset, every rank splits every expert).",
         bounds=(1, MAX_DEGREE),
     )
     moe_ep_degree: int = setting(
         1,
-        "Expert-parallel degree inside MoE layers, in ranks.",
+        "Expert groups the experts are split over; rank r holds group r // moe_tp_degree (divides tp_degree and the experts).",
         bounds=(1, MAX_DEGREE),
-        cpu=OnCpu.REFUSED,
-        cpu_note="expert parallelism is not implemented yet",
     )
     transpose_shared_experts_weights: bool = setting(
         False, "Transpose the shared-expert weights at load.", cpu="no family nxdi runs has shared experts"

@@ -68,6 +68,8 @@ class MemoryRequest:
     fused_qkv: bool = False
     vocab_parallel: bool = False
     flash_decoding_enabled: bool = False
+    moe_ep_degree: int = attrs.field(default=1, validator=attrs.validators.gt(0))
+    """Expert groups a mixture of experts' experts are split over (`sharding.expert_groups`)."""
     lora: LoraLoad | None = None
     platform: Platform = Platform.TRN1
     logical_nc_config: int | None = None
@@ -178,7 +180,12 @@ def layout_for(model: ModelSpec, counts: gqa.HeadCounts, req: MemoryRequest) -> 
 def _per_core(model: ModelSpec, req: MemoryRequest) -> Result[MemoryPlan, ConfigError]:
     """Memory at `req.tp_degree`, without the search for the smallest fitting degree."""
     plan = sharding.shard_plan(
-        model, tp=req.tp_degree, strategy=req.strategy, fused_qkv=req.fused_qkv, vocab_parallel=req.vocab_parallel
+        model,
+        tp=req.tp_degree,
+        strategy=req.strategy,
+        fused_qkv=req.fused_qkv,
+        vocab_parallel=req.vocab_parallel,
+        moe_ep=req.moe_ep_degree if model.is_moe else 1,
     )
     return plan.bind(lambda p: layout_for(model, p.counts, req).map(lambda kv: _compose(model, p, kv, req)))
 
@@ -253,6 +260,7 @@ def memory_request_for(
             fused_qkv=spec.fused_qkv,
             vocab_parallel=spec.vocab_parallel,
             flash_decoding_enabled=spec.flash_decoding_enabled,
+            moe_ep_degree=spec.moe.moe_ep_degree if spec.moe is not None else 1,
             lora=lora_load,
             platform=platform,
             logical_nc_config=spec.logical_nc_config,

@@ -16,7 +16,13 @@ from nxdi.core.config.sub_specs import MoESpec
 from nxdi.core.errors import ConfigError, Problem, problems_of, problems_result
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import buckets, gqa
-from nxdi.core.planning.sharding import ShardPlan, check_sequence_parallel, round_up, shard_plan, shard_plan_for
+from nxdi.core.planning.sharding import (
+    ShardPlan,
+    check_sequence_parallel,
+    expert_groups,
+    round_up,
+    shard_plan_for,
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -29,7 +35,8 @@ class Partition:
     kv_heads: int = attrs.field(validator=attrs.validators.gt(0))
     """Key/value heads per rank, replicas included."""
     intermediate: int = attrs.field(validator=attrs.validators.gt(0))
-    """MLP width per rank: the intermediate size zero padded to a multiple of tp, over tp."""
+    """MLP width per rank: the intermediate size zero padded to a multiple of tp, over tp (in a
+    mixture of experts, each expert's width over the moe_tp ranks of an expert group)."""
     hidden: int = attrs.field(validator=attrs.validators.gt(0))
     """Embedding columns per rank: the hidden size padded to a multiple of tp, over tp (split along
     hidden), or the whole hidden size with `vocab_parallel`."""
@@ -45,8 +52,15 @@ class Partition:
     """Flash decoding: g contiguous ranks share one KV head and each caches 1/g of the sequence
     (`nxdi.core.programs.flash_decoding`); 1 without."""
     moe: MoESpec | None = None
-    """The MoE settings of a mixture-of-experts model (every rank holds every expert's share of the
-    intermediate width); None for a dense one."""
+    """The MoE settings of a mixture-of-experts model; None for a dense one."""
+    experts: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    """Experts per rank: all of them, or 1/moe_ep_degree under expert parallelism (rank r holds
+    group `r // (tp / moe_ep_degree)`, see `sharding.expert_groups`); 0 for a dense model."""
+
+    @property
+    def moe_tp(self) -> int:
+        """Ranks splitting each expert's intermediate width (tp / moe_ep_degree)."""
+        return self.tp // (self.moe.moe_ep_degree if self.moe is not None else 1)
 
     def cache_slots(self, positions: int) -> int:
         """KV-cache slots a rank holds for `positions` positions: ceil(positions / kv_group)."""
@@ -63,6 +77,7 @@ class Partition:
             hidden=model.hidden_size,
             vocab=model.vocab_size,
             moe=(moe or MoESpec()) if model.is_moe else None,
+            experts=model.num_experts,
         )
 
 
@@ -80,18 +95,21 @@ def partition_of(
     if plan.tp == 1:
         return attrs.evolve(Partition.single(model, moe=moe), sequence_parallel=False, vocab_parallel=vocab_parallel)
     tp, c = plan.tp, plan.counts
+    moe = (moe or MoESpec()) if model.is_moe else None
+    moe_tp, moe_ep = expert_groups(tp, moe.moe_ep_degree if moe is not None else 1)
     return Partition(
         tp=tp,
         q_heads=c.q_per_rank,
         kv_heads=c.kv_per_rank,
-        intermediate=round_up(model.intermediate_size, tp) // tp,
+        intermediate=round_up(model.intermediate_size, moe_tp) // moe_tp,
         hidden=model.hidden_size if vocab_parallel else round_up(model.hidden_size, tp) // tp,
         vocab=round_up(model.vocab_size, tp) // tp,
         vocab_parallel=vocab_parallel,
         sequence_parallel=sequence_parallel,
         reduce_dtype=reduce_dtype,
         kv_group=kv_group,
-        moe=(moe or MoESpec()) if model.is_moe else None,
+        moe=moe,
+        experts=model.num_experts // moe_ep,
     )
 
 
@@ -138,7 +156,7 @@ def check_partition(model: ModelSpec, spec: NeuronSpec) -> Result[Partition, Con
         group the layout does not give.
     """
     tp = spec.tp_degree
-    plan = shard_plan(model, tp=tp, fused_qkv=True, vocab_parallel=spec.vocab_parallel)
+    plan = shard_plan_for(model, attrs.evolve(spec, fused_qkv=True))
     sequence = (
         buckets.context_table_for(spec).bind(lambda t: check_sequence_parallel(tp, t.lengths))
         if spec.sequence_parallel_enabled and tp > 1
@@ -165,18 +183,9 @@ def check_partition(model: ModelSpec, spec: NeuronSpec) -> Result[Partition, Con
 
 def _moe_problems(model: ModelSpec, spec: NeuronSpec) -> list[Problem]:
     """What a mixture of experts cannot run with: quantized weights (the experts would stay in
-    float), and a moe_tp_degree other than 1 (unset) or tp_degree (with moe_ep_degree 1, which
-    `neuron_checks` enforces, every rank splits every expert's intermediate width)."""
-    if not model.is_moe:
+    float). The MoE degrees are checked with the config (`neuron_checks`), a moe_ep_degree that
+    does not divide the experts by the sharding plan."""
+    if not model.is_moe or not spec.quantized:
         return []
-    problems = []
-    if spec.quantized:
-        why = (
-            "would leave the expert weights, most of a mixture of experts, in float: nxdi does not quantize experts yet"
-        )
-        problems.append(Problem.of("quantized", True, why, "set quantized=False"))
-    if spec.moe is not None and spec.moe.moe_tp_degree not in (1, spec.tp_degree):
-        why = f"must equal tp_degree={spec.tp_degree} (moe_tp_degree x moe_ep_degree = tp_degree, moe_ep_degree=1)"
-        fix = f"set moe_tp_degree={spec.tp_degree} or leave it 1"
-        problems.append(Problem.of("moe_tp_degree", spec.moe.moe_tp_degree, why, fix))
-    return problems
+    why = "would leave the expert weights, most of a mixture of experts, in float: nxdi does not quantize experts yet"
+    return [Problem.of("quantized", True, why, "set quantized=False")]

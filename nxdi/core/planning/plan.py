@@ -108,6 +108,8 @@ def _sharding_dict(s: sharding.ShardPlan) -> dict[str, Any]:
         "q_heads_per_rank": c.q_per_rank,
         "kv_heads_per_rank": c.kv_per_rank,
         "params_per_rank": s.rank_params(),
+        "experts_per_rank": None if (e := s.experts_per_rank()) is None else e[0],
+        "expert_rows_per_rank": None if e is None else e[1],
     }
 
 

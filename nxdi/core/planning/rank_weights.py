@@ -7,7 +7,8 @@ padding, a padded intermediate or vocabulary size), and which spans of that layo
 original indices the rank needs, in order, None for a zero row. The checkpoint reader then reads
 only the range of rows a Take spans (`Take.bounds`), so a rank holds its shard and nothing more.
 
-- A stacked step (one source per expert) takes the same rows or columns of every expert.
+- A stacked step (one source per expert) takes the same rows or columns of every expert; under
+  expert parallelism it reads only the sources of the experts of the rank's group.
 - A fused step (Q, K and V concatenated) gets one Take per source: the rank's Q rows from q_proj,
   its K rows from k_proj, its V rows from v_proj, which concatenate into its `[Q_r; K_r; V_r]`.
 - A tied lm_head stays an alias of the embedding only when both are split alike (vocab-parallel);
@@ -65,6 +66,18 @@ def _takes(step: WeightStep, shard: WeightShard, rank: int) -> tuple[Take, ...]:
     return tuple(takes)
 
 
+def _own_experts(step: WeightStep, shard: WeightShard, rank: int) -> WeightStep:
+    """A stacked step reading only the experts `rank` holds under expert parallelism (all without)."""
+    if shard.expert_spans is None:
+        return step
+    assert step.combine is Combine.STACK, "only experts weights are split across experts"
+    start, stop = shard.expert_spans[rank]
+    takes = step.takes[start:stop] if step.takes else ()
+    return attrs.evolve(
+        step, sources=step.sources[start:stop], source_shapes=step.source_shapes[start:stop], takes=takes
+    )
+
+
 def _scale_takes(step: WeightStep, values: WeightStep, shard: WeightShard, rank: int) -> WeightStep:
     """A quantized linear's scale step, reading the scales of the rows `rank` holds of `values`.
 
@@ -115,9 +128,10 @@ def rank_plan(plan: WeightPlan, shard: ShardPlan, rank: int) -> Result[WeightPla
                 continue
             # Split differently from the tensor it aliases: read that tensor's source again, as this weight.
             step = attrs.evolve(step, sources=target.sources, combine=Combine.COPY, transforms=target.transforms)
-        if entry.dim is None:
-            steps.append(step)
-        else:
-            steps.append(attrs.evolve(step, takes=_takes(step, entry, rank)))
-    optional = plan.optional - {k for s in steps if s.combine is not Combine.ALIAS for k in s.sources}
+        if entry.dim is not None:
+            step = attrs.evolve(step, takes=_takes(step, entry, rank))
+        steps.append(_own_experts(step, entry, rank))
+    # The model's keys this rank does not read (other expert groups' experts) stay known, unused.
+    read = {k for s in steps if s.combine is not Combine.ALIAS for k in s.sources}
+    optional = (plan.optional | plan.read_keys()) - read
     return Success(attrs.evolve(plan, steps=tuple(steps), optional=optional))

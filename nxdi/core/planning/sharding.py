@@ -73,12 +73,18 @@ class WeightShard:
     rank_spans: tuple[tuple[Span, ...], ...]
     """Per rank, the spans along `dim` of the padded layout it holds (one span, or three for fused QKV)."""
     remap: Remap | None = None
+    expert_spans: tuple[Span, ...] | None = None
+    """Expert parallelism: per rank, the experts (along dim 0 of an experts weight) it holds; None: all."""
 
     def rank_shape(self, rank: int = 0) -> tuple[int, ...]:
-        if self.dim is None:
-            return self.padded_shape
-        n = sum(stop - start for start, stop in self.rank_spans[rank])
-        return tuple(n if d == self.dim else s for d, s in enumerate(self.padded_shape))
+        shape = self.padded_shape
+        if self.dim is not None:
+            n = sum(stop - start for start, stop in self.rank_spans[rank])
+            shape = tuple(n if d == self.dim else s for d, s in enumerate(shape))
+        if self.expert_spans is not None:
+            start, stop = self.expert_spans[rank]
+            shape = (stop - start, *shape[1:])
+        return shape
 
     def rank_numel(self, rank: int = 0) -> int:
         out = 1
@@ -193,21 +199,47 @@ def _fused_qkv(name: str, layout: gqa.HeadLayout, tail: tuple[int, ...], d: int)
     )
 
 
-def _mlp(model: ModelSpec, tp: int) -> list[WeightShard]:
-    """The MLP of one layer; the intermediate size is zero padded to a multiple of tp."""
+def expert_groups(tp: int, moe_ep: int) -> tuple[int, int]:
+    """(moe_tp, moe_ep): rank r holds expert group `r // moe_tp` (of `moe_ep`) and, inside each of
+    its experts, intermediate slice `r % moe_tp` (NxD's layout: the ranks of one expert group are
+    contiguous). `moe_ep` must divide tp (`partition.check_partition` says so to users)."""
+    return tp // moe_ep, moe_ep
+
+
+def _experts(
+    name: str, rule: ShardRule, shape: tuple[int, ...], dim: int | None, tp: int, moe_ep: int, padded: int
+) -> WeightShard:
+    """An experts weight [X, ...]: split along `dim` (the intermediate width) over the moe_tp ranks of
+    each expert group, and along the experts over the `moe_ep` groups (None: replicated inside a group)."""
+    moe_tp, _ = expert_groups(tp, moe_ep)
+    if dim is None:
+        shard = _copy(name, shape, tp)
+    else:
+        inner = _split(name, rule, shape, dim, moe_tp, padded=padded)
+        shard = attrs.evolve(inner, rank_spans=tuple(inner.rank_spans[r % moe_tp] for r in range(tp)))
+    if moe_ep == 1:
+        return shard
+    groups = _even_spans(shape[0], moe_ep)
+    return attrs.evolve(shard, expert_spans=tuple(groups[r // moe_tp] for r in range(tp)))
+
+
+def _mlp(model: ModelSpec, tp: int, moe_ep: int = 1) -> list[WeightShard]:
+    """The MLP of one layer; the intermediate size is zero padded to a multiple of tp (of moe_tp in
+    a mixture of experts, whose experts are split over `moe_ep` groups of ranks)."""
     e, f = model.hidden_size, model.intermediate_size
     fp = round_up(f, tp)
     m = "layers.{i}.mlp"
     col, row = ShardRule.COLUMN_PARALLEL, ShardRule.ROW_PARALLEL
     ins = ("gate_proj", "up_proj") if model.gated_mlp else ("up_proj",)
     if model.is_moe:
-        n = model.num_experts
+        n, (moe_tp, _) = model.num_experts, expert_groups(tp, moe_ep)
+        fe = round_up(f, moe_tp)
         out = [_copy(f"{m}.router.weight", (n, e), tp)]
-        out += [_split(f"{m}.experts.{p}.weight", col, (n, f, e), 1, tp, padded=fp) for p in ins]
+        out += [_experts(f"{m}.experts.{p}.weight", col, (n, f, e), 1, tp, moe_ep, fe) for p in ins]
         if model.mlp_bias:
-            out += [_split(f"{m}.experts.{p}.bias", col, (n, f), 1, tp, padded=fp) for p in ins]
-            out.append(_copy(f"{m}.experts.down_proj.bias", (n, e), tp))
-        return [*out, _split(f"{m}.experts.down_proj.weight", row, (n, e, f), 2, tp, padded=fp)]
+            out += [_experts(f"{m}.experts.{p}.bias", col, (n, f), 1, tp, moe_ep, fe) for p in ins]
+            out.append(_experts(f"{m}.experts.down_proj.bias", ShardRule.REPLICATED, (n, e), None, tp, moe_ep, e))
+        return [*out, _experts(f"{m}.experts.down_proj.weight", row, (n, e, f), 2, tp, moe_ep, fe)]
     out = [_split(f"{m}.{p}.weight", col, (f, e), 0, tp, padded=fp) for p in ins]
     if model.mlp_bias:
         out += [_split(f"{m}.{p}.bias", col, (f,), 0, tp, padded=fp) for p in ins]
@@ -263,6 +295,14 @@ class ShardPlan:
     def weight(self, name: str) -> WeightShard:
         return next(w for w in self.weights if w.name == name)
 
+    def experts_per_rank(self, rank: int = 0) -> tuple[int, int] | None:
+        """(experts, intermediate rows of each) that `rank` holds of a mixture of experts; None when dense."""
+        up = next((w for w in self.weights if w.name == "layers.{i}.mlp.experts.up_proj.weight"), None)
+        if up is None:
+            return None
+        experts, rows, _ = up.rank_shape(rank)
+        return experts, rows
+
 
 def shard_plan(
     model: ModelSpec,
@@ -271,37 +311,53 @@ def shard_plan(
     strategy: gqa.GQAStrategy | None = None,
     fused_qkv: bool = False,
     vocab_parallel: bool = False,
+    moe_ep: int = 1,
 ) -> Result[ShardPlan, ConfigError]:
-    """The weight table of `model` over `tp` ranks, with the GQA strategy the reference would use.
+    """The weight table of `model` over `tp` ranks, with the GQA strategy the reference would use;
+    a mixture of experts' experts split over `moe_ep` groups of tp / moe_ep ranks (`expert_groups`).
 
     Returns:
-        `Failure` when tp is not positive or the head counts are inconsistent (see
-        `gqa.shardable_head_counts`); platform limits are checked by `check_tp_degree`.
+        `Failure` when tp is not positive, the head counts are inconsistent (see
+        `gqa.shardable_head_counts`) or `moe_ep` does not divide both tp and the experts; platform
+        limits are checked by `check_tp_degree`.
     """
     if tp < 1:
         return Failure(ConfigError.of("tp_degree", tp, "must be a positive integer"))
+    if moe_ep != 1 and (not model.is_moe or tp % moe_ep or model.num_experts % moe_ep):
+        why = f"must divide tp_degree={tp} and the model's {model.num_experts} experts"
+        return Failure(ConfigError.of("moe_ep_degree", moe_ep, why, "use a common divisor, or 1"))
     chosen, notes = gqa.determine_strategy(tp, model.num_kv_heads, strategy, q=model.num_attention_heads)
     return gqa.shardable_head_counts(tp, model.num_attention_heads, model.num_kv_heads, chosen).map(
-        lambda counts: _assemble(model, counts, notes, fused_qkv=fused_qkv, vocab_parallel=vocab_parallel)
+        lambda counts: _assemble(
+            model, counts, notes, fused_qkv=fused_qkv, vocab_parallel=vocab_parallel, moe_ep=moe_ep
+        )
     )
 
 
 def _assemble(
-    model: ModelSpec, counts: gqa.HeadCounts, notes: tuple[str, ...], *, fused_qkv: bool, vocab_parallel: bool
+    model: ModelSpec,
+    counts: gqa.HeadCounts,
+    notes: tuple[str, ...],
+    *,
+    fused_qkv: bool,
+    vocab_parallel: bool,
+    moe_ep: int,
 ) -> ShardPlan:
     layout = gqa.head_layout(counts)
     tp = counts.tp
     weights = (
         *_attention(model, layout, fused_qkv=fused_qkv),
-        *_mlp(model, tp),
+        *_mlp(model, tp, moe_ep),
         *_norms(model, tp),
         *_embeddings(model, tp, vocab_parallel=vocab_parallel),
     )
     extra: list[str] = []
     if counts.q_padded != counts.q:
         extra.append(f"{counts.q_padded - counts.q} zero Q heads pad num_attention_heads={counts.q} for tp_degree={tp}")
-    if model.intermediate_size % tp:
-        extra.append(f"intermediate_size={model.intermediate_size} is zero padded to a multiple of tp_degree={tp}")
+    moe_tp, _ = expert_groups(tp, moe_ep)
+    if model.intermediate_size % moe_tp:
+        ranks = f"tp_degree={tp}" if moe_ep == 1 else f"the {moe_tp} ranks of each expert group"
+        extra.append(f"intermediate_size={model.intermediate_size} is zero padded to a multiple of {ranks}")
     return ShardPlan(
         tp=tp, counts=counts, layout=layout, num_layers=model.num_layers, weights=weights, notes=(*notes, *extra)
     )
@@ -371,5 +427,8 @@ def check_sequence_parallel(tp: int, context_buckets: Sequence[int]) -> Result[i
 
 
 def shard_plan_for(model: ModelSpec, spec: NeuronSpec) -> Result[ShardPlan, ConfigError]:
-    """The sharding plan of `model` under `spec` (tp_degree, fused_qkv, vocab_parallel)."""
-    return shard_plan(model, tp=spec.tp_degree, fused_qkv=spec.fused_qkv, vocab_parallel=spec.vocab_parallel)
+    """The sharding plan of `model` under `spec` (tp_degree, fused_qkv, vocab_parallel, moe_ep_degree)."""
+    moe_ep = spec.moe.moe_ep_degree if spec.moe is not None and model.is_moe else 1
+    return shard_plan(
+        model, tp=spec.tp_degree, fused_qkv=spec.fused_qkv, vocab_parallel=spec.vocab_parallel, moe_ep=moe_ep
+    )

@@ -1,7 +1,7 @@
 """The decoder program: Llama and every family that is Llama plus ModelSpec fields. Pure.
 
-Covers RoPE (every scaling kind), GQA, tied embeddings, mixtures of experts (`nxdi.core.programs.moe`,
-every expert split over the ranks along its intermediate width), sliding windows (`spec.sliding_window`, per
+Covers RoPE (every scaling kind), GQA, tied embeddings, mixtures of experts (`nxdi.core.programs.moe`;
+each expert split along its intermediate width, the experts over expert groups of ranks), sliding windows (`spec.sliding_window`, per
 layer with `spec.full_attention_layers`), projection biases (`spec.qkv_bias`, `o_bias`,
 `mlp_bias`), per-head q/k RMSNorm (`spec.qk_norm`) and an explicit `spec.head_dim`: every
 difference between the families it runs is a field of the `ModelSpec`, decided when the program is
@@ -154,9 +154,14 @@ def moe_options(spec: ModelSpec, settings: MoESpec) -> moe.MoEOptions:
     )
 
 
-def _mlp(m: MLP, x: Tensor, spec: ModelSpec, part: Partition, *, decode: bool) -> tuple[Tensor, Tensor | None]:
+def _mlp(
+    m: MLP, x: Tensor, spec: ModelSpec, part: Partition, coll: Collectives, *, decode: bool
+) -> tuple[Tensor, Tensor | None]:
     """The feed-forward block of normed x [N, E] on this rank's share of the intermediate width
     (`decode`: a token-generation step, which picks the MoE path by NxD's token-generation rule).
+    Under expert parallelism every rank holds every token (x is replicated), runs its experts'
+    share and the sum over ranks combines them: the dispatch is the replication, the combine the
+    all-reduce the dense MLP does too.
 
     Returns the partial output [N, E] (to be summed over ranks) and the bias to add after the sum
     (None with one rank, where it is applied inside the last linear, as transformers does).
@@ -170,7 +175,9 @@ def _mlp(m: MLP, x: Tensor, spec: ModelSpec, part: Partition, *, decode: bool) -
             assert part.moe is not None, "a mixture of experts' partition carries its settings"
             options = moe_options(spec, part.moe)
             path = moe.choose_path(x.shape[0], spec.num_experts, options, token_generation=decode)
-            return moe.forward(x, m, options, path=path).hidden, None
+            ep = part.experts < spec.num_experts  # expert groups: this rank's first expert follows its rank
+            first = (coll.rank() // part.moe_tp) * part.experts if ep else 0
+            return moe.forward(x, m, options, path=path, first_expert=first).hidden, None
 
 
 def _embed(w: DecoderWeights, ids: Tensor, spec: ModelSpec, part: Partition, coll: Collectives) -> Tensor:
@@ -272,7 +279,9 @@ def forward(
         )
         h = h + _reduce(a, lw.attn.o_bias if part.tp > 1 else None, coll, part, b=b, sp=sp)
         normed = layers.rms_norm(h, lw.post_norm, spec.norm_eps)
-        partial, bias = _mlp(lw.mlp, _gather_sequence(normed, coll, b=b) if sp else normed, spec, part, decode=s == 1)
+        partial, bias = _mlp(
+            lw.mlp, _gather_sequence(normed, coll, b=b) if sp else normed, spec, part, coll, decode=s == 1
+        )
         h = h + _reduce(partial, bias, coll, part, b=b, sp=sp)
         ks.append(k_cache)
         vs.append(v_cache)

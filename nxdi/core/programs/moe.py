@@ -113,8 +113,6 @@ class MoEOptions:
     up_clamp_upper: float | None = None
     up_clamp_lower: float | None = None
     early_affinity_modulation: bool = False
-    first_expert: int = 0
-    """Global index of this rank's first local expert (expert parallelism)."""
     selective_max_tokens: int | None = None
     """Use selective loading when T * top_k <= this; None: when T * top_k < X (NxD's threshold)."""
 
@@ -210,16 +208,18 @@ def _mlp(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, options: MoEOptions)
     return torch.matmul(h, down.transpose(1, 2))
 
 
-def _local(expert_index: Tensor, first: int, num_local: int) -> tuple[Tensor, Tensor]:
+def _local(expert_index: Tensor, first: Tensor | int, num_local: int) -> tuple[Tensor, Tensor]:
     """Local expert ids [T, k] clamped into range (so they can index), and whether each is local."""
     local = expert_index - first
     return local.clamp(0, num_local - 1), (local >= 0) & (local < num_local)
 
 
-def _selective(x: Tensor, e: Experts, index: Tensor, weight: Tensor, mask: Tensor, options: MoEOptions) -> Tensor:
+def _selective(
+    x: Tensor, e: Experts, index: Tensor, weight: Tensor, mask: Tensor, first: Tensor | int, options: MoEOptions
+) -> Tensor:
     """Each (token, choice) pair runs its own expert, weights gathered: [T, E]."""
     t, k = index.shape
-    local, is_local = _local(index, options.first_expert, e.gate.shape[0])
+    local, is_local = _local(index, first, e.gate.shape[0])
     w = weight * is_local  # a non-local choice ran a clamped stand-in expert: masked out
     flat = local.reshape(t * k)
     xin = x[:, None, None, :].expand(t, k, 1, x.shape[-1]).reshape(t * k, 1, x.shape[-1])
@@ -230,27 +230,36 @@ def _selective(x: Tensor, e: Experts, index: Tensor, weight: Tensor, mask: Tenso
     return torch.einsum("tke,tk->te", y, w.to(x.dtype))
 
 
-def _dense_affinities(index: Tensor, weight: Tensor, first: int, num_local: int) -> Tensor:
+def _dense_affinities(index: Tensor, weight: Tensor, first: Tensor | int, num_local: int) -> Tensor:
     """[T, Xl]: each token's weight for each local expert, zero where not chosen."""
-    hit = index[:, :, None] == torch.arange(first, first + num_local, device=index.device)  # [T, k, Xl]
+    hit = index[:, :, None] == torch.arange(num_local, device=index.device) + first  # [T, k, Xl]
     return (hit.to(weight.dtype) * weight[:, :, None]).sum(1)
 
 
-def _all_experts(x: Tensor, e: Experts, index: Tensor, weight: Tensor, mask: Tensor, options: MoEOptions) -> Tensor:
+def _all_experts(
+    x: Tensor, e: Experts, index: Tensor, weight: Tensor, mask: Tensor, first: Tensor | int, options: MoEOptions
+) -> Tensor:
     """Every local expert on every token, combined by a dense affinity matrix: [T, E]."""
     num_local = e.gate.shape[0]
-    w = _dense_affinities(index, weight, options.first_expert, num_local)  # [T, Xl]
+    w = _dense_affinities(index, weight, first, num_local)  # [T, Xl]
     if options.early_affinity_modulation:
         y = _mlp(x[None] * w.T[:, :, None].to(x.dtype), e.gate, e.up, e.down, options)  # [Xl, T, E]
         chosen = mask[:, None].expand(index.shape).to(weight.dtype)  # unchosen experts also ran: mask them
-        w = _dense_affinities(index, chosen, options.first_expert, num_local)
+        w = _dense_affinities(index, chosen, first, num_local)
     else:
         y = _mlp(x[None], e.gate, e.up, e.down, options)
     return torch.einsum("xte,tx->te", y, w.to(x.dtype))
 
 
 def _capacity(
-    x: Tensor, e: Experts, index: Tensor, weight: Tensor, mask: Tensor, capacity: int, options: MoEOptions
+    x: Tensor,
+    e: Experts,
+    index: Tensor,
+    weight: Tensor,
+    mask: Tensor,
+    capacity: int,
+    first: Tensor | int,
+    options: MoEOptions,
 ) -> Tensor:
     """Tokens dispatched into [Xl, C, E] expert slots in token order, overflow dropped: [T, E].
 
@@ -265,7 +274,7 @@ def _capacity(
     kept = mask[:, None] & (slot < capacity)
     if options.normalize_top_k:
         weight = _normalize(weight * kept, options.normalize_p)
-    local, is_local = _local(index, options.first_expert, num_local)
+    local, is_local = _local(index, first, num_local)
     kept = kept & is_local
     weight = weight * kept
     dump = num_local * capacity  # one spare slot that every dropped pair writes to, never read back
@@ -291,6 +300,7 @@ def forward(
     *,
     token_mask: Tensor | None = None,
     path: MoEPath | None = None,
+    first_expert: Tensor | int = 0,
 ) -> MoEOutput:
     """The MoE block on tokens x [T, E]: this rank's partial output [T, E] in x's dtype, the router
     logits [T, X] and the chosen experts [T, k].
@@ -298,7 +308,9 @@ def forward(
     `token_mask` [T] bool marks real tokens; padded ones output zero and take no capacity. `path`
     forces a path; by default it is `choose_path(T, X, options)` (NxD's context-encoding rule; a
     token-generation caller passes `choose_path(..., token_generation=True)`). The capacity path
-    without a capacity factor (or with one >= X / k) gives every expert T slots.
+    without a capacity factor (or with one >= X / k) gives every expert T slots. `first_expert`:
+    the global index of this rank's first local expert (expert parallelism), an int, or a 0-d
+    tensor computed from the rank (one traced program serves every rank; a tensor is not checked).
 
     Raises:
         ValueError: x not 2-D; expert weight shapes that disagree with each other, with x or with
@@ -316,17 +328,17 @@ def forward(
         raise ValueError(
             f"up {tuple(experts.up.shape)} / down {tuple(experts.down.shape)} do not match gate {(num_local, f, hidden)}"
         )
-    if options.first_expert < 0 or options.first_expert + num_local > num_experts:
-        raise ValueError(f"local experts {options.first_expert}..+{num_local} exceed the model's {num_experts}")
+    if isinstance(first_expert, int) and not 0 <= first_expert <= num_experts - num_local:
+        raise ValueError(f"local experts {first_expert}..+{num_local} exceed the model's {num_experts}")
     logits, affinities, index = route(x, experts, options)
     mask = torch.ones(t, dtype=torch.bool, device=x.device) if token_mask is None else token_mask.to(torch.bool)
     weight = affinities * mask[:, None]
     match path or choose_path(t, num_experts, options):
         case MoEPath.SELECTIVE:
-            out = _selective(x, experts, index, weight, mask, options)
+            out = _selective(x, experts, index, weight, mask, first_expert, options)
         case MoEPath.ALL_EXPERTS:
-            out = _all_experts(x, experts, index, weight, mask, options)
+            out = _all_experts(x, experts, index, weight, mask, first_expert, options)
         case MoEPath.CAPACITY:
             capacity = expert_capacity(t, num_experts, options) or t
-            out = _capacity(x, experts, index, weight, mask, capacity, options)
+            out = _capacity(x, experts, index, weight, mask, capacity, first_expert, options)
     return MoEOutput(hidden=out, router_logits=logits, expert_index=index)

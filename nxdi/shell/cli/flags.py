@@ -17,10 +17,12 @@ import attrs
 
 from nxdi.core.config.fields import Group, field_types, info_of
 from nxdi.core.config.neuron_spec import NeuronSpec
+from nxdi.core.config.sub_specs import MoESpec
 from nxdi.shell.cli import reference
 
 _SKIP = frozenset({"moe", "is_prefill_stage", "overrides_torch_dtype"})
-"""Attributes without a flag: MoE options (no flags of their own) and two that nxdi sets itself."""
+"""Attributes without a flag: the MoE options' holder (its attributes get flags of their own) and
+two that nxdi sets itself."""
 
 
 def _scalar(tp: Any) -> tuple[Any, Any, str] | None:
@@ -42,12 +44,14 @@ def add_neuron_config_flags(parser: argparse.ArgumentParser) -> None:
     """Add one flag per simple NeuronConfig attribute (default: not given), grouped as the
     reference groups them, each with its description as help (`nxdi config --list` has the rest)."""
     groups = {g: parser.add_argument_group(f"NeuronConfig: {g.value}") for g in Group}
-    types_ = field_types(NeuronSpec)
-    for field in attrs.fields(NeuronSpec):
+    moe_group = parser.add_argument_group("MoENeuronConfig (mixture-of-experts models only)")
+    fields = [(NeuronSpec, f) for f in attrs.fields(NeuronSpec)] + [(MoESpec, f) for f in attrs.fields(MoESpec)]
+    types_ = {**field_types(NeuronSpec), **field_types(MoESpec)}
+    for cls, field in fields:
         if field.name in _SKIP:
             continue
-        group = groups[info_of(NeuronSpec, field.name).group or Group.GENERAL]
-        help_ = reference.field_help(field.name)
+        group = moe_group if cls is MoESpec else groups[info_of(NeuronSpec, field.name).group or Group.GENERAL]
+        help_ = reference.field_help(field.name, cls)
         flag = "--" + field.name.replace("_", "-")
         tp = types_[field.name]
         if tp is bool or tp == (bool | None):

@@ -125,6 +125,18 @@ def _sharding_lines(p: Plan) -> list[str]:
     ]
 
 
+def _experts_lines(m: ModelSpec, p: Plan) -> list[str]:
+    """Where a mixture of experts' experts live: how many each rank holds, and how much of each."""
+    held = p.sharding.experts_per_rank()
+    if held is None:
+        return []
+    local, width = held
+    groups = m.num_experts // local
+    split = "whole" if width >= m.intermediate_size else f"{width} of its {m.intermediate_size} intermediate rows"
+    where = f"in {groups} expert groups of {p.sharding.tp // groups} ranks" if groups > 1 else "on every rank"
+    return [f"Experts    {m.num_experts} per layer {where}: {_n(local, 'expert')} per rank, each {split}"]
+
+
 def _kv_lines(p: Plan) -> list[str]:
     k = p.kv_cache
     shape = ", ".join(str(d) for d in k.shape_per_rank)
@@ -217,7 +229,7 @@ def _lora_lines(p: Plan, *, memory_given: bool) -> list[str]:
 def render_plan(r: PlanRun) -> str:
     """The plan as text: model, target, sharding, KV cache, memory verdict, buckets, LoRA, warnings, problems."""
     p = r.plan
-    lines = [*_model_lines(r), _target_line(p), "", *_sharding_lines(p), *_kv_lines(p), ""]
+    lines = [*_model_lines(r), _target_line(p), "", *_sharding_lines(p), *_experts_lines(r.model, p), *_kv_lines(p), ""]
     lines += [*_memory_lines(p), "", *_bucket_lines(p)]
     lora = _lora_lines(p, memory_given=r.lora_memory_given)
     if lora:

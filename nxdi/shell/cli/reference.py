@@ -132,9 +132,10 @@ def render_markdown(rows: list[Row]) -> str:
     return "\n".join(out) + "\n"
 
 
-def field_help(name: str) -> str:
-    """The `--flag` help of NeuronConfig attribute `name`: its description and its CPU effect."""
-    info = infos(NeuronSpec)[name]
+def field_help(name: str, spec_cls: type = NeuronSpec) -> str:
+    """The `--flag` help of NeuronConfig (or MoENeuronConfig: `spec_cls` MoESpec) attribute `name`:
+    its description and its CPU effect."""
+    info = infos(spec_cls)[name]
     cpu = {
         OnCpu.YES: "",
         OnCpu.NO: " [no effect on CPU]",
