@@ -4,8 +4,9 @@ refused with a named error.
 
 - capacity_factor: below full capacity tokens are dropped (the prefill logits change); at a
   capacity that holds every token the logits are those of no capacity_factor.
-- Refused, every problem named: expert parallelism, quantized weights, a moe_tp_degree other
-  than 1 or tp_degree, outputs not wired yet.
+- moe_mask_padded_tokens: padding takes no expert capacity.
+- Refused, every problem named: quantized weights, moe_tp_degree x moe_ep_degree other than
+  tp_degree, outputs not wired yet.
 """
 
 from __future__ import annotations
@@ -47,6 +48,27 @@ def test_capacity_factor_drops_tokens_only_below_full_capacity(tiny_checkpoint: 
     assert (dropped - free).abs().max() > 1e-3
 
 
+def test_masking_padded_tokens_keeps_padding_from_taking_expert_capacity(tiny_checkpoint: Callable[..., Path]) -> None:
+    """Two prompts (10 and 14 tokens) in a 64-token bucket: 128 tokens, capacity ceil(128 * 2 * 0.375 / 4)
+    = 24 per expert, room for every real token (24 of them) but not for the first row's padding too."""
+    path = tiny_checkpoint("mixtral")
+    rows = [PROMPTS[0], PROMPTS[2]]
+    ids = torch.zeros(2, 14, dtype=torch.int64)
+    mask = torch.zeros(2, 14, dtype=torch.int64)
+    for i, p in enumerate(rows):
+        ids[i, : len(p)], mask[i, : len(p)] = torch.tensor(p), 1
+
+    def logits(**kw: Any) -> torch.Tensor:
+        model = _model(path, batch_size=2, **kw)
+        model.to_cpu()
+        return model(ids, attention_mask=mask).logits
+
+    free = logits()
+    assert torch.allclose(logits(capacity_factor=0.375, moe_mask_padded_tokens=True), free, atol=1e-5)
+    assert (logits(capacity_factor=0.375) - free).abs().max() > 1e-3  # padding took real tokens' places
+    assert torch.allclose(logits(moe_mask_padded_tokens=True), free, atol=1e-5)  # no capacity: nothing to take
+
+
 @pytest.mark.parametrize(
     ("settings", "field"),
     [
@@ -54,7 +76,6 @@ def test_capacity_factor_drops_tokens_only_below_full_capacity(tiny_checkpoint: 
         ({"quantized": True, "quantized_checkpoints_path": "/nonexistent/q.pt"}, "quantized"),
         ({"tp_degree": 2, "moe_tp_degree": 4}, "moe_tp_degree"),
         ({"return_router_logits": True}, "moe.return_router_logits"),
-        ({"moe_mask_padded_tokens": True}, "moe.moe_mask_padded_tokens"),
     ],
 )
 def test_settings_not_implemented_are_refused_naming_the_field(

@@ -247,10 +247,7 @@ class MoESpec:
         False, "Use the index-calculation kernel for expert token routing.", cpu="a Neuron kernel"
     )
     moe_mask_padded_tokens: bool = setting(
-        False,
-        "Exclude padding tokens from expert routing.",
-        cpu=OnCpu.REFUSED,
-        cpu_note="the MoE block takes a token mask but the engine does not pass it yet",
+        False, "Exclude padding tokens from expert routing: they take no expert capacity and output zero."
     )
     early_expert_affinity_modulation: bool = setting(
         False, "Scale expert inputs by router affinities before the expert MLP instead of after."

@@ -155,10 +155,18 @@ def moe_options(spec: ModelSpec, settings: MoESpec) -> moe.MoEOptions:
 
 
 def _mlp(
-    m: MLP, x: Tensor, spec: ModelSpec, part: Partition, coll: Collectives, *, decode: bool
+    m: MLP,
+    x: Tensor,
+    spec: ModelSpec,
+    part: Partition,
+    coll: Collectives,
+    *,
+    decode: bool,
+    token_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The feed-forward block of normed x [N, E] on this rank's share of the intermediate width
-    (`decode`: a token-generation step, which picks the MoE path by NxD's token-generation rule).
+    (`decode`: a token-generation step, which picks the MoE path by NxD's token-generation rule;
+    `token_mask` [N] bool: the real tokens, the only ones a mixture of experts routes when set).
     Under expert parallelism every rank holds every token (x is replicated), runs its experts'
     share and the sum over ranks combines them: the dispatch is the replication, the combine the
     all-reduce the dense MLP does too.
@@ -177,7 +185,7 @@ def _mlp(
             path = moe.choose_path(x.shape[0], spec.num_experts, options, token_generation=decode)
             ep = part.experts < spec.num_experts  # expert groups: this rank's first expert follows its rank
             first = (coll.rank() // part.moe_tp) * part.experts if ep else 0
-            return moe.forward(x, m, options, path=path, first_expert=first).hidden, None
+            return moe.forward(x, m, options, path=path, first_expert=first, token_mask=token_mask).hidden, None
 
 
 def _embed(w: DecoderWeights, ids: Tensor, spec: ModelSpec, part: Partition, coll: Collectives) -> Tensor:
@@ -256,6 +264,14 @@ def forward(
         rope = attention.rope_tables(slots, torch.where(blocks.segment >= 0, slots, 0).max() + 1, spec, w.embed.dtype)
         masks = attention.block_masks(slots, blocks, int(cache.k[0].shape[1]), spec, part)
         out_index = blocks.out_index  # [B, R]
+    token_mask = None  # moe_mask_padded_tokens: padding takes no expert capacity and outputs zero
+    if part.moe is not None and part.moe.moe_mask_padded_tokens:
+        real = (
+            torch.arange(s, device=slots.device)[None] <= x.last_index[:, None]
+            if blocks is None
+            else blocks.segment >= 0
+        )
+        token_mask = real.reshape(-1)
     h = _embed(w, x.input_ids.reshape(-1), spec, part, coll)  # [B*S, E]
     if sp:
         h = coll.scatter(h.view(b, s, -1), 1).reshape(-1, h.shape[-1])  # [B*S/tp, E]
@@ -279,9 +295,8 @@ def forward(
         )
         h = h + _reduce(a, lw.attn.o_bias if part.tp > 1 else None, coll, part, b=b, sp=sp)
         normed = layers.rms_norm(h, lw.post_norm, spec.norm_eps)
-        partial, bias = _mlp(
-            lw.mlp, _gather_sequence(normed, coll, b=b) if sp else normed, spec, part, coll, decode=s == 1
-        )
+        normed = _gather_sequence(normed, coll, b=b) if sp else normed
+        partial, bias = _mlp(lw.mlp, normed, spec, part, coll, decode=s == 1, token_mask=token_mask)
         h = h + _reduce(partial, bias, coll, part, b=b, sp=sp)
         ks.append(k_cache)
         vs.append(v_cache)
