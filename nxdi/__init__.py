@@ -18,6 +18,7 @@ _EXPORTS: dict[str, str] = {
     "OnDeviceSamplingConfig": "nxdi.shell.config",
     "LoraServingConfig": "nxdi.shell.config",
     "ChunkedPrefillConfig": "nxdi.shell.config",
+    "RouterConfig": "nxdi.shell.config",
     "InferenceConfig": "nxdi.shell.inference_config",
     "FusedSpecNeuronConfig": "nxdi.shell.inference_config",
     "load_pretrained_config": "nxdi.shell.inference_config",

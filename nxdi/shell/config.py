@@ -18,13 +18,20 @@ import attrs
 from nxdi.core.config import codec, neuron_parse
 from nxdi.core.config.fields import JsonMap, did_you_mean, sub_spec_fields, to_json
 from nxdi.core.config.neuron_spec import DERIVED, NeuronSpec
-from nxdi.core.config.sub_specs import ChunkedPrefillSpec, LoraSpec, OnDeviceSamplingSpec, parse_sub
+from nxdi.core.config.sub_specs import (
+    ChunkedPrefillSpec,
+    LoraSpec,
+    MoESpec,
+    OnDeviceSamplingSpec,
+    RouterSpec,
+    parse_sub,
+)
 from nxdi.core.platform import Platform
 from nxdi.effects import env as env_mod
 from nxdi.effects import lora_adapters as lora_io
 from nxdi.shell.exceptions import unwrap
 
-_SUB_SPECS: dict[str, type] = sub_spec_fields(NeuronSpec)
+_SUB_SPECS: dict[str, type] = {**sub_spec_fields(NeuronSpec), **sub_spec_fields(MoESpec)}
 
 
 def _is_torch_dtype(value: Any) -> bool:
@@ -56,10 +63,17 @@ def present(value: Any, *, dtype: bool = False) -> Any:
     return value
 
 
+def _dtype_name(value: Any) -> Any:
+    """A torch dtype as the name core takes (`torch.bfloat16` -> "bfloat16"); anything else unchanged."""
+    return str(value).removeprefix("torch.") if _is_torch_dtype(value) else value
+
+
 class _SubConfig:
     """Shared behaviour of the shell sub-configs: a spec, an owner to re-validate, attribute access."""
 
     _spec_cls: ClassVar[type]
+    _dtype_fields: ClassVar[frozenset[str]] = frozenset()
+    """Attributes read back as torch dtypes."""
 
     def __init__(self, spec: Any) -> None:
         object.__setattr__(self, "_spec", spec)
@@ -73,7 +87,7 @@ class _SubConfig:
         if name.startswith("_"):
             raise AttributeError(name)
         if name in attrs.fields_dict(self._spec_cls):
-            return present(getattr(self._spec, name))
+            return present(getattr(self._spec, name), dtype=name in self._dtype_fields)
         if name in ("effective_max_loras",):
             return getattr(self._spec, name)
         known = attrs.fields_dict(self._spec_cls)
@@ -81,7 +95,7 @@ class _SubConfig:
 
     def __setattr__(self, name: str, value: Any) -> None:
         field = _field_of(self._spec_cls)
-        data = {**to_json(self._spec), name: value}
+        data = {**to_json(self._spec), name: _dtype_name(value)}
         new = unwrap(parse_sub(self._spec_cls, data, prefix=field))
         if self._owner is not None:
             self._owner._replace_sub(field, new)
@@ -155,8 +169,30 @@ class LoraServingConfig(_SubConfig):
         super().__init__(attrs.evolve(parsed, target_modules=modules, max_lora_rank=rank))
 
 
+class RouterConfig(_SubConfig):
+    """The MoE router (NxD `RouterConfig`): `act_fn` ("softmax" or "sigmoid") and `dtype` (a torch
+    dtype or its name; read back as a torch dtype). A `MoENeuronConfig(router_config=...)` takes one,
+    or a dict, which wins over the `router_act_fn` / `router_dtype` kwargs.
+
+    Raises:
+        IncompatibleConfigError: another activation, or a dtype that is not a float type.
+    """
+
+    _spec_cls = RouterSpec
+    _dtype_fields = frozenset({"dtype"})
+
+    def __init__(self, act_fn: str = "softmax", dtype: Any = "float32") -> None:
+        raw = {"act_fn": act_fn, "dtype": _dtype_name(dtype)}
+        super().__init__(unwrap(parse_sub(RouterSpec, raw, prefix=_field_of(RouterSpec))))
+
+    @staticmethod
+    def from_kwargs(**kwargs: Any) -> RouterConfig:
+        """From the `router_act_fn` / `router_dtype` kwargs, as NxD builds it."""
+        return RouterConfig(act_fn=kwargs.pop("router_act_fn", "softmax"), dtype=kwargs.pop("router_dtype", "float32"))
+
+
 _SUB_CLASSES: Mapping[type, type[_SubConfig]] = {
-    c._spec_cls: c for c in (OnDeviceSamplingConfig, LoraServingConfig, ChunkedPrefillConfig)
+    c._spec_cls: c for c in (OnDeviceSamplingConfig, LoraServingConfig, ChunkedPrefillConfig, RouterConfig)
 }
 """The shell class of each sub-spec users configure through an object."""
 
@@ -173,7 +209,7 @@ def _normalize(value: Any) -> Any:
     if isinstance(value, _SubConfig):
         return value.spec
     if isinstance(value, Mapping):  # a sub-config as a dict: kv_quant_config={"quant_dtype": torch.float8_e5m2}
-        return {k: str(v) if _is_torch_dtype(v) else v for k, v in value.items()}
+        return {k: _dtype_name(v) for k, v in value.items()}
     return value
 
 
@@ -226,7 +262,7 @@ class NeuronConfig:
         if name in neuron_parse.FIELD_NAMES or name in DERIVED:
             return present(getattr(spec, name), dtype=name in neuron_parse.DTYPE_FIELDS)
         if self._moe and name in neuron_parse.MOE_FIELD_NAMES and spec.moe is not None:
-            return present(getattr(spec.moe, name))
+            return self._sub(name) if _SUB_SPECS.get(name) in _SUB_CLASSES else present(getattr(spec.moe, name))
         if name == "logical_neuron_cores":
             warnings.warn("logical_neuron_cores is deprecated; use logical_nc_config", DeprecationWarning, stacklevel=2)
             return spec.logical_nc_config
@@ -234,7 +270,7 @@ class NeuronConfig:
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}; {did_you_mean(name, known)}")
 
     def _sub(self, name: str) -> Any:
-        value = getattr(self._spec, name)
+        value = getattr(self._spec.moe if name in neuron_parse.MOE_FIELD_NAMES else self._spec, name)
         if value is None:
             return None
         cached = self._subs.get(name)

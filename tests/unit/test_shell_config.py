@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import ClassVar
@@ -23,8 +24,11 @@ from nxdi import (
     MoENeuronConfig,
     NeuronConfig,
     OnDeviceSamplingConfig,
+    RouterConfig,
     load_pretrained_config,
 )
+from nxdi.core.config.sub_specs import RouterSpec
+from nxdi.shell.models import MixtralInferenceConfig
 
 
 @pytest.fixture(scope="module")
@@ -157,12 +161,44 @@ def test_moe_config_round_trips_normalize_flag() -> None:
     m = MoENeuronConfig(
         capacity_factor=2, glu_mlp=False, disable_normalize_top_k_affinities=True, router_act_fn="sigmoid"
     )
-    assert m.capacity_factor == 2.0 and m.normalize_top_k_affinities is False and m.router_config["act_fn"] == "sigmoid"
+    assert m.capacity_factor == 2.0 and m.normalize_top_k_affinities is False and m.router_config.act_fn == "sigmoid"
     data = m.to_dict()
     from nxdi.core.config import codec
 
     again = MoENeuronConfig.from_spec(codec.parse_neuron_dict(data, moe=True).unwrap().spec)
     assert again == m and again.normalize_top_k_affinities is False
+
+
+def test_router_config_is_an_object_as_in_the_reference(tmp_path: Path) -> None:
+    # A dict (or RouterConfig) wins over the router_* kwargs; dtypes are torch dtypes or their names.
+    m = MoENeuronConfig(router_config={"act_fn": "sigmoid", "dtype": torch.bfloat16}, router_act_fn="softmax")
+    assert isinstance(m.router_config, RouterConfig)
+    assert (m.router_config.act_fn, m.router_config.dtype) == ("sigmoid", torch.bfloat16)
+    assert MoENeuronConfig(router_dtype=torch.float16).router_config.dtype == torch.float16
+    given = MoENeuronConfig(router_config=RouterConfig(act_fn="sigmoid", dtype="float64"), router_dtype="float16")
+    assert given.spec.moe is not None and given.spec.moe.router_config == RouterSpec(act_fn="sigmoid", dtype="float64")
+    assert RouterConfig.from_kwargs(router_act_fn="sigmoid").act_fn == "sigmoid"
+    m.router_config.dtype = torch.float64  # assigning through the sub-config re-validates the owner
+    assert m.spec.moe is not None and m.spec.moe.router_config.dtype == "float64"
+    # Saved as names and read back equal, through the documented save/load.
+    hf = {"model_type": "mixtral", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1}
+    hf |= {"num_key_value_heads": 2, "vocab_size": 32, "max_position_embeddings": 64, "rope_theta": 1e4}
+    hf |= {"rms_norm_eps": 1e-5, "hidden_act": "silu", "num_local_experts": 4, "num_experts_per_tok": 2}
+    config = MixtralInferenceConfig(m, pad_token_id=0, intermediate_size=32, **hf)
+    config.save(tmp_path)
+    assert json.loads((tmp_path / "neuron_config.json").read_text())["neuron_config"]["router_config"] == {
+        "act_fn": "sigmoid",
+        "dtype": "float64",
+    }
+    again = MixtralInferenceConfig.load(tmp_path)
+    assert again.neuron_config == m and again.neuron_config.router_config.dtype == torch.float64
+    for bad, field in (
+        ({"router_dtype": "int8"}, "router_config.dtype='int8'"),
+        ({"router_config": {"act_fn": "relu"}}, "router_config.act_fn='relu'"),
+        ({"router_config": 5}, "router_config=5: must be a RouterConfig or a dict"),
+    ):
+        with pytest.raises(IncompatibleConfigError, match=re.escape(field)):
+            MoENeuronConfig(**bad)
 
 
 def test_lora_serving_config_reads_paths_and_adapter_configs(tmp_path: Path) -> None:

@@ -80,9 +80,13 @@ def _rewrite_moe(raw: dict[str, Any]) -> dict[str, Any]:
         value = raw.pop("disable_normalize_top_k_affinities")
         moe.setdefault("normalize_top_k_affinities", not value if isinstance(value, bool) else value)
     router = {key: raw.pop(alias) for alias, key in _ROUTER_ALIASES.items() if alias in raw}
-    if router:
+    given = moe.get("router_config")
+    if router or isinstance(given, Mapping):
         # An explicit router_config takes precedence over the router_* kwargs, as in the reference.
-        moe["router_config"] = {**router, **_as_dict(moe.get("router_config"))}
+        merged = {**router, **_as_dict(given)}
+        if "dtype" in merged:
+            merged["dtype"] = _dtype_name(merged["dtype"])
+        moe["router_config"] = merged
     if isinstance(moe.get("capacity_factor"), int) and not isinstance(moe["capacity_factor"], bool):
         moe["capacity_factor"] = float(moe["capacity_factor"])
     return moe

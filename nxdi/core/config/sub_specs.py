@@ -197,7 +197,9 @@ class RouterSpec:
     act_fn: Literal["softmax", "sigmoid"] = setting(
         "softmax", 'Activation over the router\'s expert logits: "softmax" or "sigmoid".'
     )
-    dtype: str = setting("float32", "Data type the router computes in.")
+    dtype: Literal["float32", "float64", "bfloat16", "float16"] = setting(
+        "float32", "Data type the router computes in (a torch dtype or its name)."
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -299,6 +301,11 @@ class MoESpec:
     )
 
 
+def _user_name(cls: type) -> str:
+    """The class users know a sub-spec by (`RouterSpec` -> `RouterConfig`, `LoraSpec` -> `LoraServingConfig`)."""
+    return "LoraServingConfig" if cls is LoraSpec else cls.__name__.removesuffix("Spec") + "Config"
+
+
 def _names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in attrs.fields(cls))
 
@@ -312,7 +319,7 @@ def parse_sub(cls: type[S], raw: Mapping[str, Any], *, prefix: str) -> Result[S,
     if isinstance(raw, cls):
         return Success(raw)
     if not isinstance(raw, Mapping):
-        return Failure(ConfigError.of(prefix, raw, f"must be a {cls.__name__} or a dict of its attributes"))
+        return Failure(ConfigError.of(prefix, raw, f"must be a {_user_name(cls)} or a dict of its attributes"))
     types_ = field_types(cls)
     nested = sub_spec_fields(cls)
     known = _names(cls)
@@ -325,7 +332,7 @@ def parse_sub(cls: type[S], raw: Mapping[str, Any], *, prefix: str) -> Result[S,
             )
             continue
         sub = nested.get(name)
-        if sub is not None and isinstance(value, Mapping):
+        if sub is not None and value is not None:  # a nested sub-spec: an instance or a dict of its attributes
             match parse_sub(sub, value, prefix=f"{prefix}.{name}"):
                 case Success(v):
                     values[name] = v
