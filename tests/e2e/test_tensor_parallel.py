@@ -38,7 +38,15 @@ from safetensors import safe_open
 from nxdi.core.host.logit_validation import max_relative_logit_error
 from nxdi.shell.exceptions import IncompatibleConfigError, RankError
 from nxdi.testing import checkpoints
-from tests.support.engine_fixtures import NEW_TOKENS, PROMPTS, hf_generate, load_model, nxdi_generate, teacher_forced
+from tests.support.engine_fixtures import (
+    NEW_TOKENS,
+    PROMPTS,
+    hf_generate,
+    load_model,
+    nxdi_generate,
+    settings_kwargs,
+    teacher_forced,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -103,15 +111,13 @@ CASES = [  # (family, tp_degree, compiled batch, settings): each family at tp 2 
 ]
 
 
-def _kwargs(settings: tuple[str | tuple[str, int], ...]) -> dict[str, Any]:
-    """A case's settings as model kwargs: a name turns a flag on, a pair sets a value."""
-    return dict(s if isinstance(s, tuple) else (s, True) for s in settings)
-
-
 @pytest.mark.parametrize(
     ("variant", "tp", "batch", "settings"),
     CASES,
-    ids=[f"{v}-tp{t}-b{b}-{'-'.join(f'{k}{v}' for k, v in _kwargs(s).items()) or 'plain'}" for v, t, b, s in CASES],
+    ids=[
+        f"{v}-tp{t}-b{b}-{'-'.join(f'{k}{v}' for k, v in settings_kwargs(s).items()) or 'plain'}"
+        for v, t, b, s in CASES
+    ],
 )
 def test_tokens_equal_transformers_and_logits_equal_one_rank(
     variant: str,
@@ -124,7 +130,7 @@ def test_tokens_equal_transformers_and_logits_equal_one_rank(
 ) -> None:
     """Batch 4 holds prompts of 1 to 14 tokens, right padded."""
     prompts = PROMPTS[:batch]
-    model = tp_model(variant, tp_degree=tp, batch_size=batch, **_kwargs(settings))
+    model = tp_model(variant, tp_degree=tp, batch_size=batch, **settings_kwargs(settings))
     assert torch.equal(nxdi_generate(model, prompts), hf_greedy(variant, prompts))
 
     tokens = hf_greedy(variant, prompts)[:, : LOGIT_STEPS - 1]

@@ -43,6 +43,11 @@ SEQ_LEN = 64
 PAD = 0
 
 
+def settings_kwargs(settings: Sequence[str | tuple[str, Any]]) -> dict[str, Any]:
+    """A test case's NeuronConfig settings as kwargs: a name turns a flag on, a pair sets a value."""
+    return dict(s if isinstance(s, tuple) else (s, True) for s in settings)
+
+
 def model_type_of(variant: str) -> str:
     return VARIANTS[variant][0]
 

@@ -29,7 +29,7 @@ import torch
 
 from nxdi.core.host.logit_validation import max_relative_logit_error
 from nxdi.shell.exceptions import IncompatibleConfigError
-from tests.support.engine_fixtures import PROMPTS, load_model, nxdi_generate, teacher_forced
+from tests.support.engine_fixtures import PROMPTS, load_model, nxdi_generate, settings_kwargs, teacher_forced
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -49,18 +49,23 @@ CASES = [
     ("qwen3", 2, (SP,)),
     ("mistral", 4, (SP, VP)),
     ("qwen2", 4, (FD,)),
+    ("mixtral", 2, (("moe_tp_degree", 1), ("moe_ep_degree", 2))),  # expert parallelism: one expert group per rank
 ]
 
 
-@pytest.mark.parametrize(("variant", "tp", "settings"), CASES, ids=[f"{v}-tp{t}-{'-'.join(s)}" for v, t, s in CASES])
+@pytest.mark.parametrize(
+    ("variant", "tp", "settings"),
+    CASES,
+    ids=[f"{v}-tp{t}-{'-'.join(f'{k}{v}' for k, v in settings_kwargs(s).items())}" for v, t, s in CASES],
+)
 def test_tokens_and_logits_equal_one_rank_on_the_cpu_engine(
     variant: str,
     tp: int,
-    settings: tuple[str, ...],
+    settings: tuple[str | tuple[str, int], ...],
     xla_tp_model: Callable[..., Any],
     loaded_model: Callable[..., Any],
 ) -> None:
-    model = xla_tp_model(variant, tp_degree=tp, batch_size=4, **dict.fromkeys(settings, True))
+    model = xla_tp_model(variant, tp_degree=tp, batch_size=4, **settings_kwargs(settings))
     one_rank = loaded_model(variant, batch_size=4)
     tokens = nxdi_generate(model, PROMPTS)
     assert torch.equal(tokens, nxdi_generate(one_rank, PROMPTS))
