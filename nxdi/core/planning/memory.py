@@ -69,7 +69,7 @@ class MemoryRequest:
     vocab_parallel: bool = False
     flash_decoding_enabled: bool = False
     moe_ep_degree: int = attrs.field(default=1, validator=attrs.validators.gt(0))
-    """Expert groups a mixture of experts' experts are split over (`sharding.expert_groups`)."""
+    """Expert groups a mixture of experts' experts are split over (`sharding.expert_group_size`)."""
     lora: LoraLoad | None = None
     platform: Platform = Platform.TRN1
     logical_nc_config: int | None = None

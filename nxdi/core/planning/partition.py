@@ -16,13 +16,7 @@ from nxdi.core.config.sub_specs import MoESpec
 from nxdi.core.errors import ConfigError, Problem, problems_of, problems_result
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import buckets, gqa
-from nxdi.core.planning.sharding import (
-    ShardPlan,
-    check_sequence_parallel,
-    expert_groups,
-    round_up,
-    shard_plan_for,
-)
+from nxdi.core.planning.sharding import ShardPlan, check_sequence_parallel, round_up, shard_plan_for
 
 
 @attrs.frozen(kw_only=True)
@@ -55,7 +49,7 @@ class Partition:
     """The MoE settings of a mixture-of-experts model; None for a dense one."""
     experts: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     """Experts per rank: all of them, or 1/moe_ep_degree under expert parallelism (rank r holds
-    group `r // (tp / moe_ep_degree)`, see `sharding.expert_groups`); 0 for a dense model."""
+    group `r // (tp / moe_ep_degree)`, see `sharding.expert_group_size`); 0 for a dense model."""
 
     @property
     def moe_tp(self) -> int:
@@ -76,9 +70,14 @@ class Partition:
             intermediate=model.intermediate_size,
             hidden=model.hidden_size,
             vocab=model.vocab_size,
-            moe=(moe or MoESpec()) if model.is_moe else None,
+            moe=_moe_settings(model, moe),
             experts=model.num_experts,
         )
+
+
+def _moe_settings(model: ModelSpec, moe: MoESpec | None) -> MoESpec | None:
+    """A mixture of experts' settings (the defaults when not given); None for a dense model."""
+    return (moe or MoESpec()) if model.is_moe else None
 
 
 def partition_of(
@@ -95,21 +94,20 @@ def partition_of(
     if plan.tp == 1:
         return attrs.evolve(Partition.single(model, moe=moe), sequence_parallel=False, vocab_parallel=vocab_parallel)
     tp, c = plan.tp, plan.counts
-    moe = (moe or MoESpec()) if model.is_moe else None
-    moe_tp, moe_ep = expert_groups(tp, moe.moe_ep_degree if moe is not None else 1)
+    experts, rows = plan.experts_per_rank() or (0, round_up(model.intermediate_size, tp) // tp)
     return Partition(
         tp=tp,
         q_heads=c.q_per_rank,
         kv_heads=c.kv_per_rank,
-        intermediate=round_up(model.intermediate_size, moe_tp) // moe_tp,
+        intermediate=rows,
         hidden=model.hidden_size if vocab_parallel else round_up(model.hidden_size, tp) // tp,
         vocab=round_up(model.vocab_size, tp) // tp,
         vocab_parallel=vocab_parallel,
         sequence_parallel=sequence_parallel,
         reduce_dtype=reduce_dtype,
         kv_group=kv_group,
-        moe=moe,
-        experts=model.num_experts // moe_ep,
+        moe=_moe_settings(model, moe),
+        experts=experts,
     )
 
 

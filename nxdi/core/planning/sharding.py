@@ -199,11 +199,11 @@ def _fused_qkv(name: str, layout: gqa.HeadLayout, tail: tuple[int, ...], d: int)
     )
 
 
-def expert_groups(tp: int, moe_ep: int) -> tuple[int, int]:
-    """(moe_tp, moe_ep): rank r holds expert group `r // moe_tp` (of `moe_ep`) and, inside each of
-    its experts, intermediate slice `r % moe_tp` (NxD's layout: the ranks of one expert group are
-    contiguous). `moe_ep` must divide tp (`partition.check_partition` says so to users)."""
-    return tp // moe_ep, moe_ep
+def expert_group_size(tp: int, moe_ep: int) -> int:
+    """moe_tp, the ranks of one expert group: rank r holds expert group `r // moe_tp` (of `moe_ep`)
+    and, inside each of its experts, intermediate slice `r % moe_tp` (NxD's layout: the ranks of one
+    expert group are contiguous). `moe_ep` divides tp (`shard_plan` checks)."""
+    return tp // moe_ep
 
 
 def _experts(
@@ -211,7 +211,7 @@ def _experts(
 ) -> WeightShard:
     """An experts weight [X, ...]: split along `dim` (the intermediate width) over the moe_tp ranks of
     each expert group, and along the experts over the `moe_ep` groups (None: replicated inside a group)."""
-    moe_tp, _ = expert_groups(tp, moe_ep)
+    moe_tp = expert_group_size(tp, moe_ep)
     if dim is None:
         shard = _copy(name, shape, tp)
     else:
@@ -232,7 +232,7 @@ def _mlp(model: ModelSpec, tp: int, moe_ep: int = 1) -> list[WeightShard]:
     col, row = ShardRule.COLUMN_PARALLEL, ShardRule.ROW_PARALLEL
     ins = ("gate_proj", "up_proj") if model.gated_mlp else ("up_proj",)
     if model.is_moe:
-        n, (moe_tp, _) = model.num_experts, expert_groups(tp, moe_ep)
+        n, moe_tp = model.num_experts, expert_group_size(tp, moe_ep)
         fe = round_up(f, moe_tp)
         out = [_copy(f"{m}.router.weight", (n, e), tp)]
         out += [_experts(f"{m}.experts.{p}.weight", col, (n, f, e), 1, tp, moe_ep, fe) for p in ins]
@@ -314,7 +314,7 @@ def shard_plan(
     moe_ep: int = 1,
 ) -> Result[ShardPlan, ConfigError]:
     """The weight table of `model` over `tp` ranks, with the GQA strategy the reference would use;
-    a mixture of experts' experts split over `moe_ep` groups of tp / moe_ep ranks (`expert_groups`).
+    a mixture of experts' experts split over `moe_ep` groups of tp / moe_ep ranks (`expert_group_size`).
 
     Returns:
         `Failure` when tp is not positive, the head counts are inconsistent (see
@@ -354,7 +354,7 @@ def _assemble(
     extra: list[str] = []
     if counts.q_padded != counts.q:
         extra.append(f"{counts.q_padded - counts.q} zero Q heads pad num_attention_heads={counts.q} for tp_degree={tp}")
-    moe_tp, _ = expert_groups(tp, moe_ep)
+    moe_tp = expert_group_size(tp, moe_ep)
     if model.intermediate_size % moe_tp:
         ranks = f"tp_degree={tp}" if moe_ep == 1 else f"the {moe_tp} ranks of each expert group"
         extra.append(f"intermediate_size={model.intermediate_size} is zero padded to a multiple of {ranks}")
