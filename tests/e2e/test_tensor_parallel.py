@@ -97,6 +97,8 @@ CASES = [  # (family, tp_degree, compiled batch, settings): each family at tp 2 
     ("mixtral", 2, 4, (SP,)),
     ("qwen3_moe", 2, 4, (VP,)),
     ("qwen3_moe", 4, 1, ()),
+    ("dbrx", 2, 1, ()),  # experts stored fused [X*F, E]: each rank reads its rows of every expert
+    ("dbrx", 2, 4, (SP, VP)),
 ]
 
 

@@ -7,7 +7,9 @@ padding, a padded intermediate or vocabulary size), and which spans of that layo
 original indices the rank needs, in order, None for a zero row. The checkpoint reader then reads
 only the range of rows a Take spans (`Take.bounds`), so a rank holds its shard and nothing more.
 
-- A stacked step (one source per expert) takes the same rows or columns of every expert.
+- A stacked step (one source per expert) takes the same rows or columns of every expert; so does
+  a split one (DBRX's [X*F, E] experts: the rank's rows of F in every expert, one Take whose read
+  spans nearly the whole tensor, since every expert holds a share).
 - A fused step (Q, K and V concatenated) gets one Take per source: the rank's Q rows from q_proj,
   its K rows from k_proj, its V rows from v_proj, which concatenate into its `[Q_r; K_r; V_r]`.
 - A tied lm_head stays an alias of the embedding only when both are split alike (vocab-parallel);
@@ -26,7 +28,8 @@ from returns.result import Failure, Result, Success
 
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.planning.sharding import ShardPlan, WeightShard
-from nxdi.core.weight_plan import Combine, Take, WeightPlan, WeightStep, scale_name
+from nxdi.core.weight_plan import Combine, SplitExperts, Take, WeightPlan, WeightStep
+from nxdi.core.weight_table import ExpertRows, scale_name
 
 _LAYER = re.compile(r"^layers\.\d+\.")
 
@@ -48,6 +51,9 @@ def _takes(step: WeightStep, shard: WeightShard, rank: int) -> tuple[Take, ...]:
     """One Take per source of `step`: its rows (along the split dim) that `rank` holds."""
     assert shard.dim is not None
     spans = _padded_indices(shard, rank)
+    split = next((t for t in step.transforms if isinstance(t, SplitExperts)), None)
+    if split is not None:
+        return (_expert_rows_take(step, split, shard, [i for span in spans for i in span]),)
     if step.combine is Combine.STACK:  # the split dim counts the stacked expert dim; each expert is split alike
         assert shard.dim > 0, "experts are split inside each expert, not across them"
         every = Take(dim=shard.dim - 1, indices=[i for span in spans for i in span])
@@ -63,6 +69,16 @@ def _takes(step: WeightStep, shard: WeightShard, rank: int) -> tuple[Take, ...]:
         assert all(i is None or 0 <= i < size for i in local), "a fused span must lie in its own source"
         takes.append(Take(dim=shard.dim, indices=local))
     return tuple(takes)
+
+
+def _expert_rows_take(step: WeightStep, split: SplitExperts, shard: WeightShard, rows: list[int | None]) -> Take:
+    """The Take of one [X*F, E] source holding every expert (DBRX): the rank's `rows` of F (padded
+    layout, None for zero padding) in every expert, expert by expert, so that they split into the
+    rank's [X, F_r, E] (or [X, E, F_r]). Expert x's row f is source row x*F + f."""
+    f_dim = 2 if split.rows is ExpertRows.TRANSPOSED else 1
+    assert shard.dim == f_dim, "experts are split inside each expert, along F"
+    f = step.source_shapes[0][0] // split.experts
+    return Take(dim=0, indices=[None if i is None else x * f + i for x in range(split.experts) for i in rows])
 
 
 def _scale_takes(step: WeightStep, values: WeightStep, shard: WeightShard, rank: int) -> WeightStep:
