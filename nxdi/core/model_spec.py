@@ -108,7 +108,9 @@ class ModelSpec:
     num_experts_per_tok: int = 0
     moe_normalize: bool = True
     """MoE: the chosen experts' router weights are renormalised to sum to 1 (Mixtral; Qwen3-MoE's
-    `norm_topk_prob`)."""
+    `norm_topk_prob`), or to p-norm 1 with `moe_normalize_p`."""
+    moe_normalize_p: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
+    """MoE: the norm of that renormalisation: 1 (a sum) but for DBRX, whose `moe_normalize_expert_weights` is p."""
     pad_token_id: int | None = setting(None, "Padding token id (runtime only).", graph=False)
     bos_token_id: int | None = setting(None, "Beginning-of-sequence token id (runtime only).", graph=False)
     eos_token_ids: tuple[int, ...] = attrs.field(

@@ -1,24 +1,20 @@
-"""Weight tables and weight plans: how a Hugging Face checkpoint becomes a program's weights. Pure.
+"""Weight plans: how a Hugging Face checkpoint becomes a program's weights. Pure.
 
 Theory of operation:
-1. Table. A family declares its checkpoint layout once, as a `WeightTable` in its record: for every
-   weight its program takes, the *slot* it fills in the program's weights value (`attn.qkv`), its
-   nxdi name (`self_attn.Wqkv.weight`, the program layout), the checkpoint tensors it is made from
-   with their shapes in dimension letters, and the ModelSpec flag it exists under. The table is the
-   single source of the checkpoint mapping (this module) and of the program's fields
-   (`WeightTable.slots`).
-2. Rename. Every checkpoint key is renamed once: a leading model prefix (`"model."`) becomes the new
-   prefix (`""`), and a trailing `.weight_scale` becomes `.scale`.
+1. Table. A family declares its checkpoint layout once, as a `WeightTable` in its record
+   (`nxdi.core.weight_table`): the single source of the checkpoint mapping (this module) and of
+   the program's fields.
+2. Rename. Every checkpoint key is renamed once: a leading model prefix (`"model."`, the table's
+   `model_prefix` by default: DBRX's is `"transformer."`) becomes the new prefix (`""`), and a
+   trailing `.weight_scale` becomes `.scale`.
 3. Steps. Each weight comes from one `WeightStep`: its sources are copied (one source), concatenated
    along dim 0 (fused QKV: `Wqkv = [Q; K; V]`), stacked along a new dim 0 (a mixture of experts'
-   per-expert tensors, `experts.{x}.w1` for every expert x: [X, F, E]), or aliased to an earlier step (tied embeddings: the
-   lm_head *is* the embedding, stored once), then passed through the step's transforms (a float cast
-   today; GQA head padding and tensor-parallel slices join `Transform`).
+   per-expert tensors, `experts.{x}.w1` for every expert x: [X, F, E]), or aliased to an earlier
+   step (tied embeddings: the lm_head *is* the embedding, stored once), then passed through the
+   step's transforms, in order: splitting one [X*F, E] tensor into its experts (`SplitExperts`,
+   DBRX), flattening scales (`Rows`), a float cast (`CastFloat`).
 4. Check. `check_checkpoint` compares a checkpoint's keys and shapes with the plan and reports every
-   missing, unexpected, colliding and wrongly shaped key at once.
-
-Dimension letters in tables: E hidden, F ffn, V vocab, D head dim, Q = H*D (query heads times
-head dim), KV = K*D (kv heads times head dim), X experts, 1 a dimension of size one (a scale).
+   missing, unexpected, colliding and wrongly shaped key at once, each named by its checkpoint key.
 """
 
 from __future__ import annotations
@@ -31,25 +27,21 @@ from returns.result import Failure, Result, Success
 
 from nxdi.core.errors import CheckpointError, ConfigError, Problem
 from nxdi.core.model_spec import ModelSpec
+from nxdi.core.weight_table import (
+    NEW_STATE_DICT_MODEL_PREFIX,
+    STATE_DICT_MODEL_PREFIX,
+    ExpertRows,
+    Shape,
+    Weight,
+    WeightTable,
+    scale_name,
+)
 
-Shape = tuple[int, ...]
-
-STATE_DICT_MODEL_PREFIX = "model."
-"""NxDI's `_STATE_DICT_MODEL_PREFIX`: stripped from the start of checkpoint keys."""
-NEW_STATE_DICT_MODEL_PREFIX = ""
-"""NxDI's `_NEW_STATE_DICT_MODEL_PREFIX`: what replaces the stripped prefix."""
 IGNORED_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
 """Checkpoint keys ending so are derived buffers some old checkpoints carry; they are skipped."""
 CAST_TYPES = ("config", "as-declared")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
-SCALE_SUFFIX = ".scale"
-"""A quantized linear's scale sits at `<slot>.scale` in a program's slots."""
 QUANT_TYPES = ("per_tensor_symmetric", "per_channel_symmetric", "blockwise_symmetric")
-
-
-def scale_name(name: str) -> str:
-    """The scale of a quantized weight: `a.b.weight` -> `a.b.scale` (NxD's key layout)."""
-    return name.removesuffix("weight") + "scale"
 
 
 def module_of(name: str) -> str:
@@ -103,137 +95,6 @@ class WeightQuant:
         return Success((shape[0] // rows, shape[1] // cols))
 
 
-def dims(spec: ModelSpec) -> Mapping[str, int]:
-    """The sizes the dimension letters of a table stand for."""
-    return {
-        "E": spec.hidden_size,
-        "F": spec.intermediate_size,
-        "V": spec.vocab_size,
-        "D": spec.head_dim,
-        "Q": spec.q_size,
-        "KV": spec.kv_size,
-        "X": spec.num_experts,
-        "1": 1,
-    }
-
-
-@attrs.frozen(kw_only=True)
-class Source:
-    """One checkpoint tensor a weight is made from."""
-
-    name: str
-    """Its renamed checkpoint key (relative to the layer prefix for layer weights)."""
-    shape: tuple[str, ...]
-    """Its shape in dimension letters, e.g. `("Q", "E")`."""
-
-
-@attrs.frozen(kw_only=True)
-class Weight:
-    """One weight a program takes: where it goes and what it is made of."""
-
-    slot: str
-    """The field path in the program's weights value, e.g. `attn.qkv` or `embed`."""
-    name: str
-    """The nxdi name (program layout), relative to the layer prefix for layer weights."""
-    sources: tuple[Source, ...]
-    """One source (copied) or several (concatenated along dim 0)."""
-    when: str | None = None
-    """The ModelSpec flag it exists under (`qkv_bias`, ...); None: always."""
-    linear: bool = False
-    """A linear layer's [out, in] weight: what `quantized=True` stores as int8/fp8 values plus scales."""
-    experts: bool = False
-    """One source per expert: its one source's name has an `{x}` field, filled with every expert
-    index 0..X-1, and the X tensors are stacked along a new dim 0."""
-
-    def exists(self, spec: ModelSpec) -> bool:
-        return self.when is None or bool(getattr(spec, self.when))
-
-    def source_names(self, spec: ModelSpec, prefix: str = "") -> tuple[str, ...]:
-        """The checkpoint names of its sources (every expert's, for an experts weight)."""
-        if self.experts:
-            return tuple(prefix + self.sources[0].name.format(x=x) for x in range(spec.num_experts))
-        return tuple(prefix + s.name for s in self.sources)
-
-    def source_shapes(self, spec: ModelSpec) -> tuple[Shape, ...]:
-        """The sources' shapes in sizes (one per expert for an experts weight)."""
-        sizes = dims(spec)
-        shapes = tuple(tuple(sizes[d] for d in s.shape) for s in self.sources)
-        return shapes * spec.num_experts if self.experts else shapes
-
-    def shape(self, spec: ModelSpec) -> Shape:
-        """The produced shape: the source's, the sources' concatenated along dim 0, or stacked."""
-        shapes = self.source_shapes(spec)
-        if self.experts:
-            return (len(shapes), *shapes[0])
-        return (sum(s[0] for s in shapes), *shapes[0][1:])
-
-
-def copy(slot: str, name: str, shape: tuple[str, ...], *, when: str | None = None, linear: bool = False) -> Weight:
-    """A weight copied from the checkpoint tensor of the same name."""
-    return Weight(slot=slot, name=name, sources=(Source(name=name, shape=shape),), when=when, linear=linear)
-
-
-def stacked(slot: str, name: str, source: str, shape: tuple[str, ...]) -> Weight:
-    """An experts weight: `source` (with an `{x}` field) of every expert, stacked into [X, *shape]."""
-    return Weight(slot=slot, name=name, sources=(Source(name=source, shape=shape),), experts=True)
-
-
-def fused(
-    slot: str, name: str, *sources: tuple[str, tuple[str, ...]], when: str | None = None, linear: bool = False
-) -> Weight:
-    """A weight concatenated along dim 0 from several checkpoint tensors, given as (name, shape)."""
-    parts = tuple(Source(name=n, shape=s) for n, s in sources)
-    return Weight(slot=slot, name=name, sources=parts, when=when, linear=linear)
-
-
-@attrs.frozen(kw_only=True)
-class WeightTable:
-    """A family's checkpoint layout, in binding order: weights before the layers, each layer's, and after."""
-
-    before: tuple[Weight, ...]
-    """Weights the layers read from (the embedding)."""
-    layer: tuple[Weight, ...]
-    """Weights of each layer, named under `layer_prefix`."""
-    after: tuple[Weight, ...]
-    """Weights applied after the layers (final norm, lm_head)."""
-    tied: tuple[str, str] = ("lm_head", "embed")
-    """(slot, slot it aliases) when the ModelSpec ties its word embeddings."""
-    layer_prefix: str = "layers.{i}."
-    unprefixed: tuple[str, ...] = ("lm_head.",)
-    """nxdi names Hugging Face stores outside the base model, so without the model prefix."""
-
-    def entries(self, spec: ModelSpec) -> Iterator[tuple[str, str, Weight]]:
-        """(nxdi name, slot path, weight) of every weight `spec` has, in binding order.
-
-        Layer weights get the layer prefix in their name and `layers.{i}.` in their slot path.
-        """
-        yield from ((w.name, w.slot, w) for w in self.before if w.exists(spec))
-        for i in range(spec.num_layers):
-            prefix = self.layer_prefix.format(i=i)
-            yield from ((prefix + w.name, f"layers.{i}.{w.slot}", w) for w in self.layer if w.exists(spec))
-        yield from ((w.name, w.slot, w) for w in self.after if w.exists(spec))
-
-    def shapes(self, spec: ModelSpec) -> tuple[tuple[str, Shape], ...]:
-        """Names and shapes of the weights the program takes, in binding order."""
-        return tuple((name, w.shape(spec)) for name, _, w in self.entries(spec))
-
-    def names(self, spec: ModelSpec) -> tuple[str, ...]:
-        """The names of `shapes`, in binding order."""
-        return tuple(name for name, _, _ in self.entries(spec))
-
-    def slots(self, tensors: Mapping[str, object], spec: ModelSpec) -> dict[str, object]:
-        """Slot path -> value for the named values given (a tied slot missing from `tensors` is aliased).
-        A quantized linear's scale (`scale_name(name)`) goes to `<slot>.scale`."""
-        out = {slot: tensors[name] for name, slot, _ in self.entries(spec) if name in tensors}
-        out |= {
-            slot + SCALE_SUFFIX: tensors[scale_name(n)] for n, slot, _ in self.entries(spec) if scale_name(n) in tensors
-        }
-        slot, target = self.tied
-        if spec.tie_word_embeddings and slot not in out and target in out:
-            out[slot] = out[target]
-        return out
-
-
 class Combine(enum.Enum):
     """How a step turns its source tensors into one weight."""
 
@@ -268,7 +129,19 @@ class CastFloat:
         return shape
 
 
-Transform = CastFloat | Rows
+@attrs.frozen(kw_only=True)
+class SplitExperts:
+    """A [X*F, E] tensor holding `experts` blocks of rows (DBRX's fused experts) as [X, F, E], or,
+    `rows` TRANSPOSED, [X, E, F]. F is whatever the rows give: a rank's share of every expert too."""
+
+    experts: int = attrs.field(validator=attrs.validators.gt(0))
+    rows: ExpertRows
+
+    def out_shape(self, shape: Shape) -> Shape:
+        return self.rows.split_shape(shape, self.experts)
+
+
+Transform = SplitExperts | Rows | CastFloat
 """The transforms a step applies to its combined weight, in order."""
 
 
@@ -378,14 +251,16 @@ def rename_key(key: str, *, model_prefix: str = STATE_DICT_MODEL_PREFIX, new_pre
 
 
 def _step(name: str, weight: Weight, *, prefix: str, spec: ModelSpec, casts: tuple[Transform, ...]) -> WeightStep:
-    """The step for one weight (`prefix` is its layer prefix); names ending in `scale` keep their dtype."""
+    """The step for one weight (`prefix` goes before its sources' keys); names ending in `scale` keep their dtype."""
     combine = Combine.STACK if weight.experts else Combine.CONCAT if len(weight.sources) > 1 else Combine.COPY
+    rows = weight.expert_rows
+    split: tuple[Transform, ...] = () if rows is None else (SplitExperts(experts=spec.num_experts, rows=rows),)
     return WeightStep(
         name=name,
         sources=weight.source_names(spec, prefix),
         source_shapes=weight.source_shapes(spec),
         combine=combine,
-        transforms=() if name.endswith("scale") else casts,
+        transforms=split + (() if name.endswith("scale") else casts),
     )
 
 
@@ -439,7 +314,7 @@ def weight_plan_for(
     *,
     cast_type: str = "config",
     torch_dtype: str = "float32",
-    model_prefix: str = STATE_DICT_MODEL_PREFIX,
+    model_prefix: str | None = None,
     new_prefix: str = NEW_STATE_DICT_MODEL_PREFIX,
     quant: WeightQuant | None = None,
 ) -> Result[WeightPlan, ConfigError]:
@@ -451,7 +326,8 @@ def weight_plan_for(
         cast_type: `"config"` casts floating weights (except names ending `scale`) to `torch_dtype`;
             `"as-declared"` keeps the checkpoint's dtypes.
         torch_dtype: the compute dtype name (`"bfloat16"`, ...).
-        model_prefix, new_prefix: NxDI's `_STATE_DICT_MODEL_PREFIX` / `_NEW_STATE_DICT_MODEL_PREFIX`.
+        model_prefix, new_prefix: NxDI's `_STATE_DICT_MODEL_PREFIX` / `_NEW_STATE_DICT_MODEL_PREFIX`
+            (`model_prefix` None: the table's, `"model."` for most families).
         quant: read the table's linear weights quantized (values as stored plus `scale_name` scales),
             except those `quant.skip` keeps in float; a quantized lm_head is read, not tied.
 
@@ -468,12 +344,12 @@ def weight_plan_for(
     if problems:
         return Failure(ConfigError(problems=tuple(problems)))
     casts: tuple[Transform, ...] = (CastFloat(dtype=torch_dtype),) if cast_type == "config" else ()
-    by_slot = {slot: name for name, slot, _ in table.entries(spec)}
+    by_slot = {e.slot: e for e in table.placed(spec)}
     tied_slot, target = table.tied
     steps: list[WeightStep] = []
     untied: set[str] = set()
-    for name, slot, weight in table.entries(spec):
-        prefix = name[: len(name) - len(weight.name)]
+    for entry in table.placed(spec):
+        name, slot, weight, prefix = entry.name, entry.slot, entry.weight, entry.source_prefix
         if quant is not None and weight.linear:
             quantized = _quantized_steps(name, weight, prefix=prefix, spec=spec, quant=quant, problems=problems)
             if quantized:
@@ -482,21 +358,21 @@ def weight_plan_for(
                 continue
         if spec.tie_word_embeddings and slot == tied_slot:
             shape = weight.shape(spec)
-            steps.append(
-                WeightStep(name=name, sources=(by_slot[target],), source_shapes=(shape,), combine=Combine.ALIAS)
-            )
+            aliased = (by_slot[target].name,)
+            steps.append(WeightStep(name=name, sources=aliased, source_shapes=(shape,), combine=Combine.ALIAS))
             continue
         steps.append(_step(name, weight, prefix=prefix, spec=spec, casts=casts))
     if problems:
         return Failure(ConfigError(problems=tuple(problems)))
-    tied = spec.tie_word_embeddings and tied_slot not in untied
+    # A tied checkpoint may still carry the tied weight's own tensor (an explicit lm_head), unused.
+    tied = by_slot.get(tied_slot) if spec.tie_word_embeddings and tied_slot not in untied else None
     return Success(
         WeightPlan(
             steps=tuple(steps),
-            model_prefix=model_prefix,
+            model_prefix=table.model_prefix if model_prefix is None else model_prefix,
             new_prefix=new_prefix,
             unprefixed=table.unprefixed,
-            optional=frozenset({by_slot[tied_slot]}) if tied else frozenset(),
+            optional=frozenset(tied.weight.source_names(spec, tied.source_prefix)) if tied else frozenset(),
             quant=quant,
         )
     )

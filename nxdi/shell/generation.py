@@ -88,6 +88,13 @@ class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
     def can_generate(self) -> bool:  # type: ignore[override]
         return True
 
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        """False: the wrapped model keeps its own KV cache, so generate() builds no transformers cache.
+        (One built from the generic config would also fail for families whose layer count is not
+        `num_hidden_layers`, such as DBRX's `n_layers`.)"""
+        return False
+
     def _sampling_rows(self, generation_config: GenerationConfig, batch: int, given: Tensor | None) -> Tensor:
         if given is not None:
             return torch.as_tensor(given, dtype=torch.float32)

@@ -49,7 +49,16 @@ def _build(record: FamilyRecord) -> None:
     )
     if names.causal_lm is not None and names.model is not None:
         inner = _make(names.model, NeuronBaseModel, f"The {record.name} program bound to a config.", _family=record)
-        _make(names.causal_lm, NeuronBaseForCausalLM, f"{record.name} causal LM.", _config_cls=config, _model_cls=inner)
+        # The family's checkpoint key prefix (DBRX: "transformer."), a class attribute as in NxDI.
+        prefix = {} if record.weights is None else {"_STATE_DICT_MODEL_PREFIX": record.weights.model_prefix}
+        _make(
+            names.causal_lm,
+            NeuronBaseForCausalLM,
+            f"{record.name} causal LM.",
+            _config_cls=config,
+            _model_cls=inner,
+            **prefix,
+        )
 
 
 def model_types() -> dict[str, dict[str, type]]:

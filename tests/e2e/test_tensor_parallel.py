@@ -105,8 +105,10 @@ CASES = [  # (family, tp_degree, compiled batch, settings): each family at tp 2 
     ("mixtral", 2, 4, (SP,)),
     ("qwen3_moe", 2, 4, (VP,)),
     ("qwen3_moe", 4, 1, ()),
+    ("dbrx", 2, 1, ()),  # experts stored fused [X*F, E]: each rank reads its rows of every expert
     # expert parallelism: (moe_tp_degree, moe_ep_degree) = (1, 2), then (2, 2)
     ("mixtral", 2, 4, (("moe_tp_degree", 1), ("moe_ep_degree", 2))),
+    ("dbrx", 2, 4, (SP, VP, ("moe_tp_degree", 1), ("moe_ep_degree", 2))),
     ("qwen3_moe", 4, 4, (SP, ("moe_tp_degree", 2), ("moe_ep_degree", 2))),
 ]
 

@@ -136,8 +136,10 @@ def test_every_decoder_family_has_a_program_and_other_specs_are_refused(spec: Mo
         case Failure(err):
             raise AssertionError(err.render())
     plain = attrs.evolve(spec, gated_mlp=False)
-    refused = catalog.program_for(record, attrs.evolve(plain, norm=NormKind.LAYER, clip_qkv=8.0))
-    assert isinstance(refused, Failure) and refused.failure().fields() == {"mlp", "norm", "clip_qkv"}
+    refused = catalog.program_for(record, attrs.evolve(plain, norm=NormKind.LAYER, norm_bias=True))
+    assert isinstance(refused, Failure) and refused.failure().fields() == {"mlp", "norm_bias"}
+    dbrx_like = attrs.evolve(spec, norm=NormKind.LAYER, norm_bias=False, clip_qkv=8.0)
+    assert isinstance(catalog.program_for(record, dbrx_like), Success)
     assert isinstance(catalog.program_for(record, attrs.evolve(spec, num_experts=4, num_experts_per_tok=2)), Success)
     opt = catalog.program_for(families.record_for("opt").unwrap(), spec)
     assert isinstance(opt, Failure) and opt.failure().fields() == {"model_type"}

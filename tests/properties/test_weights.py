@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import attrs
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from returns.result import Failure, Success
 
 from nxdi.core import weight_plan as weights
+from nxdi.core import weight_table
 from nxdi.core.families.llama import LLAMA_WEIGHTS
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
@@ -97,7 +99,7 @@ def test_convert_fuses_ties_and_casts_without_touching_the_input(spec: ModelSpec
     # a quantization scale, stored as `.weight_scale`, renamed to `.scale` and never cast
     sd = random_state_dict(spec, seed) | {"model.layers.0.self_attn.o_proj.weight_scale": torch.ones(1)}
     sd_before = {k: v.clone() for k, v in sd.items()}
-    scale = weights.copy("attn.o_scale", "self_attn.o_proj.scale", ("1",))
+    scale = weight_table.copy("attn.o_scale", "self_attn.o_proj.scale", ("1",))
     table = attrs.evolve(LLAMA_WEIGHTS, layer=(*LLAMA_WEIGHTS.layer, scale))
     plan = weights.weight_plan_for(table, spec, torch_dtype=dtype).unwrap()
     out = weight_ops.convert(
@@ -123,15 +125,37 @@ def test_convert_fuses_ties_and_casts_without_touching_the_input(spec: ModelSpec
 def test_convert_stacks_every_expert_in_order(spec: ModelSpec, seed: int) -> None:
     sd = random_state_dict(spec, seed)
     out = weight_ops.convert(plan_of(spec), sd).unwrap()
-    expert = "block_sparse_moe.experts.{x}.w{n}" if spec.model_type == "mixtral" else "mlp.experts.{x}.{n}_proj"
-    names = (
-        {"gate": "1", "up": "3", "down": "2"}
-        if spec.model_type == "mixtral"
-        else {p: p for p in ("gate", "up", "down")}
-    )
     for i in range(spec.num_layers):
-        for part, n in names.items():
+        for part in ("gate", "up", "down"):
             got = out[f"layers.{i}.mlp.experts.{part}_proj.weight"]
             assert got.shape[0] == spec.num_experts
             for x in range(spec.num_experts):
-                assert torch.equal(got[x], sd[f"model.layers.{i}." + expert.format(x=x, n=n) + ".weight"])
+                assert torch.equal(got[x], _expert_weight(spec, sd, i, x, part))
+
+
+def _expert_weight(spec: ModelSpec, sd: dict[str, torch.Tensor], layer: int, x: int, part: str) -> torch.Tensor:
+    """Expert x's gate/up [F, E] or down [E, F] in a checkpoint of `spec`'s family."""
+    if spec.model_type == "dbrx":  # every expert in one [X*F, E] tensor; w2 holds down transposed
+        fused = sd[f"transformer.blocks.{layer}.ffn.experts.mlp." + {"gate": "w1", "up": "v1", "down": "w2"}[part]]
+        block = fused.view(spec.num_experts, spec.intermediate_size, spec.hidden_size)[x]
+        return block.T if part == "down" else block
+    if spec.model_type == "mixtral":
+        n = {"gate": "1", "up": "3", "down": "2"}[part]
+        return sd[f"model.layers.{layer}.block_sparse_moe.experts.{x}.w{n}.weight"]
+    return sd[f"model.layers.{layer}.mlp.experts.{x}.{part}_proj.weight"]
+
+
+def test_an_experts_split_that_does_not_tile_its_tensor_names_the_weight_and_its_source() -> None:
+    """Shapes are checked before anything is read; applying a step without that check still names it."""
+    split = weights.SplitExperts(experts=2, rows=weight_table.ExpertRows.TRANSPOSED)
+    step = weights.WeightStep(
+        name="layers.0.mlp.experts.down_proj.weight",
+        sources=("blocks.0.ffn.experts.mlp.w2",),
+        source_shapes=((6, 4),),
+        transforms=(split,),
+    )
+    assert step.shape == (2, 4, 3)
+    assert tuple(weight_ops.apply_step(step, [torch.arange(24.0).view(6, 4)]).shape) == (2, 4, 3)
+    named = r"layers\.0\.mlp\.experts\.down_proj\.weight \(from blocks\.0\.ffn\.experts\.mlp\.w2\): shape \(7, 4\)"
+    with pytest.raises(ValueError, match=named):
+        weight_ops.apply_step(step, [torch.zeros(7, 4)])

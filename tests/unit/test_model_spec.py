@@ -318,6 +318,16 @@ def test_dbrx_reads_its_nested_blocks() -> None:
     assert (spec.num_experts, spec.num_experts_per_tok, spec.clip_qkv) == (16, 4, 8.0)
     assert (spec.norm, spec.norm_bias, spec.activation) == (NormKind.LAYER, False, "silu")
     assert spec.rope == RopeSpec(theta=500000.0)
+    assert (spec.moe_normalize, spec.moe_normalize_p) == (True, 1.0)  # transformers' default p
+
+
+@pytest.mark.parametrize(("p", "expected"), [(2.0, (True, 2.0)), (None, (False, 1.0))])
+def test_dbrx_expert_weights_are_normalised_by_their_p_norm_or_not_at_all(
+    p: float | None, expected: tuple[bool, float]
+) -> None:
+    ffn = DBRX["ffn_config"] | {"moe_normalize_expert_weights": p}
+    spec = parsed(DBRX | {"ffn_config": ffn})
+    assert (spec.moe_normalize, spec.moe_normalize_p) == expected
 
 
 def test_opt_13b_has_learned_positions_and_biases() -> None:
@@ -605,6 +615,10 @@ def test_missing_heads_is_reported_once_not_as_missing_kv_heads_too() -> None:
             "ffn_config.ffn_act_fn.name",
         ),
         (DBRX | {"attn_config": "8 heads"}, "attn_config"),
+        (
+            DBRX | {"ffn_config": {"ffn_hidden_size": 10752, "moe_normalize_expert_weights": 0}},
+            "ffn_config.moe_normalize_expert_weights",
+        ),
         (OPT_13B | {"activation_function": "tanh"}, "activation_function"),
         (OPT_13B | {"num_attention_heads": 3}, "hidden_size"),
         (GPT2_XL | {"n_head": 0}, "n_head"),
@@ -615,7 +629,7 @@ def test_each_problem_names_its_field(raw: dict[str, Any], field: str) -> None:
     assert [p.field for p in failure(raw).problems] == [field]
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "dbrx"])
 def test_active_params_count_the_chosen_experts_only(name: str) -> None:
     """One token reads every parameter but those of the experts it does not choose."""
     from nxdi.testing.checkpoints import build_model

@@ -13,7 +13,7 @@ from typing import Any
 from nxdi.core.families import reader
 from nxdi.core.families.reader import ConfigReader
 from nxdi.core.families.record import ClassNames, FamilyRecord, ProgramKind
-from nxdi.core.weight_plan import Source, Weight, WeightTable, copy, fused, stacked
+from nxdi.core.weight_table import Source, Weight, WeightTable, copy, fused, stacked
 
 REQUIRED = (
     "hidden_size",

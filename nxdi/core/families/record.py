@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 
 from nxdi.core.families.reader import ConfigReader
-from nxdi.core.weight_plan import WeightTable
+from nxdi.core.weight_table import WeightTable
 
 
 class ProgramKind(enum.Enum):

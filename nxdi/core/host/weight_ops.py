@@ -1,4 +1,4 @@
-"""Tensor side of weight plans: apply a `WeightStep` to tensors (copy, concatenate, cast). Pure.
+"""Tensor side of weight plans: apply a `WeightStep` to tensors (copy, concatenate, stack, split, cast). Pure.
 
 `nxdi.core.weight_plan` says what to do (no torch); this module does it to tensors it is given, without
 mutating them. Reading tensors from files is `nxdi.effects.weight_loader`.
@@ -33,9 +33,23 @@ def cast_float(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t.to(dtype)
 
 
+def split_experts(t: Tensor, split: weights.SplitExperts) -> Tensor:
+    """[X*F, E] -> [X, F, E] (a view of `t`), or [X, E, F] for TRANSPOSED rows (a copy, contiguous).
+
+    Raises:
+        ValueError: `t` is not 2-D or its rows do not divide into `split.experts` blocks.
+    """
+    if t.dim() != 2 or t.shape[0] % split.experts:
+        raise ValueError(f"shape {tuple(t.shape)} does not hold {split.experts} experts' rows one above the other")
+    out = t.reshape(split.experts, -1, t.shape[1])
+    return out.transpose(1, 2).contiguous() if split.rows is weights.ExpertRows.TRANSPOSED else out
+
+
 def apply_transform(t: Tensor, transform: weights.Transform) -> Tensor:
     """One transform of a step."""
     match transform:
+        case weights.SplitExperts():
+            return split_experts(t, transform)
         case weights.CastFloat(dtype=name):
             return cast_float(t, torch_dtype(name))
         case weights.Rows():
@@ -72,7 +86,10 @@ def apply_step(step: weights.WeightStep, sources: Sequence[Tensor], offsets: Seq
     else:
         out = parts[0] if step.combine is weights.Combine.COPY else torch.cat(parts, dim=0)
     for t in step.transforms:
-        out = apply_transform(out, t)
+        try:
+            out = apply_transform(out, t)
+        except ValueError as e:  # shapes are checked before any read; a caller that skipped that still learns which
+            raise ValueError(f"{step.name} (from {', '.join(step.sources)}): {e}") from e
     return out
 
 

@@ -7,8 +7,10 @@ padding, a padded intermediate or vocabulary size), and which spans of that layo
 original indices the rank needs, in order, None for a zero row. The checkpoint reader then reads
 only the range of rows a Take spans (`Take.bounds`), so a rank holds its shard and nothing more.
 
-- A stacked step (one source per expert) takes the same rows or columns of every expert; under
-  expert parallelism it reads only the sources of the experts of the rank's group.
+- A stacked step (one source per expert) takes the same rows or columns of every expert; so does
+  a split one (DBRX's [X*F, E] experts: the rank's rows of F in every expert, one Take whose read
+  spans nearly the whole tensor, since every expert holds a share). Under expert parallelism
+  either reads only the experts of the rank's group.
 - A fused step (Q, K and V concatenated) gets one Take per source: the rank's Q rows from q_proj,
   its K rows from k_proj, its V rows from v_proj, which concatenate into its `[Q_r; K_r; V_r]`.
 - A tied lm_head stays an alias of the embedding only when both are split alike (vocab-parallel);
@@ -27,7 +29,8 @@ from returns.result import Failure, Result, Success
 
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.planning.sharding import ShardPlan, WeightShard
-from nxdi.core.weight_plan import Combine, Take, WeightPlan, WeightStep, scale_name
+from nxdi.core.weight_plan import Combine, SplitExperts, Take, WeightPlan, WeightStep
+from nxdi.core.weight_table import ExpertRows, scale_name
 
 _LAYER = re.compile(r"^layers\.\d+\.")
 
@@ -49,6 +52,10 @@ def _takes(step: WeightStep, shard: WeightShard, rank: int) -> tuple[Take, ...]:
     """One Take per source of `step`: its rows (along the split dim) that `rank` holds."""
     assert shard.dim is not None
     spans = _padded_indices(shard, rank)
+    split = next((t for t in step.transforms if isinstance(t, SplitExperts)), None)
+    if split is not None:
+        own = _expert_span(shard, rank, split.experts)
+        return (_expert_rows_take(step, split, shard, [i for span in spans for i in span], own),)
     if step.combine is Combine.STACK:  # the split dim counts the stacked expert dim; each expert is split alike
         assert shard.dim > 0, "experts are split inside each expert, not across them"
         every = Take(dim=shard.dim - 1, indices=[i for span in spans for i in span])
@@ -66,16 +73,40 @@ def _takes(step: WeightStep, shard: WeightShard, rank: int) -> tuple[Take, ...]:
     return tuple(takes)
 
 
+def _expert_span(shard: WeightShard, rank: int, experts: int) -> range:
+    """The experts `rank` holds of an experts weight: its group's under expert parallelism, else all."""
+    return range(*shard.expert_spans[rank]) if shard.expert_spans is not None else range(experts)
+
+
 def _own_experts(step: WeightStep, shard: WeightShard, rank: int) -> WeightStep:
-    """A stacked step reading only the experts `rank` holds under expert parallelism (all without)."""
+    """An experts step reading only the experts `rank` holds under expert parallelism (all without):
+    a stacked step keeps those experts' sources, a split one (DBRX) splits out only their rows."""
     if shard.expert_spans is None:
         return step
+    own = _expert_span(shard, rank, len(step.sources))
+    if any(isinstance(t, SplitExperts) for t in step.transforms):  # its Take already picked the rows
+        fewer = tuple(attrs.evolve(t, experts=len(own)) if isinstance(t, SplitExperts) else t for t in step.transforms)
+        return attrs.evolve(step, transforms=fewer)
     assert step.combine is Combine.STACK, "only experts weights are split across experts"
-    start, stop = shard.expert_spans[rank]
-    takes = step.takes[start:stop] if step.takes else ()
+    takes = step.takes[own.start : own.stop] if step.takes else ()
     return attrs.evolve(
-        step, sources=step.sources[start:stop], source_shapes=step.source_shapes[start:stop], takes=takes
+        step,
+        sources=step.sources[own.start : own.stop],
+        source_shapes=step.source_shapes[own.start : own.stop],
+        takes=takes,
     )
+
+
+def _expert_rows_take(
+    step: WeightStep, split: SplitExperts, shard: WeightShard, rows: list[int | None], own: range
+) -> Take:
+    """The Take of one [X*F, E] source holding every expert (DBRX): the rank's `rows` of F (padded
+    layout, None for zero padding) in each of its experts `own`, expert by expert, so that they split
+    into the rank's [X_r, F_r, E] (or [X_r, E, F_r]). Expert x's row f is source row x*F + f."""
+    f_dim = 2 if split.rows is ExpertRows.TRANSPOSED else 1
+    assert shard.dim == f_dim, "experts are split inside each expert, along F"
+    f = step.source_shapes[0][0] // split.experts
+    return Take(dim=0, indices=[None if i is None else x * f + i for x in own for i in rows])
 
 
 def _scale_takes(step: WeightStep, values: WeightStep, shard: WeightShard, rank: int) -> WeightStep:

@@ -59,7 +59,10 @@ def attend(
     """
     b, s = slots.shape
     h, kh, d = part.q_heads, part.kv_heads, spec.head_dim
-    qkv = linear(x, w.qkv, w.qkv_bias).view(b, s, h + 2 * kh, d)
+    qkv = linear(x, w.qkv, w.qkv_bias)  # [N, (H_r + 2 K_r) * D]
+    if spec.clip_qkv is not None:  # DBRX clamps q, k and v together, before RoPE (transformers' order)
+        qkv = qkv.clamp(-spec.clip_qkv, spec.clip_qkv)
+    qkv = qkv.view(b, s, h + 2 * kh, d)
     v = qkv[:, :, h + kh :]
     if spec.qk_norm:
         assert w.q_norm is not None and w.k_norm is not None, "qk_norm needs q_norm and k_norm weights"

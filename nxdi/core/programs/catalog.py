@@ -20,7 +20,7 @@ from nxdi.core.families.record import FamilyRecord, ProgramKind
 from nxdi.core.model_spec import MlpKind, ModelSpec, NormKind, PositionKind
 from nxdi.core.programs import decoder
 from nxdi.core.programs.kv_cache import KVCache
-from nxdi.core.weight_plan import WeightTable
+from nxdi.core.weight_table import WeightTable
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,9 +47,8 @@ def _decoder_gaps(spec: ModelSpec) -> list[Problem]:
     """What the decoder program does not implement yet, one problem each."""
     gaps = [
         (spec.mlp_kind is MlpKind.PLAIN, "mlp", spec.mlp_kind.value, "a gated MLP or a mixture of gated experts"),
-        (spec.norm is not NormKind.RMS, "norm", spec.norm.value, "RMSNorm"),
+        (spec.norm is NormKind.LAYER and spec.norm_bias, "norm_bias", True, "RMSNorm and LayerNorm without a bias"),
         (spec.position is not PositionKind.ROPE or spec.rope is None, "position", spec.position.value, "RoPE"),
-        (spec.clip_qkv is not None, "clip_qkv", spec.clip_qkv, "no q/k/v clamping"),
     ]
     return [
         Problem.of(field, value, f"is not supported by the decoder program yet (it implements {what})")

@@ -3,7 +3,8 @@
 Covers RoPE (every scaling kind), GQA, tied embeddings, mixtures of experts (`nxdi.core.programs.moe`;
 each expert split along its intermediate width, the experts over expert groups of ranks), sliding windows (`spec.sliding_window`, per
 layer with `spec.full_attention_layers`), projection biases (`spec.qkv_bias`, `o_bias`,
-`mlp_bias`), per-head q/k RMSNorm (`spec.qk_norm`) and an explicit `spec.head_dim`: every
+`mlp_bias`), per-head q/k RMSNorm (`spec.qk_norm`), an explicit `spec.head_dim`, RMSNorm or
+bias-free LayerNorm (`spec.norm`) and clamped q/k/v (`spec.clip_qkv`): every
 difference between the families it runs is a field of the `ModelSpec`, decided when the program is
 traced, never from tensor values. The weights come in one layout (fused QKV), built from the
 family's weight table by `weights_from_slots`. Self-attention lives in `nxdi.core.programs.attention`.
@@ -36,7 +37,7 @@ from nxdi.core.programs.collectives import SINGLE, Collectives
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 from nxdi.core.programs.linear import QuantizedWeight, Weight, linear
-from nxdi.core.weight_plan import SCALE_SUFFIX
+from nxdi.core.weight_table import SCALE_SUFFIX
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
@@ -142,6 +143,7 @@ def moe_options(spec: ModelSpec, settings: MoESpec) -> moe.MoEOptions:
         router_act=settings.router_config.act_fn,
         router_dtype=getattr(torch, settings.router_config.dtype),
         normalize_top_k=spec.moe_normalize and settings.normalize_top_k_affinities,
+        normalize_p=spec.moe_normalize_p,
         capacity_factor=settings.capacity_factor,
         glu_type=settings.glu_type,
         hidden_act_scaling_factor=settings.hidden_act_scaling_factor,
@@ -275,9 +277,10 @@ def forward(
     h = _embed(w, x.input_ids.reshape(-1), spec, part, coll)  # [B*S, E]
     if sp:
         h = coll.scatter(h.view(b, s, -1), 1).reshape(-1, h.shape[-1])  # [B*S/tp, E]
+    norm = layers.NORMS[spec.norm]
     ks, vs = [], []
     for i, (lw, mask, k_cache, v_cache) in enumerate(zip(w.layers, masks, cache.k, cache.v, strict=True)):
-        normed = layers.rms_norm(h, lw.input_norm, spec.norm_eps)
+        normed = norm(h, lw.input_norm, spec.norm_eps)
         normed = _gather_sequence(normed, coll, b=b) if sp else normed
         a, k_cache, v_cache = attention.attend(
             lw.attn,
@@ -294,7 +297,7 @@ def forward(
             blocks=blocks,
         )
         h = h + _reduce(a, lw.attn.o_bias if part.tp > 1 else None, coll, part, b=b, sp=sp)
-        normed = layers.rms_norm(h, lw.post_norm, spec.norm_eps)
+        normed = norm(h, lw.post_norm, spec.norm_eps)
         normed = _gather_sequence(normed, coll, b=b) if sp else normed
         partial, bias = _mlp(lw.mlp, normed, spec, part, coll, decode=s == 1, token_mask=token_mask)
         h = h + _reduce(partial, bias, coll, part, b=b, sp=sp)
@@ -303,7 +306,7 @@ def forward(
     h = (_gather_sequence(h, coll, b=b) if sp else h).view(b, s, -1)
     if not all_logits:
         h = h.gather(1, out_index[:, :, None].expand(b, out_index.shape[1], h.shape[-1]))  # [B, R, E]
-    logits = linear(layers.rms_norm(h, w.norm, spec.norm_eps), w.lm_head)  # [B, S', V_r]
+    logits = linear(norm(h, w.norm, spec.norm_eps), w.lm_head)  # [B, S', V_r]
     if part.tp > 1:
         logits = coll.all_gather(logits, -1)[..., : spec.vocab_size]  # [B, S', V] on every rank
     return logits.float(), KVCache(k=tuple(ks), v=tuple(vs))

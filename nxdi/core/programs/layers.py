@@ -1,4 +1,4 @@
-"""Transformer building blocks as functions of tensors: RMSNorm, RoPE, masks, attention, MLP. Pure.
+"""Transformer building blocks as functions of tensors: RMSNorm, LayerNorm, RoPE, masks, attention, MLP. Pure.
 
 Numerics follow Hugging Face transformers (the accuracy reference): RMSNorm runs in fp32 and is
 cast back before the weight multiply; RoPE tables are computed in fp32 from the position ids and
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nxdi.core.model_spec import RopeKind, RopeSpec
+from nxdi.core.model_spec import NormKind, RopeKind, RopeSpec
 from nxdi.core.programs.linear import Weight, linear
 
 
@@ -30,6 +30,16 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     computes in fp32 for bf16/fp16 input and rounds once at the end (bit for bit the same): one
     traced op instead of seven, and a decode step runs two per layer."""
     return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+
+def layer_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """LayerNorm over the last dim without a bias (DBRX): `weight * (x - mean(x)) / sqrt(var(x) + eps)`,
+    which is `nn.LayerNorm(N, bias=False)` (in x's dtype, as transformers runs it). x [..., N], weight [N]."""
+    return F.layer_norm(x, (x.shape[-1],), weight, None, eps)
+
+
+NORMS: dict[NormKind, Callable[[Tensor, Tensor, float], Tensor]] = {NormKind.RMS: rms_norm, NormKind.LAYER: layer_norm}
+"""`ModelSpec.norm` -> the norm of every layer and the final one: `norm(x, weight, eps)`."""
 
 
 # --- rotary position embeddings ----------------------------------------------------------------

@@ -3,7 +3,7 @@
 - `dense_specs()`: tiny llama/mistral/qwen2/qwen3 `ModelSpec`s covering GQA, every RoPE kind, sliding
   windows (per layer too), biases, q/k norms, tied embeddings and the activations (small enough to
   run eagerly).
-- `random_state_dict(spec, seed)`: a Hugging Face checkpoint-style dict (`model.` keys) of random fp32 tensors.
+- `random_state_dict(spec, seed)`: a Hugging Face checkpoint-style dict of random fp32 tensors.
 - `random_weights(spec, seed)`: the same weights as the decoder program's weights value, via the weight plan.
 """
 
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from nxdi.core import families
 from nxdi.core import weight_plan as weights
 from nxdi.core.host import weight_ops
-from nxdi.core.model_spec import ModelSpec, RopeKind, RopeSpec
+from nxdi.core.model_spec import ModelSpec, NormKind, RopeKind, RopeSpec
 from nxdi.core.programs import catalog
 
 
@@ -73,11 +73,13 @@ def dense_specs(draw: st.DrawFn, *, max_positions: int = 32) -> ModelSpec:
 
 @st.composite
 def moe_specs(draw: st.DrawFn, *, max_positions: int = 32) -> ModelSpec:
-    """A tiny mixture-of-experts spec (Mixtral or Qwen3-MoE): a dense spec's attention with 2-4
-    experts of which 1 to all are chosen per token."""
+    """A tiny mixture-of-experts spec (Mixtral, Qwen3-MoE or DBRX): a dense spec's attention with
+    2-4 experts of which 1 to all are chosen per token; DBRX's with bias-free LayerNorms, clamped
+    q/k/v (some clips bind, some do not) and a p-norm renormalisation."""
     base = draw(dense_specs(max_positions=max_positions))
-    model_type = draw(st.sampled_from(["mixtral", "qwen3_moe"]))
+    model_type = draw(st.sampled_from(["mixtral", "qwen3_moe", "dbrx"]))
     experts = draw(st.integers(2, 4))
+    dbrx = model_type == "dbrx"
     return attrs.evolve(
         base,
         model_type=model_type,
@@ -85,10 +87,15 @@ def moe_specs(draw: st.DrawFn, *, max_positions: int = 32) -> ModelSpec:
         o_bias=False,
         mlp_bias=False,
         qk_norm=model_type == "qwen3_moe",
-        full_attention_layers=() if model_type == "mixtral" else base.full_attention_layers,
+        sliding_window=None if dbrx else base.sliding_window,
+        full_attention_layers=base.full_attention_layers if model_type == "qwen3_moe" else (),
+        norm=NormKind.LAYER if dbrx else NormKind.RMS,
+        norm_bias=not dbrx,
+        clip_qkv=draw(st.sampled_from([None, 0.5, 8.0])) if dbrx else None,
         num_experts=experts,
         num_experts_per_tok=draw(st.integers(1, experts)),
         moe_normalize=draw(st.booleans()),
+        moe_normalize_p=draw(st.sampled_from([1.0, 2.0])) if dbrx else 1.0,
     )
 
 
@@ -114,11 +121,12 @@ def checkpoint_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def random_state_dict(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
-    """Random fp32 tensors under Hugging Face keys (`model.` prefix; no `lm_head` when tied)."""
+    """Random fp32 tensors under Hugging Face keys (the family's prefix, `model.` or DBRX's
+    `transformer.`; no `lm_head` when tied)."""
     g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for key, shape in checkpoint_shapes(spec).items():
-        if key.endswith("norm.weight") or key.endswith("layernorm.weight"):
+        if "norm" in key.rsplit(".", 2)[-2]:  # a norm's weight (`input_layernorm`, DBRX's `norm_1`, ...)
             out[key] = 1.0 + 0.2 * torch.randn(shape, generator=g)
         else:
             out[key] = torch.randn(shape, generator=g) * (0.5 if len(shape) == 1 else shape[-1] ** -0.5)

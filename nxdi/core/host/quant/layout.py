@@ -25,7 +25,8 @@ from returns.result import Failure, Result, Success
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.host.quant import weights
 from nxdi.core.host.quant.weights import QuantScheme, QuantType
-from nxdi.core.weight_plan import kept_in_float, module_of, scale_name
+from nxdi.core.weight_plan import kept_in_float, module_of
+from nxdi.core.weight_table import scale_name
 
 LINEAR_LEAVES = frozenset(
     {"q_proj", "k_proj", "v_proj", "o_proj", "Wqkv", "gate_proj", "up_proj", "down_proj", "lm_head"}

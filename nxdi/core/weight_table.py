@@ -1,0 +1,231 @@
+"""Weight tables: a family's checkpoint layout, declared once as data. Pure.
+
+A family declares, for every weight its program takes, the *slot* it fills in the program's
+weights value (`attn.qkv`), its nxdi name (`self_attn.Wqkv.weight`, the program layout), the
+checkpoint tensors it is made from with their shapes in dimension letters, and the ModelSpec flag
+it exists under. The table is the single source of the checkpoint mapping (`nxdi.core.weight_plan`
+turns it into a plan of steps) and of the program's fields (`WeightTable.slots`).
+
+A weight's sources are copied (one), concatenated along dim 0 (fused QKV: `Wqkv = [Q; K; V]`),
+stacked along a new dim 0 (one source per expert, `experts.{x}.w1` for every expert x: [X, F, E]),
+or split (one source holding every expert's rows one above the other, DBRX's `w1` [X*F, E]).
+
+Dimension letters: E hidden, F ffn, V vocab, D head dim, Q = H*D (query heads times head dim),
+KV = K*D (kv heads times head dim), QKV = Q + 2*KV (a fused projection), X experts, XF = X*F
+(every expert's rows), 1 a dimension of size one (a scale).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Mapping
+
+import attrs
+
+from nxdi.core.model_spec import ModelSpec
+
+Shape = tuple[int, ...]
+
+STATE_DICT_MODEL_PREFIX = "model."
+"""NxDI's `_STATE_DICT_MODEL_PREFIX`: stripped from the start of checkpoint keys."""
+NEW_STATE_DICT_MODEL_PREFIX = ""
+"""NxDI's `_NEW_STATE_DICT_MODEL_PREFIX`: what replaces the stripped prefix."""
+SCALE_SUFFIX = ".scale"
+"""A quantized linear's scale sits at `<slot>.scale` in a program's slots."""
+
+
+def scale_name(name: str) -> str:
+    """The scale of a quantized weight: `a.b.weight` -> `a.b.scale` (NxD's key layout)."""
+    return name.removesuffix("weight") + "scale"
+
+
+def dims(spec: ModelSpec) -> Mapping[str, int]:
+    """The sizes the dimension letters of a table stand for."""
+    return {
+        "E": spec.hidden_size,
+        "F": spec.intermediate_size,
+        "V": spec.vocab_size,
+        "D": spec.head_dim,
+        "Q": spec.q_size,
+        "KV": spec.kv_size,
+        "QKV": spec.q_size + 2 * spec.kv_size,
+        "X": spec.num_experts,
+        "XF": spec.num_experts * spec.intermediate_size,
+        "1": 1,
+    }
+
+
+class ExpertRows(enum.Enum):
+    """How one [X*F, E] checkpoint tensor holds every expert (DBRX): expert x owns rows x*F .. x*F+F-1."""
+
+    AS_IS = "as_is"
+    """Each expert's [F, E] block is the program's weight: split into [X, F, E] (DBRX `w1`, `v1`)."""
+    TRANSPOSED = "transposed"
+    """Each expert's [F, E] block is the program's [E, F] weight transposed: split into [X, E, F] (DBRX `w2`)."""
+
+    def split_shape(self, shape: Shape, experts: int) -> Shape:
+        """The split shape of a [rows, E] tensor holding `experts` blocks of rows / experts rows."""
+        rows, e = shape
+        f = rows // experts
+        return (experts, f, e) if self is ExpertRows.AS_IS else (experts, e, f)
+
+
+@attrs.frozen(kw_only=True)
+class Source:
+    """One checkpoint tensor a weight is made from."""
+
+    name: str
+    """Its renamed checkpoint key (relative to the layer prefix for layer weights)."""
+    shape: tuple[str, ...]
+    """Its shape in dimension letters, e.g. `("Q", "E")`."""
+
+
+@attrs.frozen(kw_only=True)
+class Weight:
+    """One weight a program takes: where it goes and what it is made of."""
+
+    slot: str
+    """The field path in the program's weights value, e.g. `attn.qkv` or `embed`."""
+    name: str
+    """The nxdi name (program layout), relative to the layer prefix for layer weights."""
+    sources: tuple[Source, ...]
+    """One source (copied) or several (concatenated along dim 0)."""
+    when: str | None = None
+    """The ModelSpec flag it exists under (`qkv_bias`, ...); None: always."""
+    linear: bool = False
+    """A linear layer's [out, in] weight: what `quantized=True` stores as int8/fp8 values plus scales."""
+    experts: bool = False
+    """One source per expert: its one source's name has an `{x}` field, filled with every expert
+    index 0..X-1, and the X tensors are stacked along a new dim 0."""
+    expert_rows: ExpertRows | None = None
+    """One [X*F, E] source holding every expert's rows, split into [X, ...] (None: not an experts weight)."""
+
+    def exists(self, spec: ModelSpec) -> bool:
+        return self.when is None or bool(getattr(spec, self.when))
+
+    def source_names(self, spec: ModelSpec, prefix: str = "") -> tuple[str, ...]:
+        """The checkpoint names of its sources (every expert's, for an experts weight)."""
+        if self.experts:
+            return tuple(prefix + self.sources[0].name.format(x=x) for x in range(spec.num_experts))
+        return tuple(prefix + s.name for s in self.sources)
+
+    def source_shapes(self, spec: ModelSpec) -> tuple[Shape, ...]:
+        """The sources' shapes in sizes (one per expert for an experts weight)."""
+        sizes = dims(spec)
+        shapes = tuple(tuple(sizes[d] for d in s.shape) for s in self.sources)
+        return shapes * spec.num_experts if self.experts else shapes
+
+    def shape(self, spec: ModelSpec) -> Shape:
+        """The produced shape: the source's, the sources' concatenated along dim 0, stacked, or split."""
+        shapes = self.source_shapes(spec)
+        if self.experts:
+            return (len(shapes), *shapes[0])
+        if self.expert_rows is not None:
+            return self.expert_rows.split_shape(shapes[0], spec.num_experts)
+        return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+
+def copy(
+    slot: str,
+    name: str,
+    shape: tuple[str, ...],
+    *,
+    source: str | None = None,
+    when: str | None = None,
+    linear: bool = False,
+) -> Weight:
+    """A weight copied from one checkpoint tensor: `source`, or the tensor of the same name."""
+    parts = (Source(name=name if source is None else source, shape=shape),)
+    return Weight(slot=slot, name=name, sources=parts, when=when, linear=linear)
+
+
+def stacked(slot: str, name: str, source: str, shape: tuple[str, ...]) -> Weight:
+    """An experts weight: `source` (with an `{x}` field) of every expert, stacked into [X, *shape]."""
+    return Weight(slot=slot, name=name, sources=(Source(name=source, shape=shape),), experts=True)
+
+
+def split(slot: str, name: str, source: str, rows: ExpertRows) -> Weight:
+    """An experts weight stored as one [X*F, E] tensor `source`, split per `rows` into [X, F, E] or [X, E, F]."""
+    return Weight(slot=slot, name=name, sources=(Source(name=source, shape=("XF", "E")),), expert_rows=rows)
+
+
+def fused(
+    slot: str, name: str, *sources: tuple[str, tuple[str, ...]], when: str | None = None, linear: bool = False
+) -> Weight:
+    """A weight concatenated along dim 0 from several checkpoint tensors, given as (name, shape)."""
+    parts = tuple(Source(name=n, shape=s) for n, s in sources)
+    return Weight(slot=slot, name=name, sources=parts, when=when, linear=linear)
+
+
+@attrs.frozen(kw_only=True)
+class Entry:
+    """One weight of a model, placed: its full nxdi name, slot path and checkpoint-key prefix."""
+
+    name: str
+    """The nxdi name with its layer prefix, e.g. `layers.0.self_attn.Wqkv.weight`."""
+    slot: str
+    """The slot path, e.g. `layers.0.attn.qkv`."""
+    source_prefix: str
+    """What goes before its sources' (renamed) checkpoint keys: `""`, or the checkpoint's layer prefix."""
+    weight: Weight
+
+
+@attrs.frozen(kw_only=True)
+class WeightTable:
+    """A family's checkpoint layout, in binding order: weights before the layers, each layer's, and after."""
+
+    before: tuple[Weight, ...]
+    """Weights the layers read from (the embedding)."""
+    layer: tuple[Weight, ...]
+    """Weights of each layer, named under `layer_prefix`."""
+    after: tuple[Weight, ...]
+    """Weights applied after the layers (final norm, lm_head)."""
+    tied: tuple[str, str] = ("lm_head", "embed")
+    """(slot, slot it aliases) when the ModelSpec ties its word embeddings."""
+    layer_prefix: str = "layers.{i}."
+    """The layer prefix of nxdi names (the program layout: the sharding plan's names)."""
+    source_layer_prefix: str | None = None
+    """The checkpoint's layer prefix after renaming, when it differs from `layer_prefix` (DBRX: `blocks.{i}.`)."""
+    model_prefix: str = STATE_DICT_MODEL_PREFIX
+    """The base model's key prefix in the family's Hugging Face checkpoints (DBRX: `transformer.`):
+    the default `_STATE_DICT_MODEL_PREFIX` of its causal LM class."""
+    unprefixed: tuple[str, ...] = ("lm_head.",)
+    """nxdi names Hugging Face stores outside the base model, so without the model prefix."""
+
+    def placed(self, spec: ModelSpec) -> Iterator[Entry]:
+        """Every weight `spec` has, in binding order, with its full name, slot path and source prefix.
+
+        Layer weights get the layer prefix in their name and `layers.{i}.` in their slot path.
+        """
+        yield from (Entry(name=w.name, slot=w.slot, source_prefix="", weight=w) for w in self.before if w.exists(spec))
+        for i in range(spec.num_layers):
+            prefix = self.layer_prefix.format(i=i)
+            source = prefix if self.source_layer_prefix is None else self.source_layer_prefix.format(i=i)
+            for w in self.layer:
+                if w.exists(spec):
+                    yield Entry(name=prefix + w.name, slot=f"layers.{i}.{w.slot}", source_prefix=source, weight=w)
+        yield from (Entry(name=w.name, slot=w.slot, source_prefix="", weight=w) for w in self.after if w.exists(spec))
+
+    def entries(self, spec: ModelSpec) -> Iterator[tuple[str, str, Weight]]:
+        """(nxdi name, slot path, weight) of every weight `spec` has, in binding order."""
+        return ((e.name, e.slot, e.weight) for e in self.placed(spec))
+
+    def shapes(self, spec: ModelSpec) -> tuple[tuple[str, Shape], ...]:
+        """Names and shapes of the weights the program takes, in binding order."""
+        return tuple((name, w.shape(spec)) for name, _, w in self.entries(spec))
+
+    def names(self, spec: ModelSpec) -> tuple[str, ...]:
+        """The names of `shapes`, in binding order."""
+        return tuple(name for name, _, _ in self.entries(spec))
+
+    def slots(self, tensors: Mapping[str, object], spec: ModelSpec) -> dict[str, object]:
+        """Slot path -> value for the named values given (a tied slot missing from `tensors` is aliased).
+        A quantized linear's scale (`scale_name(name)`) goes to `<slot>.scale`."""
+        out = {slot: tensors[name] for name, slot, _ in self.entries(spec) if name in tensors}
+        out |= {
+            slot + SCALE_SUFFIX: tensors[scale_name(n)] for n, slot, _ in self.entries(spec) if scale_name(n) in tensors
+        }
+        slot, target = self.tied
+        if spec.tie_word_embeddings and slot not in out and target in out:
+            out[slot] = out[target]
+        return out
