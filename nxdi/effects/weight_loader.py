@@ -202,7 +202,7 @@ def example_weights(plan: weights.WeightPlan, path: str | os.PathLike[str]) -> R
     out = []
     for s, dtype in zip(own, stored, strict=True):
         like = torch.empty(0, dtype=dtype)
-        for t in s.transforms:  # the dtype the step's casts give
-            like = weight_ops.apply_transform(like, t)
+        for t in s.transforms:  # the dtype the step's casts give (the other transforms keep it)
+            like = weight_ops.apply_transform(like, t) if isinstance(t, weights.CastFloat) else like
         out.append(torch.zeros(s.shape, dtype=like.dtype))
     return Success(out)

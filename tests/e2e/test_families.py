@@ -4,7 +4,7 @@ For each runnable record: its tiny Hugging Face config (`FamilyRecord.tiny_confi
 that record, its documented classes exist and are registered, its weight table reads exactly the
 keys of a real transformers checkpoint, and the model built through the documented API gives
 transformers' logits (fp32, within 1e-4 of the largest) on a prefill and the decode steps after it,
-and transformers' greedy tokens on a padded batch.
+and transformers' greedy tokens on a padded batch, eagerly and through compile() + load().
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from nxdi.core import weight_plan as weights
 from nxdi.core.families.record import FamilyRecord
 from nxdi.shell import models
 from nxdi.testing.strategies.decoders import plan_of
-from tests.support.engine_fixtures import hf_logits, nxdi_generate, padded
+from tests.support.engine_fixtures import hf_logits, load_model, nxdi_generate, padded
 
 RECORDS = families.runnable()
 PROMPTS = ((1, 5, 7, 9, 11, 3, 4, 5, 6, 7, 8, 9), (3, 4))
@@ -96,5 +96,18 @@ def test_greedy_generation_matches_transformers(
     record: FamilyRecord, loaded_model: Callable[..., Any], hf_greedy: Callable[..., torch.Tensor]
 ) -> None:
     model = loaded_model(record.name, batch_size=2)
+    ours = nxdi_generate(model, PROMPTS, side="left", max_new_tokens=NEW_TOKENS)
+    assert torch.equal(ours, hf_greedy(record.name, PROMPTS, NEW_TOKENS))
+
+
+def test_compile_then_load_generates_like_transformers(
+    record: FamilyRecord,
+    tiny_checkpoint: Callable[..., Path],
+    hf_greedy: Callable[..., torch.Tensor],
+    tmp_path: Path,
+) -> None:
+    """The documented compile() + load() (traced programs, weights laid out from the checkpoint's
+    headers first), not only the eager to_cpu()."""
+    model = load_model(tiny_checkpoint(record.name), record.name, workdir=tmp_path, backend="cpu", batch_size=2)
     ours = nxdi_generate(model, PROMPTS, side="left", max_new_tokens=NEW_TOKENS)
     assert torch.equal(ours, hf_greedy(record.name, PROMPTS, NEW_TOKENS))
