@@ -97,6 +97,27 @@ class ModelSpec:
     mlp_bias: bool = False
     qk_norm: bool = False
     """An RMSNorm over each head of q and k, before RoPE."""
+    norm_offset: bool = False
+    """Every RMSNorm (q/k norms included) scales by `1 + weight` in fp32 and rounds to the activation
+    dtype after the scaling (Gemma: checkpoints store the offset from 1); False: `weight * rounded`."""
+    sandwich_norms: bool = False
+    """Each layer also norms its attention and MLP outputs before adding them to the residual, and
+    norms the MLP input with a weight of its own (Gemma: `post_attention_layernorm` norms the
+    attention output, `pre_feedforward_layernorm` / `post_feedforward_layernorm` the MLP's)."""
+    embed_scale: float | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.gt(0)))
+    """Token embeddings are multiplied by this, rounded to the embedding dtype first (Gemma:
+    sqrt(hidden_size)); None: not scaled."""
+    attention_scale: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.gt(0))
+    )
+    """Softmax scale of the attention scores q.k (Gemma: query_pre_attn_scalar**-0.5); None: head_dim**-0.5."""
+    final_logit_softcap: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.gt(0))
+    )
+    """Logits become `cap * tanh(logits / cap)` (Gemma's `final_logit_softcapping`); None: not capped."""
+    local_rope: RopeSpec | None = None
+    """RoPE of the sliding-window layers where it differs from `rope` (Gemma 3: `rope_local_base_freq`,
+    unscaled); None: every layer uses `rope`."""
     clip_qkv: float | None = None
     """DBRX: q, k and v are clamped to [-clip_qkv, clip_qkv] after projection; None for no clamp."""
     sliding_window: int | None = None
@@ -144,6 +165,12 @@ class ModelSpec:
         """The sliding window of `layer`, or None when it attends to every position."""
         return None if layer in self.full_attention_layers else self.sliding_window
 
+    def layer_rope(self, layer: int) -> RopeSpec | None:
+        """The RoPE of `layer`: `local_rope` for a sliding-window layer when set, else `rope`."""
+        if self.local_rope is not None and self.layer_window(layer) is not None:
+            return self.local_rope
+        return self.rope
+
     @property
     def cache_window(self) -> int | None:
         """The window every layer shares, which bounds the positions a KV cache must keep (None: all)."""
@@ -174,7 +201,7 @@ class ModelSpec:
         if self.is_moe:
             mlp = mlp * self.num_experts + e * self.num_experts
         norm = 2 * e if self.norm is NormKind.LAYER and self.norm_bias else e
-        layers = self.num_layers * (attn + mlp + 2 * norm)
+        layers = self.num_layers * (attn + mlp + (4 if self.sandwich_norms else 2) * norm)
         embed = v * e + (0 if self.tie_word_embeddings else v * e)
         rows = self.max_position_embeddings + self.position_offset
         learned = rows * e if self.position is PositionKind.LEARNED else 0

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
+import attrs
 from returns.result import Failure, Success
 
 from nxdi.core.config import codec, neuron_checks
@@ -185,6 +186,7 @@ class InferenceConfig:
         """Check required attributes (all missing ones listed) and the model attributes."""
         missing = [name for name in self.get_required_attributes() if not hasattr(self, name)]
         if missing:
+            self._check_model_type()
             lines = "\n".join(f"  - {name}: is required but missing" for name in missing)
             raise MissingAttributesError(
                 f"Config must define {missing}:\n{lines}\nFix: pass them as keyword arguments or use "
@@ -194,6 +196,16 @@ class InferenceConfig:
         unwrap(neuron_checks.check_attention_chunking(self.neuron_config.spec, attributes), "Invalid InferenceConfig")
         if self._family is not None:
             self.model_spec()
+
+    def _check_model_type(self) -> None:
+        """Raise IncompatibleConfigError when the family refuses these attributes' model_type itself
+        (the multimodal `gemma3`, whose model attributes sit under `text_config`, so they look missing)."""
+        if self._family is None:
+            return
+        match parse_model_spec(to_json(self.hf_dict())):
+            case Failure(error) if "model_type" in error.fields():
+                refused = attrs.evolve(error, problems=tuple(p for p in error.problems if p.field == "model_type"))
+                unwrap(Failure(refused), "Invalid model configuration")
 
     # --- the model ---------------------------------------------------------------------------
     def hf_dict(self) -> dict[str, Any]:

@@ -7,9 +7,10 @@ For tests and examples that need a real checkpoint without a model hub:
 
 `VARIANTS` names small configurations that between them cover what the CPU programs implement:
 one per runnable family (its record's `tiny_config`, which picks the features that family adds:
-GQA, sliding windows shorter than the test sequences, per-layer windows, q/k/v biases, q/k norms,
-an explicit head_dim), plus Llama-3 RoPE scaling with tied embeddings. Weights are drawn
-with a private seeded generator state, so the caller's global RNG is left as it was.
+GQA, sliding windows shorter than the test sequences, per-layer windows and RoPEs, q/k/v biases,
+q/k norms, an explicit head_dim), plus Gemma 3 with soft-capped logits and Llama-3 RoPE scaling
+with tied embeddings. Weights are drawn with a private seeded generator state, so the caller's
+global RNG is left as it was.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import transformers
 
 from nxdi.core import families
+from nxdi.core.families import gemma3
 from nxdi.effects import checkpoint
 
 
@@ -55,6 +57,7 @@ _BASE: Mapping[str, Any] = {
 }
 
 TEST_VARIANTS: Mapping[str, tuple[str, Mapping[str, Any]]] = {
+    "gemma3-softcap": ("gemma3_text", {**gemma3.RECORD.tiny_config, "final_logit_softcapping": 3.0}),
     "llama3-tied": (
         "llama",
         {
@@ -70,7 +73,8 @@ TEST_VARIANTS: Mapping[str, tuple[str, Mapping[str, Any]]] = {
         },
     ),
 }
-"""Variants beyond the families' own tiny configs: Llama-3 RoPE scaling with tied embeddings."""
+"""Variants beyond the families' own tiny configs: Gemma 3 with soft-capped logits (a cap the tiny
+model's logits exceed; real Gemma 3 configs have none), Llama-3 RoPE scaling with tied embeddings."""
 
 VARIANTS: Mapping[str, tuple[str, Mapping[str, Any]]] = {
     **{r.name: (r.model_type, r.tiny_config) for r in families.runnable()},
@@ -90,11 +94,18 @@ def tiny_config(variant: str, **overrides: Any) -> transformers.PretrainedConfig
 
 
 def build_model(variant: str, *, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
-    """A transformers causal LM of `variant` with random fp32 weights drawn from `seed`, in eval mode."""
+    """A transformers causal LM of `variant` with random fp32 weights drawn from `seed`, in eval mode.
+
+    Norm weights transformers starts at zero (Gemma's, which scale by `1 + w`) are drawn at random
+    too: all zero, two swapped norms or a norm scaled by `w` for `1 + w` would look alike."""
     config = tiny_config(variant, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model: transformers.PreTrainedModel = transformers.AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight") and not p.any():
+                    p.copy_(torch.randn(p.shape) * 0.5)
     return model.eval()
 
 

@@ -1,4 +1,5 @@
-"""RoPE tables of every supported scaling kind against transformers' rotary embedding, through the config parser."""
+"""RoPE tables of every supported scaling kind against transformers' rotary embedding, through the config
+parser; and Gemma 3's two RoPEs (sliding-window and global layers) through the decoder's per-layer tables."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import transformers
 
 from nxdi.core import families
-from nxdi.core.programs import layers
+from nxdi.core.programs import attention, layers
 
 MAX_POSITIONS = 64
 CASES: dict[str, dict[str, Any]] = {
@@ -61,3 +62,43 @@ def test_rope_tables_match_transformers(case: str, longest: int) -> None:
     )
     torch.testing.assert_close(cos, cos_hf, rtol=0, atol=2e-5)
     torch.testing.assert_close(sin, sin_hf, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rope_theta": 1e6, "rope_local_base_freq": 1e4},
+        {
+            "rope_parameters": {
+                "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            }
+        },
+    ],
+    ids=["legacy-linear", "yarn-global"],
+)
+def test_gemma3_layers_get_the_rope_of_their_attention_type(rope: dict[str, Any]) -> None:
+    """Each layer's table is transformers' table of its layer type; alike layers share one tensor."""
+    config = transformers.Gemma3TextConfig(
+        hidden_size=64,
+        head_dim=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=4,
+        intermediate_size=8,
+        vocab_size=8,
+        max_position_embeddings=MAX_POSITIONS,
+        sliding_window_pattern=2,
+        **rope,
+    )
+    rotary = transformers.models.gemma3.modeling_gemma3.Gemma3RotaryEmbedding(config)
+    positions = torch.stack([torch.arange(92, 100), torch.arange(8)])  # [B=2, S=8]
+    spec = families.parse_model_spec(config.to_dict()).unwrap()
+    tables = attention.rope_tables(positions, torch.tensor(100), spec, torch.float32)
+    assert tables[0] is tables[2] and tables[1] is tables[3] and tables[0][0] is not tables[1][0]
+    for i, kind in enumerate(config.layer_types):
+        with torch.no_grad():
+            cos_hf, sin_hf = rotary(torch.zeros(1, dtype=torch.float32), positions, kind)
+        cos, signed_sin = tables[i]
+        torch.testing.assert_close(cos[:, :, 0], cos_hf, rtol=0, atol=2e-5)
+        torch.testing.assert_close(signed_sin[:, :, 0], layers.signed_sin(sin_hf), rtol=0, atol=2e-5)

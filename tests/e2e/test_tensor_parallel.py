@@ -101,6 +101,9 @@ CASES = [  # (family, tp_degree, compiled batch, settings): each family at tp 2 
     ("qwen3", 2, 4, ()),
     ("qwen3", 4, 1, (SP,)),
     ("qwen3", 4, 4, (FD,)),
+    ("gemma3", 2, 1, (VP,)),  # Gemma: norms around the attention and MLP outputs after the reduce
+    ("gemma3", 2, 4, (SP,)),
+    ("gemma3", 4, 4, (FD,)),  # flash decoding with query_pre_attn_scalar and the per-layer windows
     ("mixtral", 2, 1, ()),  # mixtures of experts: every expert split along its intermediate width
     ("mixtral", 2, 4, (SP,)),
     ("qwen3_moe", 2, 4, (VP,)),

@@ -14,7 +14,14 @@ from nxdi.core import weight_table
 from nxdi.core.families.llama import LLAMA_WEIGHTS
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
-from nxdi.testing.strategies.decoders import checkpoint_shapes, dense_specs, moe_specs, plan_of, random_state_dict
+from nxdi.testing.strategies.decoders import (
+    checkpoint_shapes,
+    dense_specs,
+    moe_specs,
+    plan_of,
+    program_of,
+    random_state_dict,
+)
 from nxdi.testing.strategies.hf_configs import model_specs
 
 DENSE = ("llama", "mistral", "qwen2", "qwen3")
@@ -100,7 +107,8 @@ def test_convert_fuses_ties_and_casts_without_touching_the_input(spec: ModelSpec
     sd = random_state_dict(spec, seed) | {"model.layers.0.self_attn.o_proj.weight_scale": torch.ones(1)}
     sd_before = {k: v.clone() for k, v in sd.items()}
     scale = weight_table.copy("attn.o_scale", "self_attn.o_proj.scale", ("1",))
-    table = attrs.evolve(LLAMA_WEIGHTS, layer=(*LLAMA_WEIGHTS.layer, scale))
+    family = program_of(spec).table
+    table = attrs.evolve(family, layer=(*family.layer, scale))
     plan = weights.weight_plan_for(table, spec, torch_dtype=dtype).unwrap()
     out = weight_ops.convert(
         plan, sd | {f"model.layers.{i}.self_attn.o_proj.weight_scale": torch.ones(1) for i in range(spec.num_layers)}

@@ -130,6 +130,57 @@ GPT2_XL: dict[str, Any] = {
     "vocab_size": 50257,
 }
 
+GEMMA_3_1B: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attn_logit_softcapping": None,
+    "bos_token_id": 2,
+    "cache_implementation": "hybrid",
+    "eos_token_id": [1, 106],
+    "final_logit_softcapping": None,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 1152,
+    "initializer_range": 0.02,
+    "intermediate_size": 6912,
+    "max_position_embeddings": 32768,
+    "model_type": "gemma3_text",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 26,
+    "num_key_value_heads": 1,
+    "pad_token_id": 0,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_local_base_freq": 10000,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.50.0.dev0",
+    "use_cache": True,
+    "vocab_size": 262144,
+}
+"""google/gemma-3-1b-it: the hub's layout before transformers 5 (`sliding_window_pattern`,
+`rope_local_base_freq`)."""
+
+GEMMA_3_27B_TEXT: dict[str, Any] = {
+    "model_type": "gemma3_text",
+    "head_dim": 128,
+    "hidden_size": 5376,
+    "intermediate_size": 21504,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 62,
+    "num_key_value_heads": 16,
+    "query_pre_attn_scalar": 168,
+    "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+    "sliding_window": 1024,
+    "vocab_size": 262208,
+}
+"""The `text_config` of google/gemma-3-27b-it as a text model (the rest takes transformers' defaults):
+a query_pre_attn_scalar other than head_dim, and linear RoPE scaling on the global layers."""
+
 
 def spec(config: dict[str, Any]) -> ModelSpec:
     """The parsed ModelSpec of a config dict (tests only; a parse failure fails the test)."""

@@ -13,7 +13,14 @@ import pytest
 from nxdi.shell.cli import bench_plan
 from nxdi.shell.cli.bench_timing import Timings
 from nxdi.shell.cli.main import main
-from tests.support.planner_configs import LLAMA_31_8B, LLAMA_31_70B, MIXTRAL_8X7B, OPT_13B, PLAN_JSON_KEYS
+from tests.support.planner_configs import (
+    GEMMA_3_1B,
+    LLAMA_31_8B,
+    LLAMA_31_70B,
+    MIXTRAL_8X7B,
+    OPT_13B,
+    PLAN_JSON_KEYS,
+)
 
 JSON_KEYS = PLAN_JSON_KEYS
 L8_TRN1 = ["--instance", "trn1.32xlarge", "--tp-degree", "32"]
@@ -21,10 +28,16 @@ L8_TRN1 = ["--instance", "trn1.32xlarge", "--tp-degree", "32"]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Model folders holding only a config.json: llama-8b, llama-70b, opt-13b, mixtral-8x7b."""
+    """Model folders holding only a config.json: llama-8b, llama-70b, opt-13b, mixtral-8x7b, gemma-3-1b."""
     root = tmp_path_factory.mktemp("models")
     out = {}
-    configs = (("llama-8b", LLAMA_31_8B), ("llama-70b", LLAMA_31_70B), ("opt-13b", OPT_13B), ("mixtral", MIXTRAL_8X7B))
+    configs = (
+        ("llama-8b", LLAMA_31_8B),
+        ("llama-70b", LLAMA_31_70B),
+        ("opt-13b", OPT_13B),
+        ("mixtral", MIXTRAL_8X7B),
+        ("gemma-3-1b", GEMMA_3_1B),
+    )
     for name, config in configs:
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(config))
@@ -110,6 +123,13 @@ def test_opt_13b_from_its_config_file(models: dict[str, Path], capsys: pytest.Ca
     status, doc = _plan_json(capsys, config, "--tp-degree", "8", "--torch-dtype", "float32")
     assert status == 0 and doc["platform"] == "trn1" and doc["kv_cache"]["dtype"] == "float32"
     assert doc["settings"]["torch_dtype_source"] == "--torch-dtype"
+
+
+def test_gemma_3_1b_counts_its_four_norms_a_layer(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = _plan(capsys, models["gemma-3-1b"], "--instance", "trn1.2xlarge", "--tp-degree", "2")
+    assert status == 0 and err == ""
+    assert "gemma3_text from" in out and "999.89M parameters" in out and "No problems" in out
+    assert "per rank: 2 query heads, 1 KV head" in out
 
 
 @pytest.mark.parametrize(

@@ -81,7 +81,8 @@ def test_every_family_names_its_neuron_config_class(record: FamilyRecord) -> Non
     if names.causal_lm is not None:
         lm = getattr(models, names.causal_lm)
         assert lm.get_config_cls() is config_cls and lm.get_neuron_config_cls() is expected
-        assert lm._model_cls is getattr(nxdi, f"Neuron{names.causal_lm[6:-11]}Model")  # NeuronLlamaModel
+        derived = f"Neuron{names.causal_lm[6:-11]}Model"  # NeuronLlamaModel; Gemma3's is NxDI's NeuronGemma3TextModel
+        assert lm._model_cls is getattr(nxdi, names.inner_model or derived)
         assert issubclass(lm._model_cls, NeuronBaseModel) and lm._model_cls._family is record
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from returns.result import Failure, Result, Success
 
 from nxdi.core.errors import ConfigError
-from nxdi.core.families import dbrx, gpt2, llama, mistral, mixtral, opt, qwen2, qwen3, qwen3_moe
+from nxdi.core.families import dbrx, gemma3, gpt2, llama, mistral, mixtral, opt, qwen2, qwen3, qwen3_moe
 from nxdi.core.families.reader import ConfigReader
 from nxdi.core.families.record import FamilyRecord
 from nxdi.core.model_spec import ModelSpec
@@ -23,6 +23,7 @@ RECORDS: tuple[FamilyRecord, ...] = (
     mistral.RECORD,
     qwen2.RECORD,
     qwen3.RECORD,
+    gemma3.RECORD,
     mixtral.RECORD,
     qwen3_moe.RECORD,
     dbrx.RECORD,

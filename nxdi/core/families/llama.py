@@ -42,33 +42,34 @@ def _qkv(kind: str, tail: tuple[str, ...], when: str | None = None) -> Any:
     )
 
 
-ATTENTION: tuple[Weight, ...] = (
-    copy("input_norm", "input_layernorm.weight", ("E",)),
+SELF_ATTENTION: tuple[Weight, ...] = (
     _qkv("weight", ("E",)),
     _qkv("bias", (), when="qkv_bias"),
     copy("attn.o", "self_attn.o_proj.weight", ("E", "Q"), linear=True),
     copy("attn.o_bias", "self_attn.o_proj.bias", ("E",), when="o_bias"),
     copy("attn.q_norm", "self_attn.q_norm.weight", ("D",), when="qk_norm"),
     copy("attn.k_norm", "self_attn.k_norm.weight", ("D",), when="qk_norm"),
+)
+"""A Llama layer's attention projections (and q/k norms), without the layer norms around them."""
+ATTENTION: tuple[Weight, ...] = (
+    copy("input_norm", "input_layernorm.weight", ("E",)),
+    *SELF_ATTENTION,
     copy("post_norm", "post_attention_layernorm.weight", ("E",)),
 )
 """A Llama layer's norms and attention, which the MoE families share."""
+GATED_MLP: tuple[Weight, ...] = (
+    copy("mlp.gate", "mlp.gate_proj.weight", ("F", "E"), linear=True),
+    copy("mlp.up", "mlp.up_proj.weight", ("F", "E"), linear=True),
+    copy("mlp.down", "mlp.down_proj.weight", ("E", "F"), linear=True),
+    copy("mlp.gate_bias", "mlp.gate_proj.bias", ("F",), when="mlp_bias"),
+    copy("mlp.up_bias", "mlp.up_proj.bias", ("F",), when="mlp_bias"),
+    copy("mlp.down_bias", "mlp.down_proj.bias", ("E",), when="mlp_bias"),
+)
+"""A Llama layer's gated MLP."""
 EMBED = (copy("embed", "embed_tokens.weight", ("V", "E")),)
 HEAD = (copy("norm", "norm.weight", ("E",)), copy("lm_head", "lm_head.weight", ("V", "E"), linear=True))
 
-LLAMA_WEIGHTS = WeightTable(
-    before=EMBED,
-    layer=(
-        *ATTENTION,
-        copy("mlp.gate", "mlp.gate_proj.weight", ("F", "E"), linear=True),
-        copy("mlp.up", "mlp.up_proj.weight", ("F", "E"), linear=True),
-        copy("mlp.down", "mlp.down_proj.weight", ("E", "F"), linear=True),
-        copy("mlp.gate_bias", "mlp.gate_proj.bias", ("F",), when="mlp_bias"),
-        copy("mlp.up_bias", "mlp.up_proj.bias", ("F",), when="mlp_bias"),
-        copy("mlp.down_bias", "mlp.down_proj.bias", ("E",), when="mlp_bias"),
-    ),
-    after=HEAD,
-)
+LLAMA_WEIGHTS = WeightTable(before=EMBED, layer=(*ATTENTION, *GATED_MLP), after=HEAD)
 """A Llama checkpoint as the decoder program takes it."""
 
 

@@ -35,9 +35,12 @@ class ConfigReader:
         v = self.raw.get(key)
         if v is not None and not isinstance(v, Mapping):
             self.problems.append(Problem.of(self.name(key), v, "must be an object"))
-        child = ConfigReader(v if isinstance(v, Mapping) else {}, f"{self.name(key)}.")
-        child.problems = self.problems
-        return child
+        return ConfigReader(v if isinstance(v, Mapping) else {}, f"{self.name(key)}.").sharing(self)
+
+    def sharing(self, other: ConfigReader) -> ConfigReader:
+        """This reader, recording its problems in `other`'s list."""
+        self.problems = other.problems
+        return self
 
     def int_(self, key: str, default: int | None = None, *, required: bool = True) -> int | None:
         v = self.raw.get(key)
@@ -110,7 +113,11 @@ def _eos_ids(r: ConfigReader) -> tuple[int, ...]:
     return tuple(items)
 
 
-def tokens(r: ConfigReader) -> dict[str, Any]:
+def tokens(r: ConfigReader, defaults: Mapping[str, object] | None = None) -> dict[str, Any]:
+    """pad, bos and eos token ids; `defaults` for the keys the config lacks (a null stays None, as in
+    transformers' configs)."""
+    if defaults:
+        r = ConfigReader({**defaults, **r.raw}, r.prefix).sharing(r)
     return dict(
         pad_token_id=r.opt_int("pad_token_id"), bos_token_id=r.opt_int("bos_token_id"), eos_token_ids=_eos_ids(r)
     )
@@ -123,11 +130,13 @@ def heads(
     heads_key: str,
     kv: tuple[ConfigReader, str, int | None] | None = None,
     head_dim_key: str | None = None,
+    head_dim_default: int | None = None,
 ) -> dict[str, Any]:
     """Hidden size, query heads, kv heads and head_dim, with their divisibility rules.
 
     `kv` is (reader, key, default) for the kv-head count; None means multi-head attention (K = H).
-    A head_dim given under `head_dim_key` wins; otherwise hidden_size must be divisible by the head count.
+    A head_dim given under `head_dim_key` wins, then `head_dim_default` (Gemma 3's 256); otherwise
+    hidden_size must be divisible by the head count.
     """
     hidden, heads = r.int_(hidden_key), r.int_(heads_key)
     k = heads
@@ -137,7 +146,7 @@ def heads(
         if heads is not None and k is not None and heads % k:
             why = f"does not divide {heads_key}={heads}"
             r.problems.append(Problem.of(kv_reader.name(kv_key), k, why, "use a kv-head count that divides it"))
-    head_dim = r.int_(head_dim_key) if head_dim_key and r.raw.get(head_dim_key) is not None else None
+    head_dim = r.int_(head_dim_key) if head_dim_key and r.raw.get(head_dim_key) is not None else head_dim_default
     if head_dim is None and hidden is not None and heads is not None:
         if hidden % heads:
             why = f"is not divisible by {heads_key}={heads}"
@@ -162,22 +171,30 @@ def rope(r: ConfigReader, *, legacy_theta: tuple[str, object] | None = None) -> 
     top-level `rope_theta` (DBRX passes `attn_config.rope_theta`). Absent everywhere, the base is 10000.
     """
     key = "rope_parameters" if r.raw.get("rope_parameters") is not None else "rope_scaling"
-    src = r.sub(key)
-    theta_key, theta = legacy_theta or ("rope_theta", r.raw.get("rope_theta"))
+    return rope_block(r.sub(key), theta=legacy_theta or ("rope_theta", r.raw.get("rope_theta")))
+
+
+def rope_block(src: ConfigReader, *, theta: tuple[str, object], default_theta: float = 10000.0) -> RopeSpec | None:
+    """RoPE from one block of RoPE parameters (`src`: its rope_type, factor, ...).
+
+    The block's own `rope_theta` wins over `theta`, the (field name, value) of a base kept outside
+    it; with neither, the base is `default_theta`. None when the block is invalid (problems recorded).
+    """
+    theta_key, value = theta
     if src.raw.get("rope_theta") is not None:
-        theta_key, theta = src.name("rope_theta"), src.raw["rope_theta"]
-    theta = 10000.0 if theta is None else theta
+        theta_key, value = src.name("rope_theta"), src.raw["rope_theta"]
+    value = default_theta if value is None else value
     base: float | None = None
-    if isinstance(theta, (int, float)) and not isinstance(theta, bool) and math.isfinite(theta) and theta > 0:
-        base = float(theta)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        base = float(value)
     if base is None:
-        r.problems.append(Problem.of(theta_key, theta, "must be a finite positive number"))
+        src.problems.append(Problem.of(theta_key, value, "must be a finite positive number"))
     type_key = "rope_type" if "rope_type" in src.raw else "type"
     kind_name = src.raw.get(type_key, "default")
     kind = next((k for k in RopeKind if k.value == kind_name), None)
     if kind is None:
         known = ", ".join(k.value for k in RopeKind)
-        r.problems.append(Problem.of(src.name(type_key), kind_name, f"is not a supported RoPE type ({known})"))
+        src.problems.append(Problem.of(src.name(type_key), kind_name, f"is not a supported RoPE type ({known})"))
     factor = src.float_("factor", 1.0)
     if kind not in (None, RopeKind.DEFAULT) and factor <= 0:
         src.problems.append(Problem.of(src.name("factor"), factor, "must be positive"))

@@ -37,12 +37,17 @@ class ClassNames:
     """The NeuronBaseForCausalLM subclass, e.g. `NeuronLlamaForCausalLM`; None while no program runs it."""
     neuron_config: str | None = None
     """A NeuronConfig subclass the family documents (`LlamaNeuronConfig`), if any."""
+    inner_model: str | None = None
+    """The inner model's name where NxDI does not derive it from `causal_lm` (`NeuronGemma3TextModel`)."""
 
     @property
     def model(self) -> str | None:
         """The inner model class, named after `causal_lm` as NxDI names it (`NeuronLlamaForCausalLM`
-        -> `NeuronLlamaModel`): what the causal LM's `_model_cls` holds. None without a causal LM."""
-        return None if self.causal_lm is None else self.causal_lm.removesuffix("ForCausalLM") + "Model"
+        -> `NeuronLlamaModel`) unless `inner_model` says otherwise: what the causal LM's `_model_cls`
+        holds. None without a causal LM."""
+        if self.causal_lm is None:
+            return None
+        return self.inner_model or self.causal_lm.removesuffix("ForCausalLM") + "Model"
 
 
 def _frozen_map(value: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -250,9 +250,10 @@ def _mlp(model: ModelSpec, tp: int, moe_ep: int = 1) -> list[WeightShard]:
 def _norms(model: ModelSpec, tp: int) -> list[WeightShard]:
     e = model.hidden_size
     kinds = ("weight", "bias") if model.norm is NormKind.LAYER and model.norm_bias else ("weight",)
-    layer = [
-        _copy(f"layers.{{i}}.{n}.{k}", (e,), tp) for n in ("input_layernorm", "post_attention_layernorm") for k in kinds
-    ]
+    names: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    if model.sandwich_norms:  # Gemma: the MLP's input and output have norms of their own
+        names += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+    layer = [_copy(f"layers.{{i}}.{n}.{k}", (e,), tp) for n in names for k in kinds]
     return [*layer, *(_copy(f"norm.{k}", (e,), tp, per_layer=False) for k in kinds)]
 
 

@@ -3,7 +3,8 @@
 `attend` runs one layer's attention over this rank's heads against a contiguous cache view, a
 flash-decoding sequence shard (`nxdi.core.programs.flash_decoding`) or a block cache
 (`nxdi.core.programs.block_kv`); `masks` / `block_masks` build each layer's mask once per distinct
-sliding window; `rope_tables` the cos/sin tables every layer shares.
+sliding window; `rope_tables` each layer's cos/sin tables, once per distinct RoPE (Gemma 3's
+sliding-window layers have their own).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from nxdi.core.model_spec import ModelSpec
+from nxdi.core.model_spec import ModelSpec, RopeSpec
 from nxdi.core.planning.partition import Partition
 from nxdi.core.programs import block_kv, flash_decoding, kv_cache, layers
 from nxdi.core.programs.block_kv import BlockInputs
@@ -32,7 +33,7 @@ class Attention:
     qkv_bias: Tensor | None = None
     o_bias: Tensor | None = None
     q_norm: Tensor | None = None
-    """[D] per-head RMSNorm of q and k before RoPE (`spec.qk_norm`)."""
+    """[D] per-head RMSNorm of q and k before RoPE (`spec.qk_norm`; with `spec.norm_offset`, scaled by 1 + w)."""
     k_norm: Tensor | None = None
 
 
@@ -66,30 +67,47 @@ def attend(
     v = qkv[:, :, h + kh :]
     if spec.qk_norm:
         assert w.q_norm is not None and w.k_norm is not None, "qk_norm needs q_norm and k_norm weights"
-        q = layers.rms_norm(qkv[:, :, :h], w.q_norm, spec.norm_eps)
-        k = layers.rms_norm(qkv[:, :, h : h + kh], w.k_norm, spec.norm_eps)
+        q = layers.rms_norm(qkv[:, :, :h], w.q_norm, spec.norm_eps, offset=spec.norm_offset)
+        k = layers.rms_norm(qkv[:, :, h : h + kh], w.k_norm, spec.norm_eps, offset=spec.norm_offset)
         q, k = layers.apply_rope(q, *rope), layers.apply_rope(k, *rope)
     else:  # q and k heads roped together: the same elementwise ops, half the calls
         qk = layers.apply_rope(qkv[:, :, : h + kh], *rope)
         q, k = qk[:, :, :h], qk[:, :, h:]
     if blocks is not None:
         assert mask is not None, "a block step has a mask per layer"
-        o, k_cache, v_cache = _block_attention(q, k, v, k_cache, v_cache, mask, blocks)
+        o, k_cache, v_cache = _block_attention(q, k, v, k_cache, v_cache, mask, blocks, scale=spec.attention_scale)
     elif part.kv_group > 1:
         o, k_cache, v_cache = flash_decoding.attend(
-            q, k, v, k_cache, v_cache, slots=slots, window=window, group=part.kv_group, coll=coll
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slots=slots,
+            window=window,
+            group=part.kv_group,
+            coll=coll,
+            scale=spec.attention_scale,
         )
     else:
         assert mask is not None, "without flash decoding every layer has a mask"
         k_cache = kv_cache.write(k_cache, k.transpose(1, 2), slots)
         v_cache = kv_cache.write(v_cache, v.transpose(1, 2), slots)
-        o = layers.attend(q, k_cache, v_cache, mask)  # [B, S, H_r*D]
+        o = layers.attend(q, k_cache, v_cache, mask, scale=spec.attention_scale)  # [B, S, H_r*D]
     bias = w.o_bias if part.tp == 1 else None  # with ranks, the bias is added once, after the sum
     return linear(o.view(b * s, h * d), w.o, bias), k_cache, v_cache  # this rank's share of [N, E]
 
 
 def _block_attention(
-    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, blocks: BlockInputs
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    mask: Tensor,
+    blocks: BlockInputs,
+    *,
+    scale: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Attention of q [B, S, H, D] over the segments' cached prefixes and this step's k, v [B, S, K, D];
     then the step's keys and values written at their slots. Returns [B, S, H*D] and the caches.
@@ -99,7 +117,7 @@ def _block_attention(
     ks, vs = kv_cache.store(k, k_cache.dtype), kv_cache.store(v, v_cache.dtype)
     keys = torch.cat((block_kv.gather(k_cache, blocks.block_table), ks.transpose(1, 2)), dim=2)
     values = torch.cat((block_kv.gather(v_cache, blocks.block_table), vs.transpose(1, 2)), dim=2)
-    o = layers.attend(q, keys, values, mask)
+    o = layers.attend(q, keys, values, mask, scale=scale)
     return o, block_kv.write(k_cache, ks, blocks.slot_mapping), block_kv.write(v_cache, vs, blocks.slot_mapping)
 
 
@@ -133,16 +151,23 @@ def block_masks(
     return [built[spec.layer_window(i)] for i in range(spec.num_layers)]
 
 
-def rope_tables(positions: Tensor, seq_len: Tensor, spec: ModelSpec, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and `layers.signed_sin` [B, S, 1, D] at `positions` [B, S]; `seq_len`, the longest real
-    sequence (dynamic NTK)."""
-    assert spec.rope is not None, "the dense decoder uses rotary positions"
-    cos, sin = layers.rope_cos_sin(
-        spec.rope,
-        positions,
-        head_dim=spec.head_dim,
-        max_positions=spec.max_position_embeddings,
-        dtype=dtype,
-        seq_len=seq_len,
-    )
-    return cos[:, :, None], layers.signed_sin(sin)[:, :, None]
+def rope_tables(positions: Tensor, seq_len: Tensor, spec: ModelSpec, dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
+    """Each layer's cos and `layers.signed_sin` [B, S, 1, D] at `positions` [B, S]; layers with the same
+    RoPE (`spec.layer_rope`) share one pair. `seq_len`: the longest real sequence (dynamic NTK)."""
+    built: dict[RopeSpec, tuple[Tensor, Tensor]] = {}
+    out = []
+    for i in range(spec.num_layers):
+        rope = spec.layer_rope(i)
+        assert rope is not None, "the dense decoder uses rotary positions"
+        if rope not in built:
+            cos, sin = layers.rope_cos_sin(
+                rope,
+                positions,
+                head_dim=spec.head_dim,
+                max_positions=spec.max_position_embeddings,
+                dtype=dtype,
+                seq_len=seq_len,
+            )
+            built[rope] = (cos[:, :, None], layers.signed_sin(sin)[:, :, None])
+        out.append(built[rope])
+    return out

@@ -4,14 +4,18 @@ Covers RoPE (every scaling kind), GQA, tied embeddings, mixtures of experts (`nx
 each expert split along its intermediate width, the experts over expert groups of ranks), sliding windows (`spec.sliding_window`, per
 layer with `spec.full_attention_layers`), projection biases (`spec.qkv_bias`, `o_bias`,
 `mlp_bias`), per-head q/k RMSNorm (`spec.qk_norm`), an explicit `spec.head_dim`, RMSNorm or
-bias-free LayerNorm (`spec.norm`) and clamped q/k/v (`spec.clip_qkv`): every
-difference between the families it runs is a field of the `ModelSpec`, decided when the program is
-traced, never from tensor values. The weights come in one layout (fused QKV), built from the
-family's weight table by `weights_from_slots`. Self-attention lives in `nxdi.core.programs.attention`.
+bias-free LayerNorm (`spec.norm`), clamped q/k/v (`spec.clip_qkv`), and Gemma's parts (`1 + w`
+norms, norms around the attention and MLP outputs, scaled embeddings, a per-layer RoPE, an
+attention scale, soft-capped logits: see `ModelSpec`): every difference between the families it
+runs is a field of the `ModelSpec`, decided when the program is traced, never from tensor values;
+a family that does not ask for a feature runs no op for it. The weights come in one layout (fused
+QKV), built from the family's weight table by `weights_from_slots`. Self-attention lives in
+`nxdi.core.programs.attention`.
 
 One step, context encoding or token generation alike (the shapes say which):
     h = embed[input_ids]                                   [B*S, E]
     per layer: h += o(attn(rope(q), cache <- rope(k), v))  then  h += down(act(gate h) * up h)
+               (with the inputs normed; Gemma also norms both outputs before the residual adds)
     logits = lm_head(norm(h at last_index))                [B, 1, V] fp32 (or [B, S, V])
 Keys/values are written into the cache view at each token's slot before attention reads it, so
 the current token attends to itself; the mask allows slots `<= position` (within the sliding
@@ -29,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nxdi.core.config.sub_specs import MoESpec
-from nxdi.core.model_spec import MlpKind, ModelSpec
+from nxdi.core.model_spec import MlpKind, ModelSpec, NormKind
 from nxdi.core.planning.partition import Partition
 from nxdi.core.programs import attention, inputs, layers, moe
 from nxdi.core.programs.block_kv import BlockInputs
@@ -65,8 +69,12 @@ class Layer:
     """[E]"""
     attn: attention.Attention
     post_norm: Tensor
-    """[E]"""
+    """[E] the norm of the MLP input (Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm)."""
     mlp: MLP
+    attn_out_norm: Tensor | None = None
+    """[E] the norm of the attention output before the residual add (`spec.sandwich_norms`)."""
+    mlp_out_norm: Tensor | None = None
+    """[E] the norm of the MLP output before the residual add (`spec.sandwich_norms`)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
@@ -124,6 +132,8 @@ def weights_from_slots(slots: Mapping[str, Tensor], *, spec: ModelSpec) -> Decod
             attn=attention.Attention(**_group(parts, "attn")),
             post_norm=parts["post_norm"],
             mlp=_mlp_weights(_group(parts, "mlp"), spec),
+            attn_out_norm=parts.get("attn_out_norm"),
+            mlp_out_norm=parts.get("mlp_out_norm"),
         )
 
     return DecoderWeights(
@@ -203,6 +213,28 @@ def _embed(w: DecoderWeights, ids: Tensor, spec: ModelSpec, part: Partition, col
     return columns[:, : spec.hidden_size]
 
 
+def _norm(x: Tensor, weight: Tensor | None, spec: ModelSpec) -> Tensor:
+    """The norm of x [N, E] as `spec` computes it: RMSNorm (Gemma's `1 + w` with `spec.norm_offset`)
+    or bias-free LayerNorm (DBRX)."""
+    assert weight is not None, "the spec asks for a norm the weights lack"
+    if spec.norm is NormKind.LAYER:
+        return layers.layer_norm(x, weight, spec.norm_eps)
+    return layers.rms_norm(x, weight, spec.norm_eps, offset=spec.norm_offset)
+
+
+def _scaled_embeddings(h: Tensor, spec: ModelSpec) -> Tensor:
+    """h [N, E] times `spec.embed_scale` rounded to h's dtype first, as transformers' Gemma does (in
+    bf16, sqrt(3072) = 55.43 becomes 55.5); h itself without a scale."""
+    if spec.embed_scale is None:
+        return h
+    return h * torch.tensor(spec.embed_scale, dtype=h.dtype)
+
+
+def _soft_cap(logits: Tensor, cap: float | None) -> Tensor:
+    """`cap * tanh(logits / cap)` in the logits' dtype (transformers' order of ops); unchanged without a cap."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
 def _reduce(partial: Tensor, bias: Tensor | None, coll: Collectives, part: Partition, *, b: int, sp: bool) -> Tensor:
     """Sum the ranks' partial outputs [N, E] (into this rank's sequence shard with `sp`), in
     `part.reduce_dtype` when set, then add the bias."""
@@ -257,13 +289,13 @@ def forward(
     sp = part.sequence_parallel and s > 1  # context encoding only: a decode step has one token
     if blocks is None:
         slots = inputs.write_slots(x)  # [B, S]
-        rope = attention.rope_tables(slots, slots.gather(1, x.last_index[:, None]).max() + 1, spec, w.embed.dtype)
+        ropes = attention.rope_tables(slots, slots.gather(1, x.last_index[:, None]).max() + 1, spec, w.embed.dtype)
         masks = attention.masks(slots, cache.length, spec, part)
         out_index = x.last_index[:, None]  # [B, 1]
     else:
         assert part.kv_group == 1, "a block cache is not split over the sequence (flash decoding)"
         slots = x.position_ids.clamp(min=0)  # a padding token's position is any value
-        rope = attention.rope_tables(slots, torch.where(blocks.segment >= 0, slots, 0).max() + 1, spec, w.embed.dtype)
+        ropes = attention.rope_tables(slots, torch.where(blocks.segment >= 0, slots, 0).max() + 1, spec, w.embed.dtype)
         masks = attention.block_masks(slots, blocks, int(cache.k[0].shape[1]), spec, part)
         out_index = blocks.out_index  # [B, R]
     token_mask = None  # moe_mask_padded_tokens: padding takes no expert capacity and outputs zero
@@ -274,20 +306,19 @@ def forward(
             else blocks.segment >= 0
         )
         token_mask = real.reshape(-1)
-    h = _embed(w, x.input_ids.reshape(-1), spec, part, coll)  # [B*S, E]
+    h = _scaled_embeddings(_embed(w, x.input_ids.reshape(-1), spec, part, coll), spec)  # [B*S, E]
     if sp:
         h = coll.scatter(h.view(b, s, -1), 1).reshape(-1, h.shape[-1])  # [B*S/tp, E]
-    norm = layers.NORMS[spec.norm]
     ks, vs = [], []
     for i, (lw, mask, k_cache, v_cache) in enumerate(zip(w.layers, masks, cache.k, cache.v, strict=True)):
-        normed = norm(h, lw.input_norm, spec.norm_eps)
+        normed = _norm(h, lw.input_norm, spec)
         normed = _gather_sequence(normed, coll, b=b) if sp else normed
         a, k_cache, v_cache = attention.attend(
             lw.attn,
             normed,
             k_cache,
             v_cache,
-            rope=rope,
+            rope=ropes[i],
             mask=mask,
             window=spec.layer_window(i),
             slots=slots,
@@ -296,17 +327,19 @@ def forward(
             coll=coll,
             blocks=blocks,
         )
-        h = h + _reduce(a, lw.attn.o_bias if part.tp > 1 else None, coll, part, b=b, sp=sp)
-        normed = norm(h, lw.post_norm, spec.norm_eps)
+        a = _reduce(a, lw.attn.o_bias if part.tp > 1 else None, coll, part, b=b, sp=sp)
+        h = h + (_norm(a, lw.attn_out_norm, spec) if spec.sandwich_norms else a)
+        normed = _norm(h, lw.post_norm, spec)
         normed = _gather_sequence(normed, coll, b=b) if sp else normed
         partial, bias = _mlp(lw.mlp, normed, spec, part, coll, decode=s == 1, token_mask=token_mask)
-        h = h + _reduce(partial, bias, coll, part, b=b, sp=sp)
+        m = _reduce(partial, bias, coll, part, b=b, sp=sp)
+        h = h + (_norm(m, lw.mlp_out_norm, spec) if spec.sandwich_norms else m)
         ks.append(k_cache)
         vs.append(v_cache)
     h = (_gather_sequence(h, coll, b=b) if sp else h).view(b, s, -1)
     if not all_logits:
         h = h.gather(1, out_index[:, :, None].expand(b, out_index.shape[1], h.shape[-1]))  # [B, R, E]
-    logits = linear(norm(h, w.norm, spec.norm_eps), w.lm_head)  # [B, S', V_r]
+    logits = linear(_norm(h, w.norm, spec), w.lm_head)  # [B, S', V_r]
     if part.tp > 1:
         logits = coll.all_gather(logits, -1)[..., : spec.vocab_size]  # [B, S', V] on every rank
-    return logits.float(), KVCache(k=tuple(ks), v=tuple(vs))
+    return _soft_cap(logits, spec.final_logit_softcap).float(), KVCache(k=tuple(ks), v=tuple(vs))

@@ -44,6 +44,7 @@ def attend(
     window: int | None,
     group: int,
     coll: Collectives,
+    scale: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Attention of this rank's query heads with the group's KV cache split over the sequence.
 
@@ -53,14 +54,17 @@ def attend(
         slots: [B, S] positions the new tokens are written at.
         window: the layer's sliding window, or None.
         group: g, the ranks sharing the KV head.
+        scale: the scores' scale (`ModelSpec.attention_scale`); None: 1/sqrt(D).
 
     Returns:
         The attention output [B, S, H_r*D] and the updated local caches.
     """
     index = coll.rank() % group  # this rank's place in its group
     if q.shape[1] > 1:
-        return _context(q, k, v, k_cache, v_cache, slots=slots, window=window, group=group, index=index)
-    return _decode(q, k, v, k_cache, v_cache, slots=slots, window=window, group=group, index=index, coll=coll)
+        return _context(q, k, v, k_cache, v_cache, slots=slots, window=window, group=group, index=index, scale=scale)
+    return _decode(
+        q, k, v, k_cache, v_cache, slots=slots, window=window, group=group, index=index, coll=coll, scale=scale
+    )
 
 
 def _held(local: int, group: int, index: Tensor) -> Tensor:
@@ -79,6 +83,7 @@ def _context(
     window: int | None,
     group: int,
     index: Tensor,
+    scale: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     b, _, h, d = q.shape
     local = k_cache.shape[2]
@@ -87,7 +92,7 @@ def _context(
     full_k = kv_cache.write(k_cache.new_zeros(shape), k.transpose(1, 2), slots)
     full_v = kv_cache.write(v_cache.new_zeros(shape), v.transpose(1, 2), slots)
     mask = layers.fold_mask(layers.visible_mask(slots, whole, window=window), h // k_cache.shape[1])
-    o = layers.attend(q, full_k, full_v, mask)
+    o = layers.attend(q, full_k, full_v, mask, scale=scale)
     held = _held(local, group, index)
     return o, full_k.index_select(2, held), full_v.index_select(2, held)
 
@@ -104,6 +109,7 @@ def _decode(
     group: int,
     index: Tensor,
     coll: Collectives,
+    scale: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     b, _, h, d = q.shape
     local = k_cache.shape[2]
@@ -116,7 +122,8 @@ def _decode(
     heads = torch.arange(group * h, device=q.device) + first * h
     queries = coll.all_gather(q, 2).index_select(2, heads)[:, 0].float()  # [B, g*H_r, D]
     keys, values = k_cache[:, 0].float(), v_cache[:, 0].float()  # [B, T_l, D]
-    scores = torch.einsum("bhd,btd->bht", queries, keys) / math.sqrt(d)
+    scores = torch.einsum("bhd,btd->bht", queries, keys)
+    scores = scores / math.sqrt(d) if scale is None else scores * scale
     held = _held(local, group, index)[None, None, :]  # [1, 1, T_l]
     p = slots[:, :, None]  # [B, 1, 1]
     visible = held <= p
@@ -133,8 +140,8 @@ def _decode(
     gathered = coll.all_gather(partial[None], 0).index_select(0, members)  # [g, B, g*H_r, D+2]
     mine = gathered.index_select(2, torch.arange(h, device=q.device) + index * h)  # [g, B, H_r, D+2]
     out, tops, sums = mine[..., :d], mine[..., d : d + 1], mine[..., d + 1 :]
-    scale = torch.exp(tops - tops.amax(0, keepdim=True))  # [g, B, H_r, 1]
-    o = (scale * out).sum(0) / (scale * sums).sum(0)  # [B, H_r, D]
+    rescale = torch.exp(tops - tops.amax(0, keepdim=True))  # [g, B, H_r, 1]
+    o = (rescale * out).sum(0) / (rescale * sums).sum(0)  # [B, H_r, D]
     return o.to(q.dtype).reshape(b, 1, h * d), k_cache, v_cache
 
 

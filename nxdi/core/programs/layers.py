@@ -19,27 +19,28 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nxdi.core.model_spec import NormKind, RopeKind, RopeSpec
+from nxdi.core.model_spec import RopeKind, RopeSpec
 from nxdi.core.programs.linear import Weight, linear
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, *, offset: bool = False) -> Tensor:
     """RMSNorm over the last dim: `weight * (x / rms(x))`, the division in fp32. x [..., N], weight [N].
 
     transformers' `(x.float() * rsqrt(mean(x**2) + eps)).to(dtype)` is `F.rms_norm(x)`, which
     computes in fp32 for bf16/fp16 input and rounds once at the end (bit for bit the same): one
-    traced op instead of seven, and a decode step runs two per layer."""
-    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
+    traced op instead of seven, and a decode step runs two per layer.
+
+    With `offset` (Gemma), the scale is `1 + weight`, and both it and the product stay in fp32 until
+    one rounding at the end, as transformers' Gemma3RMSNorm computes (`(1 + w)` in bf16 would round)."""
+    if not offset:
+        return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + weight.float(), eps=eps).to(x.dtype)
 
 
 def layer_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """LayerNorm over the last dim without a bias (DBRX): `weight * (x - mean(x)) / sqrt(var(x) + eps)`,
     which is `nn.LayerNorm(N, bias=False)` (in x's dtype, as transformers runs it). x [..., N], weight [N]."""
     return F.layer_norm(x, (x.shape[-1],), weight, None, eps)
-
-
-NORMS: dict[NormKind, Callable[[Tensor, Tensor, float], Tensor]] = {NormKind.RMS: rms_norm, NormKind.LAYER: layer_norm}
-"""`ModelSpec.norm` -> the norm of every layer and the final one: `norm(x, weight, eps)`."""
 
 
 # --- rotary position embeddings ----------------------------------------------------------------
@@ -170,17 +171,18 @@ def fold_mask(mask: Tensor, groups: int) -> Tensor:
     return mask[:, :, None].expand(b, 1, groups, s, t).reshape(b, 1, groups * s, t)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, scale: float | None = None) -> Tensor:
     """Grouped-query attention of q [B, S, H, D] over a cache k, v [B, K, T, D] -> [B, S, H*D].
 
     `mask` is `fold_mask(visible_mask(...), H // K)`: bool [B, 1, G*S, T]. Query head h uses kv head
     h // G (the Hugging Face `repeat_kv` order). The cache is cast to q's dtype when they differ.
+    `scale` multiplies the scores (`ModelSpec.attention_scale`); None: 1/sqrt(D).
     """
     b, s, h, d = q.shape
     kh = k.shape[1]
     g = h // kh
     qf = q.view(b, s, kh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kh, g * s, d)  # [B, K, G*S, D]
-    o = F.scaled_dot_product_attention(qf, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)  # [B, K, G*S, D]
+    o = F.scaled_dot_product_attention(qf, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
     return o.view(b, kh, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h * d)
 
 

@@ -1,9 +1,9 @@
 """Strategies for the tensor programs: tiny decoder specs, and random weights drawn from a seed.
 
-- `dense_specs()`: tiny llama/mistral/qwen2/qwen3 `ModelSpec`s covering GQA, every RoPE kind, sliding
-  windows (per layer too), biases, q/k norms, tied embeddings and the activations (small enough to
-  run eagerly).
-- `random_state_dict(spec, seed)`: a Hugging Face checkpoint-style dict of random fp32 tensors.
+- `dense_specs()`: tiny llama/mistral/qwen2/qwen3/gemma3 `ModelSpec`s covering GQA, every RoPE kind, sliding
+  windows (per layer too, with a RoPE of their own), biases, q/k norms, tied embeddings, the
+  activations and Gemma's norms, scales and soft-capped logits (small enough to run eagerly).
+- `random_state_dict(spec, seed)`: a Hugging Face checkpoint-style dict (`model.` keys) of random fp32 tensors.
 - `random_weights(spec, seed)`: the same weights as the decoder program's weights value, via the weight plan.
 """
 
@@ -36,19 +36,25 @@ def rope_specs(draw: st.DrawFn, max_positions: int) -> RopeSpec:
     )
 
 
+LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3")
+"""The dense families whose layers are Llama's (the mixtures of experts build on them)."""
+
+
 @st.composite
-def dense_specs(draw: st.DrawFn, *, max_positions: int = 32) -> ModelSpec:
-    """A tiny decoder spec; `max_positions` is small so dynamic NTK scaling is exercised."""
-    model_type = draw(st.sampled_from(["llama", "mistral", "qwen2", "qwen3"]))
+def dense_specs(
+    draw: st.DrawFn, *, max_positions: int = 32, model_types: tuple[str, ...] = (*LLAMA_SHAPED, "gemma3_text")
+) -> ModelSpec:
+    """A tiny decoder spec of one of `model_types`; `max_positions` is small so dynamic NTK scaling is exercised."""
+    model_type = draw(st.sampled_from(model_types))
     kv = draw(st.integers(1, 3))
     heads = kv * draw(st.integers(1, 3))
     head_dim = draw(st.sampled_from([4, 8, 16]))
     layers = draw(st.integers(1, 2))
-    explicit = model_type == "qwen3" and draw(st.booleans())
+    explicit = model_type in ("qwen3", "gemma3_text") and draw(st.booleans())
     qkv_bias = model_type == "qwen2" or draw(st.booleans())
     window = draw(st.integers(1, 8)) if model_type != "llama" and draw(st.booleans()) else None
     full = draw(st.sets(st.integers(0, layers - 1))) if window is not None and model_type != "mistral" else set()
-    return ModelSpec(
+    spec = ModelSpec(
         model_type=model_type,
         hidden_size=draw(st.sampled_from([8, 16, 24])) if explicit else heads * head_dim,
         num_attention_heads=heads,
@@ -65,9 +71,24 @@ def dense_specs(draw: st.DrawFn, *, max_positions: int = 32) -> ModelSpec:
         qkv_bias=qkv_bias,
         o_bias=model_type != "qwen2" and draw(st.booleans()),
         mlp_bias=model_type == "llama" and draw(st.booleans()),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
         sliding_window=window,
         full_attention_layers=tuple(sorted(full)),
+    )
+    return _gemma(draw, spec, max_positions) if model_type == "gemma3_text" else spec
+
+
+def _gemma(draw: st.DrawFn, spec: ModelSpec, max_positions: int) -> ModelSpec:
+    """Gemma 3's fields on a drawn spec: `1 + w` and sandwich norms, the scales, a local RoPE, a logit cap."""
+    return attrs.evolve(
+        spec,
+        o_bias=spec.qkv_bias,  # Gemma's attention_bias covers both
+        norm_offset=True,
+        sandwich_norms=True,
+        embed_scale=spec.hidden_size**0.5,
+        attention_scale=draw(st.sampled_from([0.1, 0.25, 0.5])),
+        final_logit_softcap=draw(st.sampled_from([None, 1.0, 30.0])),
+        local_rope=draw(rope_specs(max_positions)) if spec.sliding_window is not None else None,
     )
 
 
@@ -76,7 +97,7 @@ def moe_specs(draw: st.DrawFn, *, max_positions: int = 32) -> ModelSpec:
     """A tiny mixture-of-experts spec (Mixtral, Qwen3-MoE or DBRX): a dense spec's attention with
     2-4 experts of which 1 to all are chosen per token; DBRX's with bias-free LayerNorms, clamped
     q/k/v (some clips bind, some do not) and a p-norm renormalisation."""
-    base = draw(dense_specs(max_positions=max_positions))
+    base = draw(dense_specs(max_positions=max_positions, model_types=LLAMA_SHAPED))
     model_type = draw(st.sampled_from(["mixtral", "qwen3_moe", "dbrx"]))
     experts = draw(st.integers(2, 4))
     dbrx = model_type == "dbrx"

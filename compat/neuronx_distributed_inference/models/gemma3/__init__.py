@@ -1,0 +1,1 @@
+"""NxDI's `models.gemma3` package."""
