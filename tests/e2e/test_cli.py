@@ -171,6 +171,31 @@ def test_bench_generate_reports_the_collectives_of_tensor_parallel_ranks(
     assert two["nxdi"]["collectives"]["total_ms_per_step"] > 0
 
 
+def test_bench_generate_builds_and_measures_a_random_mixture_of_experts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "generate", "--model-type", "mixtral", "--shape", "toy", "--dtype", "float32", "--compare-hf"]
+    argv += ["--prompt-len", "8", "--new-tokens", "2", "--repeat", "1", "--work-dir", str(tmp_path), "--json"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    (result,) = json.loads(out[out.index("[\n") :])
+    assert (result["batch_size"], result["tp_degree"], result["backend"]) == (1, 1, "cpu")
+    for side in ("nxdi", "transformers"):
+        assert result[side]["ttft_ms"] > 0 and result[side]["tpot_ms"]["p50"] > 0
+    assert set(result["ratio_hf_over_nxdi"]) == {"tpot_p50", "ttft", "throughput"}
+    config = json.loads((tmp_path / "mixtral-toy-float32" / "config.json").read_text())
+    assert (config["model_type"], config["num_local_experts"], config["num_experts_per_tok"]) == ("mixtral", 4, 2)
+
+
+def test_bench_generate_refuses_an_unknown_model_type(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "generate", "--model-type", "mixtrall"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--model-type: invalid choice: 'mixtrall'" in err
+    assert all(name in err for name in ("llama", "mixtral", "qwen3_moe"))
+
+
 def test_bench_generate_async_measures_the_overlap_against_synchronous_mode(
     tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,8 +1,8 @@
 """`nxdi bench generate`: time to first token, time per output token and throughput, vs transformers.
 
-    nxdi bench generate [--shape small|tiny | --model-path DIR] [--dtype bfloat16] [--batch-size 1 4]
-                        [--tp-degree 1 2] [--backend cpu xla] [--prompt-len 128] [--new-tokens 128]
-                        [--repeat 3] [--threads 2] [--compare-hf] [--async [--host-ms 0]]
+    nxdi bench generate [--model-type llama] [--shape small|tiny|toy | --model-path DIR] [--dtype bfloat16]
+                        [--batch-size 1 4] [--tp-degree 1 2] [--backend cpu xla] [--prompt-len 128]
+                        [--new-tokens 128] [--repeat 3] [--threads 2] [--compare-hf] [--async [--host-ms 0]]
 
 Method (the same for both sides, measured in one process, alternating runs, so machine noise
 hits both): greedy decoding of exactly `--new-tokens` tokens (EOS never stops it) from a random
@@ -33,9 +33,11 @@ forward() call and the host's part, and the share of the host's part that async 
 the step launched ahead ((sync step - async step) / sync host part). Both modes must give the same
 tokens, or the bench fails.
 
-`--shape small` is a ~120M Llama (hidden 768, 12 layers, 12 heads, 4 kv heads, vocab 32000),
-`--shape tiny` the TinyLlama-1.1B shape (hidden 2048, 22 layers, 32 heads, 4 kv heads); both
-get random weights, built once into the work dir (no download).
+`--model-type` (any family the engine runs: llama, mixtral, qwen3_moe, ...; default llama) and
+`--shape small|tiny|toy` pick a random checkpoint, built once into `--work-dir` (no download):
+`small` is hidden 768, 12 layers, 12 heads, 4 kv heads, vocab 32000 (~125M parameters; a mixture of
+experts has 8 experts of 1024, top 2: ~125M active of 295M), `tiny` the TinyLlama-1.1B shape, `toy`
+the family's test config (`nxdi.shell.cli.bench_models` has the table).
 """
 
 from __future__ import annotations
@@ -48,21 +50,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-SHAPES: dict[str, dict[str, int]] = {
-    "small": dict(
-        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4, intermediate_size=2048
-    ),
-    "tiny": dict(
-        hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4, intermediate_size=5632
-    ),
-}
-
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The model a bench command measures: `--shape` or `--model-path`, `--dtype`, `--batch-size`."""
-    p.add_argument("--shape", choices=sorted(SHAPES), default="small")
-    p.add_argument("--model-path", default=None, help="benchmark this checkpoint instead of a random shape")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    """The model a bench command measures: `--model-type` and `--shape`, or `--model-path`; `--dtype`,
+    `--batch-size`."""
+    from nxdi.shell.cli import bench_models
+
+    bench_models.add_checkpoint_args(p)
     p.add_argument("--batch-size", type=int, nargs="+", default=[1])
 
 
@@ -91,24 +85,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(run=run)
 
 
-def checkpoint_for(args: argparse.Namespace) -> Path:
-    """The checkpoint to benchmark: `--model-path`, else a random `--shape` built once into `--work-dir`."""
-    if args.model_path:
-        return Path(args.model_path)
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = Path(args.work_dir) / f"llama-{args.shape}-{args.dtype}"
-    if not (path / "config.json").is_file():
-        print(f"[bench] building a random {args.shape} Llama in {path} ...", flush=True)
-        config = LlamaConfig(vocab_size=32000, max_position_embeddings=2048, dtype=args.dtype, **SHAPES[args.shape])
-        torch.manual_seed(0)
-        with torch.device("cpu"):
-            model = LlamaForCausalLM(config).to(getattr(torch, args.dtype))
-        model.save_pretrained(path)
-    return path
-
-
 def compile_for(
     path: Path,
     args: argparse.Namespace,
@@ -123,13 +99,13 @@ def compile_for(
 
     `extra` NeuronConfig kwargs (their `tag` ends the compiled folder's name); with `quantized=True`
     the quantized checkpoint is written first to `quantized_checkpoints_path`, unless it exists."""
-    from nxdi.shell.config import NeuronConfig, OnDeviceSamplingConfig
+    from nxdi.shell.config import OnDeviceSamplingConfig
     from nxdi.shell.inference_config import load_pretrained_config
     from nxdi.shell.models import MODEL_TYPES, model_type_of
 
     model_type = model_type_of(str(path))
     cls = MODEL_TYPES[model_type]["causal-lm"]
-    neuron = NeuronConfig(
+    neuron = cls.get_neuron_config_cls()(  # MoENeuronConfig for a mixture of experts
         batch_size=batch,
         max_context_length=args.prompt_len,
         seq_len=args.prompt_len + args.new_tokens,
@@ -308,9 +284,10 @@ def bench_side_by_side(model: Any, args: argparse.Namespace, batch: int, hf: Any
     ours: list[dict[str, Any]] = []
     theirs: list[dict[str, Any]] = []
     with torch.inference_mode():
-        _nxdi_once(model, ids, 4)
+        warm_up = min(4, args.new_tokens)  # tokens past --new-tokens would not fit seq_len
+        _nxdi_once(model, ids, warm_up)
         if hf is not None:
-            _hf_once(hf, ids, 4)
+            _hf_once(hf, ids, warm_up)
         for _ in range(args.repeat):  # alternate sides so drifting machine load hits both
             run = _nxdi_once(model, ids, args.new_tokens)
             run["total"] = nxdi_generate_s(model, ids, args.new_tokens)
@@ -382,8 +359,10 @@ def benchmark_model(model: Any, *, prompt_len: int, new_tokens: int, repeat: int
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from nxdi.shell.cli import bench_models
+
     torch.set_num_threads(args.threads)
-    path = checkpoint_for(args)
+    path = bench_models.checkpoint_for(args)
     hf = None
     if args.compare_hf:
         from transformers import AutoModelForCausalLM

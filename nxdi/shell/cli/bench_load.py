@@ -1,7 +1,7 @@
 """`nxdi bench load`: host memory while tensor-parallel weights are sharded and loaded.
 
-    nxdi bench load [--shape tiny|small | --model-path DIR] [--dtype bfloat16] [--tp-degree 2]
-                    [--work-dir .nxdi-bench] [--json]
+    nxdi bench load [--model-type llama] [--shape tiny|small|toy | --model-path DIR] [--dtype bfloat16]
+                    [--tp-degree 2] [--work-dir .nxdi-bench] [--json]
 
 Three phases on one checkpoint (a random `--shape` built into the work dir, as `bench generate`
 does, or `--model-path`), each against the bound "largest checkpoint tensor + one rank's shard":
@@ -28,7 +28,7 @@ MIB = 1 << 20
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from nxdi.shell.cli.bench_generate import SHAPES
+    from nxdi.shell.cli import bench_models
 
     p = sub.add_parser(
         "load",
@@ -37,9 +37,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    p.add_argument("--model-path", default=None, help="measure this checkpoint instead of a random shape")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    bench_models.add_checkpoint_args(p, default_shape="tiny")
     p.add_argument("--tp-degree", type=int, default=2)
     p.add_argument("--work-dir", default=".nxdi-bench", help="random checkpoints and the sharded folder")
     p.add_argument("--json", action="store_true")
@@ -63,12 +61,13 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _model(path: Path, args: argparse.Namespace) -> Any:
-    from nxdi.shell.config import NeuronConfig
     from nxdi.shell.inference_config import load_pretrained_config
     from nxdi.shell.models import MODEL_TYPES, model_type_of
 
     cls = MODEL_TYPES[model_type_of(str(path))]["causal-lm"]
-    neuron = NeuronConfig(tp_degree=args.tp_degree, torch_dtype=args.dtype, seq_len=128, skip_warmup=True)
+    neuron = cls.get_neuron_config_cls()(
+        tp_degree=args.tp_degree, torch_dtype=args.dtype, seq_len=128, skip_warmup=True
+    )
     return cls, cls.get_config_cls()(neuron, load_config=load_pretrained_config(path))
 
 
@@ -154,7 +153,7 @@ def render(r: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from nxdi.shell.cli.bench_generate import checkpoint_for
+    from nxdi.shell.cli.bench_models import checkpoint_for
 
     if args.tp_degree < 2:
         print("nxdi bench load: --tp-degree must be at least 2 (rank processes)", flush=True)

@@ -1,8 +1,8 @@
 """`nxdi bench roofline`: the decode roofline of a model on this machine, next to nxdi's and transformers' TPOT.
 
-    nxdi bench roofline [--shape small|tiny | --model-path DIR] [--dtype bfloat16] [--batch-size 1 4]
-                        [--weights dtype|int8-per-channel|...] [--prompt-len 128] [--new-tokens 128]
-                        [--repeat 3] [--threads 2] [--bandwidth-mib 1024] [--skip-hf] [--json]
+    nxdi bench roofline [--model-type llama] [--shape small|tiny|toy | --model-path DIR] [--dtype bfloat16]
+                        [--batch-size 1 4] [--weights dtype|int8-per-channel|...] [--prompt-len 128]
+                        [--new-tokens 128] [--repeat 3] [--threads 2] [--bandwidth-mib 1024] [--skip-hf] [--json]
 
 A decode step is memory bound: it reads every weight once and each sequence's KV cache. Its
 roofline is `bytes per step / memory bandwidth`, the fastest any implementation can decode here.
@@ -91,7 +91,6 @@ def _check_flags(args: argparse.Namespace) -> None:
 def model_spec_of(path: Path, dtype: str) -> Any:
     """The ModelSpec of the checkpoint at `path` (UsageError for a model_type the engine does not run)."""
     from nxdi.shell.cli.errors import UsageError
-    from nxdi.shell.config import NeuronConfig
     from nxdi.shell.inference_config import load_pretrained_config
     from nxdi.shell.models import MODEL_TYPES, model_type_of
 
@@ -99,7 +98,9 @@ def model_spec_of(path: Path, dtype: str) -> Any:
         cls = MODEL_TYPES[model_type_of(path)]["causal-lm"]
     except KeyError as e:
         raise UsageError(e.args[0]) from None
-    return cls.get_config_cls()(NeuronConfig(torch_dtype=dtype), load_config=load_pretrained_config(path)).model_spec()
+    return cls.get_config_cls()(
+        cls.get_neuron_config_cls()(torch_dtype=dtype), load_config=load_pretrained_config(path)
+    ).model_spec()
 
 
 def quantized_skip_reason() -> str | None:
@@ -202,9 +203,9 @@ def _bench_run(args: argparse.Namespace) -> dict[str, Any]:
     lower a sample, so the best of them all is the machine's), the TPOTs, then the rooflines."""
     import torch
 
-    from nxdi.shell.cli import bench_generate
+    from nxdi.shell.cli import bench_models
 
-    path = bench_generate.checkpoint_for(args)
+    path = bench_models.checkpoint_for(args)
     model_spec = model_spec_of(path, args.dtype)
     quantized = WEIGHTS[args.weights] is not None
     skipped = quantized_skip_reason() if quantized else None

@@ -1,8 +1,8 @@
 """`nxdi bench serve`: a synthetic request stream served with continuous batching, vs transformers.
 
-    nxdi bench serve [--shape small|tiny | --model-path DIR] [--dtype bfloat16] [--num-requests 32]
-                     [--rate 4] [--prompt-len 16 128] [--output-len 16 64] [--batch-size 8] [--seed 0]
-                     [--threads 2] [--skip-hf] [--json]
+    nxdi bench serve [--model-type llama] [--shape small|tiny|toy | --model-path DIR] [--dtype bfloat16]
+                     [--num-requests 32] [--rate 4] [--prompt-len 16 128] [--output-len 16 64]
+                     [--batch-size 8] [--seed 0] [--threads 2] [--skip-hf] [--json]
 
 Workload: `--num-requests` requests arrive as a Poisson process of `--rate` requests per second
 (exponential gaps from a seeded RNG; `--rate inf` sends them all at once); prompt and output
@@ -48,7 +48,7 @@ from typing import Any
 
 import attrs
 
-from nxdi.shell.cli import bench_generate
+from nxdi.shell.cli import bench_models
 
 
 @attrs.frozen(kw_only=True)
@@ -242,13 +242,13 @@ SIDES = ("nxdi_continuous", "hf_sequential", "hf_static")
 
 def serving_model(path: Path, args: argparse.Namespace) -> Any:
     """The nxdi model a continuous-batching client serves: compiled into `--work-dir` (reused), loaded."""
-    from nxdi.shell.config import NeuronConfig, OnDeviceSamplingConfig
+    from nxdi.shell.config import OnDeviceSamplingConfig
     from nxdi.shell.inference_config import load_pretrained_config
     from nxdi.shell.models import MODEL_TYPES, model_type_of
 
     cls = MODEL_TYPES[model_type_of(str(path))]["causal-lm"]
     max_prompt, max_output = args.prompt_len[1], args.output_len[1]
-    neuron = NeuronConfig(
+    neuron = cls.get_neuron_config_cls()(  # MoENeuronConfig for a mixture of experts
         batch_size=args.batch_size,
         ctx_batch_size=1,
         is_continuous_batching=True,
@@ -334,9 +334,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    p.add_argument("--shape", choices=sorted(bench_generate.SHAPES), default="small", help="small: ~120M Llama")
-    p.add_argument("--model-path", default=None, help="benchmark this checkpoint instead of a random shape")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    bench_models.add_checkpoint_args(p)
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--rate", type=float, default=4.0, help="requests per second (inf: all at once)")
     p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
@@ -376,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
 def _bench_run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    path = bench_generate.checkpoint_for(args)
+    path = bench_models.checkpoint_for(args)
     model = serving_model(path, args)
     hf = None
     if not args.skip_hf:
