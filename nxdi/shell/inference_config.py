@@ -138,6 +138,10 @@ class InferenceConfig:
             name = aliases[name]
         if name == "neuron_config" and isinstance(value, Mapping):
             value = self.get_neuron_config_cls()(**value)
+        elif name == "neuron_config" and _wants_moe(self.get_neuron_config_cls(), value):
+            # A plain NeuronConfig for a mixture-of-experts family: the same settings as a
+            # MoENeuronConfig (MoE options at their defaults), so what is compiled is what loads.
+            value = self.get_neuron_config_cls()(**value._given)
         object.__setattr__(self, name, value)
 
     def __getattr__(self, name: str) -> Any:
@@ -275,6 +279,13 @@ class InferenceConfig:
         aliases = rest.pop("attribute_map", None)
         ordered = ({"attribute_map": aliases} if aliases is not None else {}) | rest
         return cls(neuron_config, fused_spec_config=fused, metadata=metadata, **ordered)
+
+
+def _wants_moe(cls: type[NeuronConfig], value: Any) -> bool:
+    """`value` is a plain NeuronConfig where the family's class is a MoENeuronConfig."""
+    return (
+        issubclass(cls, MoENeuronConfig) and isinstance(value, NeuronConfig) and not isinstance(value, MoENeuronConfig)
+    )
 
 
 def _neuron_config_from_dict(cls: type[InferenceConfig], data: Mapping[str, Any]) -> NeuronConfig:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from nxdi.shell.config import MoENeuronConfig
+from nxdi.shell.config import MoENeuronConfig, NeuronConfig
 from nxdi.shell.exceptions import IncompatibleConfigError
 from nxdi.shell.inference_config import load_pretrained_config
 from nxdi.shell.models import MixtralInferenceConfig, NeuronMixtralForCausalLM
@@ -46,6 +46,23 @@ def test_capacity_factor_drops_tokens_only_below_full_capacity(tiny_checkpoint: 
     # expert, fewer than the prompt's 24 choices need.
     dropped = _prefill_logits(_model(path, capacity_factor=0.1))
     assert (dropped - free).abs().max() > 1e-3
+
+
+def test_a_plain_neuron_config_compiles_and_loads(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    """A NeuronConfig given to a MoE family is read as the MoENeuronConfig it stands for (MoE options
+    at their defaults), so the folder compile() writes is the one load() accepts."""
+    path = tiny_checkpoint("mixtral")
+    config = MixtralInferenceConfig(
+        NeuronConfig(torch_dtype="float32", seq_len=SEQ_LEN), load_config=load_pretrained_config(path)
+    )
+    assert isinstance(config.neuron_config, MoENeuronConfig) and config.neuron_config.capacity_factor is None
+    model = NeuronMixtralForCausalLM(path, config)
+    model.compile(tmp_path)
+    model.load(tmp_path)
+    eager = _model(path)
+    eager.to_cpu()
+    ids = torch.tensor([PROMPTS[0]])
+    torch.testing.assert_close(model(ids).logits, eager(ids).logits, rtol=0, atol=1e-5)  # traced vs eager ops
 
 
 def test_masking_padded_tokens_keeps_padding_from_taking_expert_capacity(tiny_checkpoint: Callable[..., Path]) -> None:
