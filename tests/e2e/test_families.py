@@ -22,8 +22,9 @@ from nxdi.core import families
 from nxdi.core import weight_plan as weights
 from nxdi.core.families.record import FamilyRecord
 from nxdi.shell import models
+from nxdi.testing import checkpoints
 from nxdi.testing.strategies.decoders import plan_of
-from tests.support.engine_fixtures import hf_logits, load_model, nxdi_generate, padded
+from tests.support.engine_fixtures import hf_generate, hf_logits, load_model, nxdi_generate, padded
 
 RECORDS = families.runnable()
 PROMPTS = ((1, 5, 7, 9, 11, 3, 4, 5, 6, 7, 8, 9), (3, 4))
@@ -111,3 +112,18 @@ def test_compile_then_load_generates_like_transformers(
     model = load_model(tiny_checkpoint(record.name), record.name, workdir=tmp_path, backend="cpu", batch_size=2)
     ours = nxdi_generate(model, PROMPTS, side="left", max_new_tokens=NEW_TOKENS)
     assert torch.equal(ours, hf_greedy(record.name, PROMPTS, NEW_TOKENS))
+
+
+@pytest.mark.parametrize(("family", "full"), [("qwen3", (0,)), ("qwen3_moe", ())])
+def test_qwen_sliding_windows_match_transformers(family: str, full: tuple[int, ...], tmp_path: Path) -> None:
+    """`use_sliding_window` with `max_window_layers=1`: Qwen3's layer 0 sees everything and layer 1
+    the last 8 positions (Qwen2's rule; Qwen2's tiny config is windowed so already); transformers'
+    Qwen3-MoE windows every layer. The 12-token prompts plus 20 new tokens cross the window."""
+    hf = checkpoints.build_model(family, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    path = checkpoints.save_checkpoint(hf, tmp_path / family, checkpoints.SaveFormat.SAFETENSORS)
+    model = load_model(path, family, batch_size=2)
+    spec = model.config.model_spec()
+    assert (spec.sliding_window, spec.full_attention_layers) == (8, full)  # the window took effect
+    prompts = (PROMPTS[0], (*PROMPTS[0], 2, 3)[-12:])
+    ours = nxdi_generate(model, prompts, side="left", max_new_tokens=20)
+    assert torch.equal(ours, hf_generate(hf, prompts, max_new_tokens=20))

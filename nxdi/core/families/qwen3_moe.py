@@ -3,7 +3,8 @@
 Every layer's MLP is a mixture of `num_experts` SwiGLU experts of width `moe_intermediate_size`,
 `num_experts_per_tok` chosen per token by a softmax router and renormalised when `norm_topk_prob`.
 Checkpoints whose `mlp_only_layers` or `decoder_sparse_step` make some layers dense are refused
-(one MLP kind per model).
+(one MLP kind per model). With `use_sliding_window`, every layer attends within `sliding_window`:
+transformers' Qwen3-MoE reads no `max_window_layers` (unlike Qwen2 and Qwen3).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Any
 from nxdi.core.errors import Problem
 from nxdi.core.families import reader
 from nxdi.core.families.llama import REQUIRED, moe_weights, read_llama_like
-from nxdi.core.families.qwen2 import read_windows
 from nxdi.core.families.reader import ConfigReader
 from nxdi.core.families.record import ClassNames, FamilyRecord, ProgramKind
 
@@ -37,7 +37,7 @@ def _read(r: ConfigReader) -> dict[str, Any]:
         qk_norm=True,
         intermediate_size=r.int_("moe_intermediate_size"),
         moe_normalize=r.bool_("norm_topk_prob", False),
-        **read_windows(r),
+        sliding_window=r.opt_int("sliding_window") if r.bool_("use_sliding_window", False) else None,
         **reader.experts(r, experts=(experts_key, 128), top_k=("num_experts_per_tok", 8)),
     )
 
