@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from returns.result import Failure, Success
+
+from nxdi.core.errors import ConfigError
 from nxdi.core.families import parse_model_spec
 from nxdi.core.model_spec import ModelSpec
 
@@ -183,8 +186,21 @@ a query_pre_attn_scalar other than head_dim, and linear RoPE scaling on the glob
 
 
 def spec(config: dict[str, Any]) -> ModelSpec:
-    """The parsed ModelSpec of a config dict (tests only; a parse failure fails the test)."""
-    return parse_model_spec(config).unwrap()
+    """The parsed ModelSpec of a config dict (tests only; a parse failure fails the test, listing its problems)."""
+    match parse_model_spec(config):
+        case Success(parsed):
+            return parsed
+        case Failure(error):
+            raise AssertionError(error.render())
+    raise AssertionError("unreachable")
+
+
+def spec_failure(config: dict[str, Any]) -> ConfigError:
+    """The ConfigError a config dict fails with (tests only; parsing fails the test)."""
+    match parse_model_spec(config):
+        case Failure(error):
+            return error
+    raise AssertionError(f"{config} parsed, but should not")
 
 
 PLAN_JSON_KEYS: dict[str, set[str]] = {

@@ -9,28 +9,11 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from returns.result import Failure, Success
 
-from nxdi.core.errors import ConfigError
-from nxdi.core.families import parse_model_spec
-from nxdi.core.model_spec import ModelSpec, RopeKind, RopeSpec
+from nxdi.core.model_spec import RopeKind, RopeSpec
 from tests.support.planner_configs import GEMMA_3_1B, GEMMA_3_27B_TEXT
-
-
-def parsed(raw: dict[str, Any]) -> ModelSpec:
-    match parse_model_spec(raw):
-        case Success(spec):
-            return spec
-        case Failure(error):
-            raise AssertionError(error.render())
-    raise AssertionError("unreachable")
-
-
-def failure(raw: dict[str, Any]) -> ConfigError:
-    match parse_model_spec(raw):
-        case Failure(error):
-            return error
-    raise AssertionError(f"{raw} parsed, but should not")
+from tests.support.planner_configs import spec as parsed
+from tests.support.planner_configs import spec_failure as failure
 
 
 def test_gemma_3_1b_reads_its_windows_ropes_norms_and_scales() -> None:

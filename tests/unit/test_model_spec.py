@@ -12,12 +12,11 @@ import attrs
 import pytest
 import torch
 import transformers
-from returns.result import Failure, Success
 
-from nxdi.core.errors import ConfigError
-from nxdi.core.families import parse_model_spec
 from nxdi.core.model_spec import ModelSpec, NormKind, PositionKind, RopeKind, RopeSpec
 from tests.support.planner_configs import MIXTRAL_8X7B
+from tests.support.planner_configs import spec as parsed
+from tests.support.planner_configs import spec_failure as failure
 
 # Real config.json files, abridged to the keys that matter (plus a few they carry that nxdi ignores).
 
@@ -223,22 +222,6 @@ GPT2_XL: dict[str, Any] = {
     "resid_pdrop": 0.1,
     "vocab_size": 50257,
 }
-
-
-def parsed(raw: dict[str, Any]) -> ModelSpec:
-    match parse_model_spec(raw):
-        case Success(spec):
-            return spec
-        case Failure(error):
-            raise AssertionError(error.render())
-    raise AssertionError("unreachable")
-
-
-def failure(raw: dict[str, Any]) -> ConfigError:
-    match parse_model_spec(raw):
-        case Failure(error):
-            return error
-    raise AssertionError(f"{raw} parsed, but should not")
 
 
 LLAMA3_ROPE = RopeSpec(
