@@ -17,7 +17,9 @@ plan, so a rank reads only its slices. From it:
 - `eager_runtime(model, source)` runs the pure programs eagerly (`to_cpu()`).
 
 Every program, eager or compiled, is called the same way, with its weights already bound:
-`program(cache, inputs, params, uniforms) -> (logits | None, tokens | None, cache)`. With several
+`program(cache, inputs, params, uniforms) -> (StepOutputs, cache)`: logits, tokens and any extra
+outputs (a mixture of experts' routing, `StepSpec.extras`), which a compiled program returns as
+named outputs (`StepSpec.outputs`, its signature's). With several
 ranks, these run in every rank process (`nxdi.effects.distributed`), in lockstep; on the xla and
 neuron backends one process runs them all (`nxdi.effects.distributed.spmd`, from the pieces here:
 `rank_weights`, `bind_programs`, `runtime_for`, `warm_up`). A compiled tensor-parallel program
@@ -61,7 +63,7 @@ from nxdi.core.programs.block_kv import BlockInputs
 from nxdi.core.programs.collectives import RANK_INPUT, SINGLE, Collectives, with_rank
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
-from nxdi.core.programs.step import StepSpec, example_inputs, step
+from nxdi.core.programs.step import StepOutputs, StepSpec, example_inputs, step
 from nxdi.core.weight_plan import Combine, WeightPlan
 from nxdi.effects import artifacts, checkpoint, checkpoint_scan, weight_loader
 from nxdi.effects.artifacts import CompileResult, ProgramRequest
@@ -264,20 +266,14 @@ class _FlatStep:
         spec, coll = m.step_spec, m.collectives()
         if rank:
             coll = with_rank(coll, rank[0])
-        logits, tokens, new = step(
-            m.program.forward, weights, cache, x, params, uniforms, spec=spec, coll=coll, blocks=blocks
-        )
-        return (*(t for t in (logits, tokens) if t is not None), *new.to_tensors())
+        outs, new = step(m.program.forward, weights, cache, x, params, uniforms, spec=spec, coll=coll, blocks=blocks)
+        named = outs.named()
+        return (*(named[n] for n in spec.outputs), *new.to_tensors())
 
 
 def _signature(model: EngineModel, names: Sequence[str]) -> Signature:
-    spec = model.step_spec
     cache = tuple(f"layers.{i}.{kv}" for i in range(model.model.num_layers) for kv in ("k", "v"))
-    if not spec.on_device_sampling:
-        outputs: tuple[str, ...] = ("logits",)
-    else:
-        outputs = ("logits", "tokens") if spec.output_logits else ("tokens",)
-    return Signature(weights=tuple(names), cache=cache, inputs=model.inputs, outputs=outputs)
+    return Signature(weights=tuple(names), cache=cache, inputs=model.inputs, outputs=model.step_spec.outputs)
 
 
 def _example(model: EngineModel, weights: Sequence[Tensor], key: ProgramKey) -> list[Tensor]:
@@ -322,8 +318,7 @@ def _bound(backend: Backend, loaded: LoadedProgram, rank: int) -> Program:
     def call(cache: KVCache, x: StepInputs, params: Tensor, uniforms: Tensor, blocks: BlockInputs | None = None) -> Any:
         given = x.to_tensors() if blocks is None else (x.input_ids, x.position_ids, *blocks.to_tensors())
         outs, new = backend.run(loaded, cache.to_tensors(), (*given, params, uniforms, *extra))
-        named = dict(zip(outputs, outs, strict=True))
-        return named.get("logits"), named.get("tokens"), KVCache.from_tensors(new)
+        return StepOutputs.from_named(dict(zip(outputs, outs, strict=True))), KVCache.from_tensors(new)
 
     return call
 

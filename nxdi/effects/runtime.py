@@ -22,10 +22,11 @@ from nxdi.core.programs import kv_cache
 from nxdi.core.programs.block_kv import BlockInputs
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
+from nxdi.core.programs.step import StepOutputs
 
-Program = Callable[..., tuple[Tensor | None, Tensor | None, KVCache]]
-"""(cache view, inputs, params [B, 3], uniforms [B]) -> (logits | None, tokens | None, cache view),
-its weights bound already; a block-KV program also takes `blocks=` and the whole block cache."""
+Program = Callable[..., tuple[StepOutputs, KVCache]]
+"""(cache view, inputs, params [B, 3], uniforms [B]) -> (outputs, cache view), its weights bound
+already; a block-KV program also takes `blocks=` and the whole block cache."""
 
 
 class RandomStream:
@@ -67,7 +68,7 @@ class StepRuntime(Protocol):
         rows: Tensor | None,
         params: Tensor,
         uniforms: Tensor | None = None,
-    ) -> tuple[Tensor | None, Tensor | None]: ...
+    ) -> StepOutputs: ...
 
     def run_blocks(
         self,
@@ -77,7 +78,7 @@ class StepRuntime(Protocol):
         *,
         params: Tensor,
         uniforms: Tensor | None = None,
-    ) -> tuple[Tensor | None, Tensor | None]: ...
+    ) -> StepOutputs: ...
 
     def close(self) -> None: ...
 
@@ -150,7 +151,7 @@ class Runtime:
         rows: Tensor | None,
         params: Tensor,
         uniforms: Tensor | None = None,
-    ) -> tuple[Tensor | None, Tensor | None]:
+    ) -> StepOutputs:
         """Run the program `key` on cache rows `rows` (None: rows 0..B-1 in order).
 
         Args:
@@ -165,15 +166,15 @@ class Runtime:
                 ranks of one model are all given the driver's, so they sample alike).
 
         Returns:
-            logits [B, 1, V] fp32 or None, tokens [B] or None.
+            The outputs on the host: logits [B, 1, V] fp32 or None, tokens [B] or None, and the
+            program's extras (a mixture of experts' routing, [L, B*S, ...]).
         """
         draws = self.random.draw(x.input_ids.shape[0]) if uniforms is None else uniforms
         with self._mode():
-            logits, tokens = self._step(self.programs[key], key.length, x, rows, params, draws)
+            outs = self._step(self.programs[key], key.length, x, rows, params, draws)
             # Nothing else of the step is referenced any more, so finishing it (an XLA execution)
             # computes only the outputs and the cache, whose buffers it then updates in place.
-            logits, tokens = self.finish((logits, tokens))
-        return logits, tokens
+            return self._finish(outs)
 
     def run_blocks(
         self,
@@ -183,7 +184,7 @@ class Runtime:
         *,
         params: Tensor,
         uniforms: Tensor | None = None,
-    ) -> tuple[Tensor | None, Tensor | None]:
+    ) -> StepOutputs:
         """Run the block-KV program `key` on the whole block cache (`nxdi.core.programs.block_kv`):
         the program reads and writes where `blocks` says, and its cache replaces this one (the
         same tensors when a compiled program writes in place).
@@ -194,23 +195,28 @@ class Runtime:
             params: [B*R, 3] sampling parameters, one row per segment; `uniforms` [B*R] likewise.
 
         Returns:
-            logits [B, R, V] fp32 or None, tokens [B*R] or None.
+            The outputs on the host: logits [B, R, V] fp32 or None, tokens [B*R] or None, and the
+            program's extras.
         """
         draws = self.random.draw(params.shape[0]) if uniforms is None else uniforms
         with self._mode():
-            logits, tokens, updated = self.programs[key](self.cache, x, params, draws, blocks=blocks)
+            outs, updated = self.programs[key](self.cache, x, params, draws, blocks=blocks)
             self.cache = KVCache(k=tuple(updated.k), v=tuple(updated.v))
-            logits, tokens = self.finish((logits, tokens))
-        return logits, tokens
+            return self._finish(outs)
+
+    def _finish(self, outs: StepOutputs) -> StepOutputs:
+        """End the step (`finish`): every output on the host."""
+        named = outs.named()
+        return StepOutputs.from_named(dict(zip(named, self.finish(tuple(named.values())), strict=True)))
 
     def _step(
         self, program: Program, bucket: int, x: StepInputs, rows: Tensor | None, params: Tensor, draws: Tensor
-    ) -> tuple[Tensor | None, Tensor | None]:
+    ) -> StepOutputs:
         """Run `program` on the cache view and write its cache back (still lazy on a deferring backend)."""
         rows = None if rows is None else rows.to(self.device)
-        logits, tokens, updated = program(self._view(bucket, rows, x.input_ids.shape[0]), x, params, draws)
+        outs, updated = program(self._view(bucket, rows, x.input_ids.shape[0]), x, params, draws)
         self._write_back(updated, bucket, rows)
-        return logits, tokens
+        return outs
 
     def _view(self, bucket: int, rows: Tensor | None, batch: int) -> KVCache:
         bucket = -(-bucket // self.kv_group)

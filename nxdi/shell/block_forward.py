@@ -112,8 +112,8 @@ def run(
         key = unwrap(plan.select(Phase.CONTEXT, sum(seg.new), max(seg.computed)), "No chunked-prefill bucket fits")
         params = _params(model, sampling_params, len(seg.tokens), plan.segments)
         x, blocks = block_inputs.as_chunks(seg, segments=plan.segments, tokens=key.tokens, blocks=plan.blocks(key))
-        logits, tokens = runtime.run_blocks(key, x, blocks, params=params)
-        r = len(seg.tokens)
+        out = runtime.run_blocks(key, x, blocks, params=params)
+        logits, tokens, r = out.logits, out.tokens, len(seg.tokens)
         return (None if logits is None else logits[:, :r]), (None if tokens is None else tokens[:r])
 
     first = unwrap(
@@ -151,11 +151,11 @@ def _rows(
         x, blocks = block_inputs.as_rows(part, batch=key.batch, tokens=key.tokens, blocks=plan.blocks(key))
         rows = params[start : start + n]
         padded = torch.cat((rows, rows[:1].expand(key.batch - n, 3)))  # pad rows sample like the first
-        logits, tokens = runtime.run_blocks(key, x, blocks, params=padded)
-        if logits is not None:
-            logits_out.append(logits[:n])
-        if tokens is not None:
-            tokens_out.append(tokens[:n])
+        out = runtime.run_blocks(key, x, blocks, params=padded)
+        if out.logits is not None:
+            logits_out.append(out.logits[:n])
+        if out.tokens is not None:
+            tokens_out.append(out.tokens[:n])
     return (torch.cat(logits_out) if logits_out else None), (torch.cat(tokens_out) if tokens_out else None)
 
 

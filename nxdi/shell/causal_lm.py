@@ -9,6 +9,9 @@ compiles several for token generation), with pad rows that repeat the first row 
 row; outputs come back in the caller's row order. seq_ids that name no sequence go to the garbage
 rows (`kv_cache_padding_size`) or, -1 under `apply_seq_ids_mask`, write nothing (see
 `nxdi.core.host.forward_inputs`).
+
+(Over 400 lines: forward()'s checks, routing, batching and output assembly are one documented
+contract, each step a short method; the block-KV calls and async_mode already live apart.)
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from nxdi.core.host import async_steps, batching, forward_inputs
 from nxdi.core.planning import block_programs, buckets
 from nxdi.core.planning.block_programs import BlockPlan
 from nxdi.core.planning.program_key import ProgramKey
+from nxdi.core.programs import moe_settings
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.effects.runtime import StepRuntime
 from nxdi.shell import block_forward
@@ -56,7 +60,8 @@ def prepare_sampling_params(
 
 class CausalLMOutput(dict):  # type: ignore[type-arg]
     """What `forward` returns: `logits`, `hidden_states` and `tokens`, as attributes and keys
-    (the shape of transformers' CausalLMOutputWithPast that NxDI returns)."""
+    (the shape of transformers' CausalLMOutputWithPast that NxDI returns), and a mixture of
+    experts' `router_logits` and `expert_index` (transformers' MoeCausalLMOutputWithPast)."""
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -190,7 +195,13 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         Returns:
             `logits` [B, 1, V] fp32 (None under on-device sampling unless output_logits),
             `tokens` [B] sampled ids under on-device sampling (else the logits, as NxDI does),
-            and `hidden_states` (the same tensor as `tokens`).
+            and `hidden_states` (the same tensor as `tokens`). A mixture of experts whose
+            MoENeuronConfig sets return_router_logits / return_expert_index also gives
+            `router_logits` (one [B*W, X] fp32 tensor per layer, transformers'
+            `output_router_logits=True`) / `expert_index` (one [B*W, k] int64 per layer, the
+            chosen experts, best first), a row per token of `input_ids` [B, W] in its order; a
+            prompt's padding columns (and tokens cut by allow_input_truncation) hold 0.0 / -1.
+            Both are None otherwise (the block KV layout does not return them yet).
 
         Raises:
             IncompatibleConfigError: before anything runs, listing every problem: inputs that are not
@@ -247,7 +258,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                 **block_args,
             )
             self._blocks_used = True
-            return self._output(logits, tokens)
+            return self._output(logits, tokens, {})
         passed = sorted(k for k, v in block_args.items() if v is not None)
         if passed:
             raise IncompatibleConfigError(
@@ -267,12 +278,12 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         ids, rows = checked.input_ids, checked.cache_rows
         params = self._sampling_rows(call["sampling_params"], ids.shape[0])
         if checked.phase is Phase.CONTEXT:
-            logits, tokens = self._context(runtime, ids, checked.attention_mask, rows, params)
+            logits, tokens, extras = self._context(runtime, ids, checked.attention_mask, rows, params)
         else:
-            logits, tokens = self._token(runtime, ids, checked.position_ids, rows, params)
+            logits, tokens, extras = self._token(runtime, ids, checked.position_ids, rows, params)
         for row, held in checked.cached_after(self.context_capacity).items():
             self._cached[row] = held
-        return self._output(logits, tokens)
+        return self._output(logits, tokens, extras)
 
     # --- async_mode (nxdi.shell.async_forward) ---------------------------------------------------
     def _snapshot(self) -> Any:
@@ -296,10 +307,17 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             chunked=block and self.spec.chunked_prefill_config is not None,
         )
 
-    def _output(self, logits: Tensor | None, tokens: Tensor | None) -> CausalLMOutput:
+    def _output(self, logits: Tensor | None, tokens: Tensor | None, extras: dict[str, Tensor]) -> CausalLMOutput:
+        """The output value; `extras` [L, B, W, ...] become one [B*W, ...] tensor per layer."""
         ods = self.spec.on_device_sampling_config is not None
         shown = tokens if ods else logits
-        return CausalLMOutput(logits=logits, hidden_states=shown, tokens=shown, attentions=None, past_key_values=None)
+        routing = {
+            name: None if name not in extras else tuple(t.reshape(-1, *t.shape[2:]) for t in extras[name])
+            for name in (moe_settings.ROUTER_LOGITS, moe_settings.EXPERT_INDEX)
+        }
+        return CausalLMOutput(
+            logits=logits, hidden_states=shown, tokens=shown, attentions=None, past_key_values=None, **routing
+        )
 
     def _block_plan(self) -> BlockPlan:
         return unwrap(block_programs.block_plan(self.spec), "Invalid block KV buckets")
@@ -319,9 +337,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             raise IncompatibleConfigError(f"sampling_params: has {len(checked)} rows for a batch of {batch}")
         return torch.tensor(sampling_params_core.infer_sampling_params(checked), dtype=torch.float32)
 
-    def _context(
-        self, runtime: StepRuntime, ids: Tensor, mask: Tensor, rows: Tensor, params: Tensor
-    ) -> tuple[Tensor | None, Tensor | None]:
+    def _context(self, runtime: StepRuntime, ids: Tensor, mask: Tensor, rows: Tensor, params: Tensor) -> _Outputs:
+        """Encode the prompts `ids` [B, W] (`mask`: their real tokens); the extras come back in the
+        caller's columns, [L, B, W, ...], padding columns (and tokens cut by truncation) filled."""
         compacted, lengths = batching.compact(ids, mask)
         bucket = unwrap(
             buckets.select_bucket(
@@ -343,21 +361,22 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             )
         pad = self.model_spec.pad_token_id or 0
         x = batching.context_inputs(compacted, lengths, bucket=bucket, pad_token_id=pad)
-        return self._run_batched(runtime, Phase.CONTEXT, bucket, x, rows, params)
+        logits, tokens, extras = self._run_batched(runtime, Phase.CONTEXT, bucket, x, rows, params)
+        return logits, tokens, {n: batching.uncompact(t, mask, fill=_FILL.get(n, 0)) for n, t in extras.items()}
 
-    def _token(
-        self, runtime: StepRuntime, ids: Tensor, positions: Tensor, rows: Tensor, params: Tensor
-    ) -> tuple[Tensor | None, Tensor | None]:
+    def _token(self, runtime: StepRuntime, ids: Tensor, positions: Tensor, rows: Tensor, params: Tensor) -> _Outputs:
         """Decode `ids` [B, W] at `positions` [B, W]: W token-generation steps, one column each (a row
-        continuing from a cached prefix); the outputs are the last step's."""
-        out: tuple[Tensor | None, Tensor | None] = (None, None)
+        continuing from a cached prefix); the logits and tokens are the last step's, the extras
+        every step's, [L, B, W, ...]."""
+        logits, tokens, steps = None, None, []
         for col in range(ids.shape[1]):
             at = positions[:, col : col + 1]
             bucket = unwrap(buckets.select_bucket(self._tables[Phase.TOKEN], int(at.max()) + 1))
             last = torch.zeros(ids.shape[0], dtype=torch.int64)
             x = StepInputs(input_ids=ids[:, col : col + 1], position_ids=at, last_index=last)
-            out = self._run_batched(runtime, Phase.TOKEN, bucket, x, rows, params)
-        return out
+            logits, tokens, extras = self._run_batched(runtime, Phase.TOKEN, bucket, x, rows, params)
+            steps.append(extras)
+        return logits, tokens, {n: torch.cat([e[n] for e in steps], dim=2) for n in steps[0]}
 
     def _run_batched(
         self,
@@ -367,15 +386,17 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         x: StepInputs,
         rows: Tensor,
         params: Tensor,
-    ) -> tuple[Tensor | None, Tensor | None]:
+    ) -> _Outputs:
         """Run `x` on the `phase` programs of `bucket`, the batch fitted to their batch sizes
-        (`batching.plan_runs`; `rows` [B]: each row's cache row), and restore the caller's order."""
+        (`batching.plan_runs`; `rows` [B]: each row's cache row), and restore the caller's order
+        (the extras [L, B*S, ...] become [L, B, S, ...])."""
         key = ProgramKey.context if phase is Phase.CONTEXT else ProgramKey.token
         logits_out: list[tuple[tuple[int, ...], Tensor]] = []
         tokens_out: list[tuple[tuple[int, ...], Tensor]] = []
+        extras_out: dict[str, list[tuple[tuple[int, ...], Tensor]]] = {}
         for chunk in batching.plan_runs(rows.tolist(), self._tables[phase].batch_sizes):
             source = torch.tensor(chunk.source_rows)
-            logits, tokens = runtime.run(
+            out = runtime.run(
                 key(bucket, chunk.batch),
                 batching.select_rows(x, source),
                 # Padding rows (-1) write nowhere: there may be no unused cache row to give them.
@@ -383,11 +404,18 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                 params=params.index_select(0, source),
             )
             take = torch.tensor(chunk.output_rows)
-            if logits is not None:
-                logits_out.append((chunk.user_rows, logits.index_select(0, take)))
-            if tokens is not None:
-                tokens_out.append((chunk.user_rows, tokens.index_select(0, take)))
-        return _gather(logits_out, len(rows)), _gather(tokens_out, len(rows))
+            if out.logits is not None:
+                logits_out.append((chunk.user_rows, out.logits.index_select(0, take)))
+            if out.tokens is not None:
+                tokens_out.append((chunk.user_rows, out.tokens.index_select(0, take)))
+            for name, t in out.extras.items():
+                per_row = t.reshape(t.shape[0], chunk.batch, -1, *t.shape[2:])  # [L, B, S, ...]
+                extras_out.setdefault(name, []).append((chunk.user_rows, per_row.index_select(1, take)))
+        n = len(rows)
+        extras = {
+            name: t for name, parts in extras_out.items() if (t := batching.gather_rows(parts, n, dim=1)) is not None
+        }
+        return batching.gather_rows(logits_out, n), batching.gather_rows(tokens_out, n), extras
 
 
 _BLOCK_ARGS = ("slot_mapping", "block_table", "full_context_lens", "computed_context_lens")
@@ -396,11 +424,9 @@ _BLOCK_ARGS = ("slot_mapping", "block_table", "full_context_lens", "computed_con
 _IGNORED = frozenset({"use_cache", "output_attentions", "output_hidden_states", "return_dict", "past_key_values"})
 
 
-def _gather(parts: list[tuple[tuple[int, ...], Tensor]], batch: int) -> Tensor | None:
-    if not parts:
-        return None
-    first = parts[0][1]
-    out = first.new_empty((batch, *first.shape[1:]))
-    for user_rows, values in parts:
-        out[torch.tensor(user_rows)] = values
-    return out
+_FILL = {moe_settings.ROUTER_LOGITS: 0.0, moe_settings.EXPERT_INDEX: -1}
+"""What an extra output holds for a padding token of a prompt (it has no routing of its own); 0 for
+any other."""
+
+_Outputs = tuple[Tensor | None, Tensor | None, dict[str, Tensor]]
+"""logits, tokens, and the extra outputs by name."""

@@ -266,10 +266,10 @@ class MoESpec:
         False, "Run the shared experts with sequence parallelism.", cpu="no family nxdi runs has shared experts"
     )
     return_expert_index: bool = setting(
-        False, "Also return the chosen expert indices.", cpu=OnCpu.REFUSED, cpu_note="not among the outputs yet"
+        False, "forward() also returns expert_index: per layer, the [B*W, top_k] chosen experts (no block KV layout)."
     )
     return_router_logits: bool = setting(
-        False, "Also return the router logits.", cpu=OnCpu.REFUSED, cpu_note="not among the outputs yet"
+        False, "forward() also returns router_logits: per layer, the [B*W, experts] fp32 logits (no block KV layout)."
     )
     hybrid_sharding_config: HybridShardingSpec | None = setting(
         None,

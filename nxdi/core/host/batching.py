@@ -29,6 +29,26 @@ def compact(input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(keep, ids, torch.zeros_like(ids)), lengths
 
 
+def uncompact(values: Tensor, attention_mask: Tensor, *, fill: float = 0) -> Tensor:
+    """Per-token outputs of compacted rows back in the caller's columns (the inverse of `compact`).
+
+    Args:
+        values: [L, B, S, *rest], row b's token j at [:, b, j] (S: the bucket the rows ran in).
+        attention_mask: [B, W] the caller's mask (any padding side).
+        fill: the value of padding columns, and of real tokens past S (cut by truncation).
+
+    Returns:
+        [L, B, W, *rest]: each row's real columns hold its tokens' values in order.
+    """
+    real = attention_mask.to(torch.bool)
+    b, w = real.shape
+    s = values.shape[2]
+    order = real.cumsum(1) - 1  # [B, W]: each real column's token index in its compacted row
+    kept = real & (order < s)
+    picked = values[:, torch.arange(b)[:, None], order.clamp(0, s - 1)]  # [L, B, W, *rest]
+    return picked.masked_fill(~kept.view(1, b, w, *([1] * (values.dim() - 3))), fill)
+
+
 def context_inputs(ids: Tensor, lengths: Tensor, *, bucket: int, pad_token_id: int = 0) -> StepInputs:
     """Right-padded (or truncated) context-encoding inputs [B, bucket] from compacted ids [B, W].
 
@@ -71,6 +91,21 @@ class RunChunk:
     def in_order(self) -> bool:
         """The run rows are cache rows 0..B-1 in order (the runtime then slices instead of gathering)."""
         return self.cache_rows == tuple(range(self.batch))
+
+
+def gather_rows(parts: Sequence[tuple[Sequence[int], Tensor]], batch: int, *, dim: int = 0) -> Tensor | None:
+    """The outputs of a batch's chunks in the caller's row order: `parts` holds each chunk's caller
+    rows and its values (those rows along `dim`); returns them as one tensor of `batch` rows along
+    `dim` (None without parts)."""
+    if not parts:
+        return None
+    first = parts[0][1]
+    shape = list(first.shape)
+    shape[dim] = batch
+    out = first.new_empty(shape)
+    for user_rows, values in parts:
+        out.index_copy_(dim, torch.tensor(list(user_rows), dtype=torch.int64), values)
+    return out
 
 
 def plan_runs(cache_rows: Sequence[int], batch_sizes: Sequence[int]) -> tuple[RunChunk, ...]:

@@ -19,6 +19,7 @@ Dimension letters, used in shape comments and docstrings:
     V  vocabulary
     L  layers
     C  sampling candidates (global top-k)
+    X  experts of a mixture of experts (k of them chosen per token)
 
 Values that hold tensors (`KVCache`, `StepInputs`, `decoder.DecoderWeights`) are frozen dataclasses with
 `eq=False` and slots, not `attrs.frozen` classes: TorchDynamo cannot trace the `__init__` attrs
@@ -28,6 +29,7 @@ and keyword-only, and compare with `torch.testing.assert_close` on their tensors
 
 Modules: `layers` (norms, RoPE, attention, MLP), `kv_cache` (the KVCache value and its writes),
 `inputs` (StepInputs), `decoder` (the decoder: Llama and every family that is Llama plus ModelSpec
-fields), `step` (a decoder step plus the sampler), `sampling`, and `catalog` (which program runs a
-family). Host-side tensor helpers that are never traced live in `nxdi.core.host`.
+fields), `moe` (the mixture-of-experts block) and `moe_settings` (its MoENeuronConfig settings and
+routing outputs), `step` (a decoder step plus the sampler), `sampling`, and `catalog` (which
+program runs a family). Host-side tensor helpers that are never traced live in `nxdi.core.host`.
 """

@@ -19,7 +19,6 @@ from nxdi.core.families import runnable
 from nxdi.core.families.record import FamilyRecord, ProgramKind
 from nxdi.core.model_spec import MlpKind, ModelSpec, NormKind, PositionKind
 from nxdi.core.programs import decoder
-from nxdi.core.programs.kv_cache import KVCache
 from nxdi.core.weight_table import WeightTable
 
 
@@ -30,8 +29,9 @@ class Program:
     record: FamilyRecord
     weights_from_slots: Callable[..., Any]
     """`weights_from_slots(slots, spec=...)`: the program's weights value from slot paths."""
-    forward: Callable[..., tuple[Tensor, KVCache]]
-    """`forward(weights, cache, inputs, *, spec) -> (logits, cache)`."""
+    forward: Callable[..., Any]
+    """`forward(weights, cache, inputs, *, spec) -> (logits, cache)`; with `extras=True`
+    `(logits, cache, extras)`, the extra outputs by name (what `nxdi.core.programs.step` calls)."""
 
     @property
     def table(self) -> WeightTable:

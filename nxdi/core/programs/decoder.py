@@ -20,22 +20,27 @@ One step, context encoding or token generation alike (the shapes say which):
 Keys/values are written into the cache view at each token's slot before attention reads it, so
 the current token attends to itself; the mask allows slots `<= position` (within the sliding
 window), which is causal attention inside a prompt and "everything cached so far" in decoding.
+
+With `forward(..., extras=True)`, a mixture of experts whose MoENeuronConfig asks for them
+(`return_router_logits`, `return_expert_index`: `moe_settings.routing_outputs`) also returns every
+layer's router logits and chosen experts for every token of the step, padding included. The router
+is replicated, so every rank returns the same values, and under sequence parallelism the experts
+see the gathered tokens, so these are always the whole [B*S] rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nxdi.core.config.sub_specs import MoESpec
 from nxdi.core.model_spec import MlpKind, ModelSpec, NormKind
 from nxdi.core.planning.partition import Partition
-from nxdi.core.programs import attention, inputs, layers, moe
+from nxdi.core.programs import attention, inputs, layers, moe, moe_settings
 from nxdi.core.programs.block_kv import BlockInputs
 from nxdi.core.programs.collectives import SINGLE, Collectives
 from nxdi.core.programs.inputs import StepInputs
@@ -144,28 +149,6 @@ def weights_from_slots(slots: Mapping[str, Tensor], *, spec: ModelSpec) -> Decod
     )
 
 
-def moe_options(spec: ModelSpec, settings: MoESpec) -> moe.MoEOptions:
-    """The MoE block's options from the model and its MoENeuronConfig settings (the checkpoint's
-    renormalisation, which `normalize_top_k_affinities=False` turns off)."""
-    return moe.MoEOptions(
-        top_k=spec.num_experts_per_tok,
-        activation=spec.activation,
-        router_act=settings.router_config.act_fn,
-        router_dtype=getattr(torch, settings.router_config.dtype),
-        normalize_top_k=spec.moe_normalize and settings.normalize_top_k_affinities,
-        normalize_p=spec.moe_normalize_p,
-        capacity_factor=settings.capacity_factor,
-        glu_type=settings.glu_type,
-        hidden_act_scaling_factor=settings.hidden_act_scaling_factor,
-        hidden_act_bias=settings.hidden_act_bias,
-        gate_clamp_upper=settings.gate_clamp_upper_limit,
-        gate_clamp_lower=settings.gate_clamp_lower_limit,
-        up_clamp_upper=settings.up_clamp_upper_limit,
-        up_clamp_lower=settings.up_clamp_lower_limit,
-        early_affinity_modulation=settings.early_expert_affinity_modulation,
-    )
-
-
 def _mlp(
     m: MLP,
     x: Tensor,
@@ -175,7 +158,7 @@ def _mlp(
     *,
     decode: bool,
     token_mask: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
+) -> tuple[Tensor, Tensor | None, moe.MoEOutput | None]:
     """The feed-forward block of normed x [N, E] on this rank's share of the intermediate width
     (`decode`: a token-generation step, which picks the MoE path by NxD's token-generation rule;
     `token_mask` [N] bool: the real tokens, the only ones a mixture of experts routes when set).
@@ -183,21 +166,23 @@ def _mlp(
     share and the sum over ranks combines them: the dispatch is the replication, the combine the
     all-reduce the dense MLP does too.
 
-    Returns the partial output [N, E] (to be summed over ranks) and the bias to add after the sum
-    (None with one rank, where it is applied inside the last linear, as transformers does).
+    Returns the partial output [N, E] (to be summed over ranks), the bias to add after the sum
+    (None with one rank, where it is applied inside the last linear, as transformers does), and a
+    mixture of experts' routing (None for a dense MLP).
     """
     match m:
         case GatedMLP():
             after = m.down_bias if part.tp > 1 else None
             biases = (m.gate_bias, m.up_bias, m.down_bias if part.tp == 1 else None)
-            return layers.gated_mlp(x, m.gate, m.up, m.down, activation=spec.activation, biases=biases), after
+            return layers.gated_mlp(x, m.gate, m.up, m.down, activation=spec.activation, biases=biases), after, None
         case moe.Experts():
             assert part.moe is not None, "a mixture of experts' partition carries its settings"
-            options = moe_options(spec, part.moe)
+            options = moe_settings.moe_options(spec, part.moe)
             path = moe.choose_path(x.shape[0], spec.num_experts, options, token_generation=decode)
             ep = part.experts < spec.num_experts  # expert groups: this rank's first expert follows its rank
             first = (coll.rank() // part.moe_tp) * part.experts if ep else 0
-            return moe.forward(x, m, options, path=path, first_expert=first, token_mask=token_mask).hidden, None
+            routed = moe.forward(x, m, options, path=path, first_expert=first, token_mask=token_mask)
+            return routed.hidden, None, routed
 
 
 def _embed(w: DecoderWeights, ids: Tensor, spec: ModelSpec, part: Partition, coll: Collectives) -> Tensor:
@@ -254,6 +239,36 @@ def _gather_sequence(h: Tensor, coll: Collectives, *, b: int) -> Tensor:
     return coll.all_gather(h.view(b, -1, h.shape[-1]), 1).reshape(-1, h.shape[-1])
 
 
+@overload
+def forward(
+    w: DecoderWeights,
+    cache: KVCache,
+    x: StepInputs,
+    *,
+    spec: ModelSpec,
+    part: Partition | None = ...,
+    coll: Collectives = ...,
+    all_logits: bool = ...,
+    blocks: BlockInputs | None = ...,
+    extras: Literal[False] = ...,
+) -> tuple[Tensor, KVCache]: ...
+
+
+@overload
+def forward(
+    w: DecoderWeights,
+    cache: KVCache,
+    x: StepInputs,
+    *,
+    spec: ModelSpec,
+    part: Partition | None = ...,
+    coll: Collectives = ...,
+    all_logits: bool = ...,
+    blocks: BlockInputs | None = ...,
+    extras: Literal[True],
+) -> tuple[Tensor, KVCache, dict[str, Tensor]]: ...
+
+
 def forward(
     w: DecoderWeights,
     cache: KVCache,
@@ -264,7 +279,8 @@ def forward(
     coll: Collectives = SINGLE,
     all_logits: bool = False,
     blocks: BlockInputs | None = None,
-) -> tuple[Tensor, KVCache]:
+    extras: bool = False,
+) -> tuple[Tensor, KVCache] | tuple[Tensor, KVCache, dict[str, Tensor]]:
     """One decoder step over the cache view `cache` (T slots), on one rank's shard.
 
     Args:
@@ -278,11 +294,15 @@ def forward(
         blocks: with a block cache (`cache` is then L layers of [N+1, bs, K_r, D], see
             `nxdi.core.programs.block_kv`): where each token reads and writes; `x.last_index` is
             then unused (each segment's output token is `blocks.out_index`).
+        extras: also return the extra outputs `moe_settings.routing_outputs(part)` names.
 
     Returns:
         logits [B, 1, V] fp32 (or [B, S, V] with `all_logits`; [B, R, V] with `blocks`, one per
         segment), the same on every rank, and the cache with this step's keys and values written
-        at the tokens' slots; every other slot unchanged. Inputs are not mutated.
+        at the tokens' slots; every other slot unchanged. Inputs are not mutated. With `extras`,
+        a third value: the extra outputs by name (`moe_settings.ROUTER_LOGITS` [L, B*S, X] fp32,
+        `EXPERT_INDEX` [L, B*S, k] int64; rows in [B, S] order, padding tokens included; empty
+        when none is asked).
     """
     part = Partition.single(spec) if part is None else part
     b, s = x.input_ids.shape
@@ -310,6 +330,8 @@ def forward(
     if sp:
         h = coll.scatter(h.view(b, s, -1), 1).reshape(-1, h.shape[-1])  # [B*S/tp, E]
     ks, vs = [], []
+    wanted = moe_settings.routing_outputs(part) if extras else ()
+    routed: list[moe.MoEOutput] = []
     for i, (lw, mask, k_cache, v_cache) in enumerate(zip(w.layers, masks, cache.k, cache.v, strict=True)):
         normed = _norm(h, lw.input_norm, spec)
         normed = _gather_sequence(normed, coll, b=b) if sp else normed
@@ -331,7 +353,10 @@ def forward(
         h = h + (_norm(a, lw.attn_out_norm, spec) if spec.sandwich_norms else a)
         normed = _norm(h, lw.post_norm, spec)
         normed = _gather_sequence(normed, coll, b=b) if sp else normed
-        partial, bias = _mlp(lw.mlp, normed, spec, part, coll, decode=s == 1, token_mask=token_mask)
+        partial, bias, routing = _mlp(lw.mlp, normed, spec, part, coll, decode=s == 1, token_mask=token_mask)
+        if wanted:
+            assert routing is not None, "routing outputs come from a mixture of experts"
+            routed.append(routing)
         m = _reduce(partial, bias, coll, part, b=b, sp=sp)
         h = h + (_norm(m, lw.mlp_out_norm, spec) if spec.sandwich_norms else m)
         ks.append(k_cache)
@@ -342,4 +367,5 @@ def forward(
     logits = linear(_norm(h, w.norm, spec), w.lm_head)  # [B, S', V_r]
     if part.tp > 1:
         logits = coll.all_gather(logits, -1)[..., : spec.vocab_size]  # [B, S', V] on every rank
-    return _soft_cap(logits, spec.final_logit_softcap).float(), KVCache(k=tuple(ks), v=tuple(vs))
+    logits, new = _soft_cap(logits, spec.final_logit_softcap).float(), KVCache(k=tuple(ks), v=tuple(vs))
+    return (logits, new, moe_settings.stack_routing(routed, wanted)) if extras else (logits, new)

@@ -1,20 +1,22 @@
 """One compiled step: the decoder forward plus, optionally, the on-device sampler. Pure.
 
 This is the function a backend traces per sub-model and bucket. Its static part is a `StepSpec`
-(architecture, whether sampling happens inside the program, whether logits are returned); its
-dynamic part is tensors only, so buckets and batch sizes come from the input shapes:
+(architecture, whether sampling happens inside the program, whether logits are returned, which
+extra outputs the MoE settings ask for); its dynamic part is tensors only, so buckets and batch
+sizes come from the input shapes:
 
-    step(weights, cache, x, params, uniforms) -> (logits [B, 1, V] fp32 | None, tokens [B] | None, cache)
+    step(weights, cache, x, params, uniforms) -> (StepOutputs, cache)
+    StepOutputs: logits [B, 1, V] fp32 | None, tokens [B] | None, extras {name: tensor}
 
 `params` [B, 3] holds (top_k, top_p, temperature) per row and `uniforms` [B] the random draws
 (the caller's seeded generator, or 0.5 for deterministic sampling); both are ignored without
-on-device sampling.
+on-device sampling. A compiled step returns its outputs flat, in `StepSpec.outputs` order.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -22,13 +24,42 @@ from torch import Tensor
 
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning.partition import Partition
-from nxdi.core.programs import sampling
+from nxdi.core.programs import moe_settings, sampling
 from nxdi.core.programs.block_kv import BlockInputs
 from nxdi.core.programs.collectives import SINGLE, Collectives
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 
-Forward = Callable[..., tuple[Tensor, KVCache]]
+Forward = Callable[..., tuple[Tensor, KVCache, Mapping[str, Tensor]]]
+"""A program's `forward(weights, cache, x, *, spec, part, coll, extras=True, ...)`: logits, the
+cache and the extra outputs by name (see `nxdi.core.programs.decoder.forward`)."""
+
+LOGITS = "logits"
+TOKENS = "tokens"
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
+class StepOutputs:
+    """What one step returns besides the cache (outputs the program does not return are None)."""
+
+    logits: Tensor | None = None
+    """[B, 1, V] fp32 ([B, R, V] with a block cache)."""
+    tokens: Tensor | None = None
+    """[B] int64 sampled ids ([B*R] with a block cache)."""
+    extras: Mapping[str, Tensor] = dataclasses.field(default_factory=dict)
+    """Further outputs by name, `StepSpec.extras` (`moe_settings.ROUTER_LOGITS` [L, B*S, X] fp32,
+    `moe_settings.EXPERT_INDEX` [L, B*S, k] int64)."""
+
+    def named(self) -> dict[str, Tensor]:
+        """Every output present, by name: logits, tokens, then the extras in their order."""
+        fixed = {LOGITS: self.logits, TOKENS: self.tokens}
+        return {**{n: t for n, t in fixed.items() if t is not None}, **self.extras}
+
+    @classmethod
+    def from_named(cls, named: Mapping[str, Tensor]) -> StepOutputs:
+        """The inverse of `named` (a compiled program's outputs, zipped with its signature's names)."""
+        extras = {n: t for n, t in named.items() if n not in (LOGITS, TOKENS)}
+        return cls(logits=named.get(LOGITS), tokens=named.get(TOKENS), extras=extras)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,6 +77,20 @@ class StepSpec:
     output_logits: bool = True
     """Return logits too; always True without on-device sampling."""
 
+    @property
+    def extras(self) -> tuple[str, ...]:
+        """The extra outputs the partition's MoE settings ask for (`moe_settings.routing_outputs`)."""
+        return moe_settings.routing_outputs(self.partition)
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """Every output's name, in the order a compiled step returns them (its signature's)."""
+        if not self.on_device_sampling:
+            fixed: tuple[str, ...] = (LOGITS,)
+        else:
+            fixed = (LOGITS, TOKENS) if self.output_logits else (TOKENS,)
+        return (*fixed, *self.extras)
+
 
 def step(
     forward: Forward,
@@ -58,7 +103,7 @@ def step(
     spec: StepSpec,
     coll: Collectives = SINGLE,
     blocks: BlockInputs | None = None,
-) -> tuple[Tensor | None, Tensor | None, KVCache]:
+) -> tuple[StepOutputs, KVCache]:
     """Run `forward` for one step (on one rank's shard, meeting the others through `coll`) and sample
     if the spec says so. Every rank gets the whole logits, so every rank samples the same tokens.
 
@@ -66,16 +111,19 @@ def step(
     segment: logits [B, R, V], and `params` [B*R, 3] / `uniforms` [B*R] hold a row per segment.
 
     Returns:
-        logits [B, 1, V] fp32 (None when only tokens were asked for), tokens [B] int64 (None
-        without on-device sampling; [B*R] with blocks), and the updated cache (view).
+        The outputs: logits [B, 1, V] fp32 (None when only tokens were asked for), tokens [B]
+        int64 (None without on-device sampling; [B*R] with blocks) and the extras `spec.extras`
+        names; and the updated cache (view).
     """
-    extra = {} if blocks is None else {"blocks": blocks}
-    logits, cache = forward(weights, cache, x, spec=spec.model, part=spec.partition, coll=coll, **extra)
+    given = {} if blocks is None else {"blocks": blocks}
+    logits, cache, extras = forward(
+        weights, cache, x, spec=spec.model, part=spec.partition, coll=coll, extras=True, **given
+    )
     if not spec.on_device_sampling:
-        return logits, None, cache
+        return StepOutputs(logits=logits, extras=extras), cache
     last = logits.reshape(-1, logits.shape[-1])  # [B*R, V]: one output per row (and segment)
     tokens = sampling.select(last, params, uniforms, do_sample=spec.do_sample, global_topk=spec.global_topk)
-    return (logits if spec.output_logits else None), tokens, cache
+    return StepOutputs(logits=logits if spec.output_logits else None, tokens=tokens, extras=extras), cache
 
 
 def example_inputs(*, batch: int, tokens: int) -> tuple[StepInputs, Tensor, Tensor]:

@@ -15,7 +15,8 @@ Calling convention (every backend, every program). A program is a pure function 
   tensor), which is why `run` treats the cache it is given as consumed: callers use the returned
   cache, never the tensors they passed in.
 - `inputs` (I tensors, named by `Signature.inputs`): token ids, positions, sampling parameters...
-- `outputs` (O tensors, named by `Signature.outputs`): logits, tokens...
+- `outputs` (O tensors, named by `Signature.outputs`): logits, tokens, a mixture of experts'
+  router_logits and expert_index when its config asks (`nxdi.core.programs.step.StepSpec.outputs`)...
 
 A backend may keep the cache on its own `device` and defer work (XLA builds one lazy graph per
 step): the runtime allocates the cache there, and after a step has written its cache back it calls

@@ -7,7 +7,8 @@ and framed by `multiprocessing.connection` over the rank process's stdin and std
 
 - `Build`: make this rank's runtime, eagerly (`to_cpu`) or from a compiled folder (`load`); or,
   kind "spmd", every rank's runtime in the one process (the xla backend, `distributed.spmd`).
-- `Run`: one step of one program (its `ProgramKey`); every rank runs it, rank 0 returns the outputs.
+- `Run`: one step of one program (its `ProgramKey`); every rank runs it, rank 0 returns the outputs
+  (a `nxdi.core.programs.step.StepOutputs`: logits, tokens and any extra outputs).
 - `RunBlocks`: the same for a block-KV program (`is_block_kv_layout`), on every rank's whole block
   cache (each rank holds its KV heads of every block).
 - `ResetCache`, `Close`.

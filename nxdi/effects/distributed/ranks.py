@@ -41,6 +41,7 @@ from torch import Tensor
 from nxdi.core.planning.program_key import ProgramKey
 from nxdi.core.programs.block_kv import BlockInputs
 from nxdi.core.programs.inputs import StepInputs
+from nxdi.core.programs.step import StepOutputs
 from nxdi.effects.distributed import host_world, protocol
 from nxdi.effects.distributed.errors import RankError
 from nxdi.effects.runtime import RandomStream
@@ -240,11 +241,11 @@ class RemoteRuntime:
         rows: Tensor | None,
         params: Tensor,
         uniforms: Tensor | None = None,
-    ) -> tuple[Tensor | None, Tensor | None]:
+    ) -> StepOutputs:
         """One step on every rank (see `Runtime.run`); the outputs come from rank 0."""
         draws = self.random.draw(x.input_ids.shape[0]) if uniforms is None else uniforms
         request = protocol.Run(key=key, inputs=x.to_tensors(), rows=rows, params=params, uniforms=draws)
-        outputs: tuple[Tensor | None, Tensor | None] = self._call(request)
+        outputs: StepOutputs = self._call(request)
         return outputs
 
     def run_blocks(
@@ -255,7 +256,7 @@ class RemoteRuntime:
         *,
         params: Tensor,
         uniforms: Tensor | None = None,
-    ) -> tuple[Tensor | None, Tensor | None]:
+    ) -> StepOutputs:
         """One block-KV step on every rank, each on its KV heads of the whole block cache (see
         `Runtime.run_blocks`); the outputs come from rank 0.
 
@@ -266,14 +267,14 @@ class RemoteRuntime:
                 (default: drawn here once, so every rank samples alike).
 
         Returns:
-            logits [B, R, V] fp32 or None, tokens [B*R] or None.
+            logits [B, R, V] fp32 or None, tokens [B*R] or None, and the program's extras.
 
         Raises:
             RankError: a rank died, hung or failed (every rank process is then stopped).
         """
         draws = self.random.draw(params.shape[0]) if uniforms is None else uniforms
         request = protocol.RunBlocks(key=key, inputs=x.to_tensors(), blocks=blocks, params=params, uniforms=draws)
-        outputs: tuple[Tensor | None, Tensor | None] = self._call(request)
+        outputs: StepOutputs = self._call(request)
         return outputs
 
     def reset_cache(self) -> None:
