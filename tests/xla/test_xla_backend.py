@@ -183,3 +183,23 @@ def test_quantized_weights_lower_and_give_the_cpu_engine_tokens(
     theirs = teacher_forced(cpu, PROMPTS, tokens[:, : LOGIT_STEPS - 1])
     assert max_relative_logit_error(theirs, ours) <= 1e-5
     assert not [name for name in met.counter_names() if name.startswith("aten::")]
+
+
+def _same_routing(ours: Any, theirs: Any) -> None:
+    for a, b in zip(ours.router_logits, theirs.router_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    for a, b in zip(ours.expert_index, theirs.expert_index, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_routing_outputs_equal_the_cpu_engine(xla_model: Callable[..., Any], loaded_model: Callable[..., Any]) -> None:
+    """A mixture of experts' router logits and chosen experts, extra named outputs of the lowered
+    programs, as the CPU engine gives them: prefill of a padded batch, then a decode step."""
+    routing = {"return_router_logits": True, "return_expert_index": True}
+    model, cpu = xla_model("mixtral", batch_size=2, **routing), loaded_model("mixtral", batch_size=2, **routing)
+    ids = torch.tensor([[1, 5, 7, 9], [0, 0, 3, 4]])
+    mask = (ids != 0).long()
+    ours, theirs = model(ids, attention_mask=mask), cpu(ids, attention_mask=mask)
+    _same_routing(ours, theirs)
+    step, position = ours.logits[:, -1].argmax(-1)[:, None], mask.sum(1, keepdim=True)  # [[4], [2]]
+    _same_routing(model(step, position_ids=position), cpu(step, position_ids=position))
