@@ -19,6 +19,7 @@ from nxdi.core.families import runnable
 from nxdi.core.families.record import FamilyRecord, ProgramKind
 from nxdi.core.model_spec import MlpKind, ModelSpec, NormKind, PositionKind
 from nxdi.core.programs import decoder
+from nxdi.core.programs.kv_cache import KVCache
 from nxdi.core.weight_table import WeightTable
 
 
@@ -29,9 +30,10 @@ class Program:
     record: FamilyRecord
     weights_from_slots: Callable[..., Any]
     """`weights_from_slots(slots, spec=...)`: the program's weights value from slot paths."""
-    forward: Callable[..., Any]
-    """`forward(weights, cache, inputs, *, spec) -> (logits, cache)`; with `extras=True`
-    `(logits, cache, extras)`, the extra outputs by name (what `nxdi.core.programs.step` calls)."""
+    forward: Callable[..., tuple[Tensor, KVCache]]
+    """`forward(weights, cache, inputs, *, spec) -> (logits, cache)`."""
+    forward_outputs: Callable[..., tuple[Tensor, KVCache, Mapping[str, Tensor]]]
+    """The same step also returning its extra outputs by name (what `nxdi.core.programs.step` runs)."""
 
     @property
     def table(self) -> WeightTable:
@@ -57,10 +59,10 @@ def _decoder_gaps(spec: ModelSpec) -> list[Problem]:
     ]
 
 
-_PROGRAMS: Mapping[ProgramKind, tuple[Callable[..., Any], Callable[..., Any], Callable[[ModelSpec], list[Problem]]]] = {
-    ProgramKind.DECODER: (decoder.weights_from_slots, decoder.forward, _decoder_gaps),
+_PROGRAMS: Mapping[ProgramKind, tuple[Any, ...]] = {
+    ProgramKind.DECODER: (decoder.weights_from_slots, decoder.forward, decoder.forward_outputs, _decoder_gaps),
 }
-"""Program kind -> (weights_from_slots, forward, what it lacks for a spec)."""
+"""Program kind -> (weights_from_slots, forward, forward_outputs, what it lacks for a spec)."""
 
 
 def program_for(record: FamilyRecord, spec: ModelSpec) -> Result[Program, ConfigError]:
@@ -74,8 +76,11 @@ def program_for(record: FamilyRecord, spec: ModelSpec) -> Result[Program, Config
         known = ", ".join(r.name for r in runnable())
         why = f"has no program on the engine yet (families that run: {known})"
         return Failure(ConfigError.of("model_type", spec.model_type, why))
-    weights_from_slots, forward, gaps = _PROGRAMS[record.program]
+    weights_from_slots, forward, forward_outputs, gaps = _PROGRAMS[record.program]
     problems = gaps(spec)
     if problems:
         return Failure(ConfigError(problems=tuple(problems)))
-    return Success(Program(record=record, weights_from_slots=weights_from_slots, forward=forward))
+    program = Program(
+        record=record, weights_from_slots=weights_from_slots, forward=forward, forward_outputs=forward_outputs
+    )
+    return Success(program)

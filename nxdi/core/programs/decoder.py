@@ -21,7 +21,7 @@ Keys/values are written into the cache view at each token's slot before attentio
 the current token attends to itself; the mask allows slots `<= position` (within the sliding
 window), which is causal attention inside a prompt and "everything cached so far" in decoding.
 
-With `forward(..., extras=True)`, a mixture of experts whose MoENeuronConfig asks for them
+`forward_outputs` (what a compiled step runs) also returns, for a mixture of experts whose MoENeuronConfig asks for them
 (`return_router_logits`, `return_expert_index`: `moe_settings.routing_outputs`) also returns every
 layer's router logits and chosen experts for every token of the step, padding included. The router
 is replicated, so every rank returns the same values, and under sequence parallelism the experts
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Literal, overload
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -239,36 +239,6 @@ def _gather_sequence(h: Tensor, coll: Collectives, *, b: int) -> Tensor:
     return coll.all_gather(h.view(b, -1, h.shape[-1]), 1).reshape(-1, h.shape[-1])
 
 
-@overload
-def forward(
-    w: DecoderWeights,
-    cache: KVCache,
-    x: StepInputs,
-    *,
-    spec: ModelSpec,
-    part: Partition | None = ...,
-    coll: Collectives = ...,
-    all_logits: bool = ...,
-    blocks: BlockInputs | None = ...,
-    extras: Literal[False] = ...,
-) -> tuple[Tensor, KVCache]: ...
-
-
-@overload
-def forward(
-    w: DecoderWeights,
-    cache: KVCache,
-    x: StepInputs,
-    *,
-    spec: ModelSpec,
-    part: Partition | None = ...,
-    coll: Collectives = ...,
-    all_logits: bool = ...,
-    blocks: BlockInputs | None = ...,
-    extras: Literal[True],
-) -> tuple[Tensor, KVCache, dict[str, Tensor]]: ...
-
-
 def forward(
     w: DecoderWeights,
     cache: KVCache,
@@ -279,8 +249,23 @@ def forward(
     coll: Collectives = SINGLE,
     all_logits: bool = False,
     blocks: BlockInputs | None = None,
-    extras: bool = False,
-) -> tuple[Tensor, KVCache] | tuple[Tensor, KVCache, dict[str, Tensor]]:
+) -> tuple[Tensor, KVCache]:
+    """`forward_outputs` without the extra outputs: (logits, cache)."""
+    logits, new, _ = forward_outputs(w, cache, x, spec=spec, part=part, coll=coll, all_logits=all_logits, blocks=blocks)
+    return logits, new
+
+
+def forward_outputs(
+    w: DecoderWeights,
+    cache: KVCache,
+    x: StepInputs,
+    *,
+    spec: ModelSpec,
+    part: Partition | None = None,
+    coll: Collectives = SINGLE,
+    all_logits: bool = False,
+    blocks: BlockInputs | None = None,
+) -> tuple[Tensor, KVCache, dict[str, Tensor]]:
     """One decoder step over the cache view `cache` (T slots), on one rank's shard.
 
     Args:
@@ -294,15 +279,14 @@ def forward(
         blocks: with a block cache (`cache` is then L layers of [N+1, bs, K_r, D], see
             `nxdi.core.programs.block_kv`): where each token reads and writes; `x.last_index` is
             then unused (each segment's output token is `blocks.out_index`).
-        extras: also return the extra outputs `moe_settings.routing_outputs(part)` names.
 
     Returns:
         logits [B, 1, V] fp32 (or [B, S, V] with `all_logits`; [B, R, V] with `blocks`, one per
         segment), the same on every rank, and the cache with this step's keys and values written
-        at the tokens' slots; every other slot unchanged. Inputs are not mutated. With `extras`,
-        a third value: the extra outputs by name (`moe_settings.ROUTER_LOGITS` [L, B*S, X] fp32,
-        `EXPERT_INDEX` [L, B*S, k] int64; rows in [B, S] order, padding tokens included; empty
-        when none is asked).
+        at the tokens' slots; every other slot unchanged. Inputs are not mutated. Third, the extra
+        outputs `moe_settings.routing_outputs(part)` names, by name (`moe_settings.ROUTER_LOGITS`
+        [L, B*S, X] fp32, `EXPERT_INDEX` [L, B*S, k] int64; rows in [B, S] order, padding tokens
+        included; empty when none is asked).
     """
     part = Partition.single(spec) if part is None else part
     b, s = x.input_ids.shape
@@ -330,7 +314,7 @@ def forward(
     if sp:
         h = coll.scatter(h.view(b, s, -1), 1).reshape(-1, h.shape[-1])  # [B*S/tp, E]
     ks, vs = [], []
-    wanted = moe_settings.routing_outputs(part) if extras else ()
+    wanted = moe_settings.routing_outputs(part)
     routed: list[moe.MoEOutput] = []
     for i, (lw, mask, k_cache, v_cache) in enumerate(zip(w.layers, masks, cache.k, cache.v, strict=True)):
         normed = _norm(h, lw.input_norm, spec)
@@ -367,5 +351,5 @@ def forward(
     logits = linear(_norm(h, w.norm, spec), w.lm_head)  # [B, S', V_r]
     if part.tp > 1:
         logits = coll.all_gather(logits, -1)[..., : spec.vocab_size]  # [B, S', V] on every rank
-    logits, new = _soft_cap(logits, spec.final_logit_softcap).float(), KVCache(k=tuple(ks), v=tuple(vs))
-    return (logits, new, moe_settings.stack_routing(routed, wanted)) if extras else (logits, new)
+    logits = _soft_cap(logits, spec.final_logit_softcap).float()
+    return logits, KVCache(k=tuple(ks), v=tuple(vs)), moe_settings.stack_routing(routed, wanted)

@@ -31,8 +31,8 @@ from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 
 Forward = Callable[..., tuple[Tensor, KVCache, Mapping[str, Tensor]]]
-"""A program's `forward(weights, cache, x, *, spec, part, coll, extras=True, ...)`: logits, the
-cache and the extra outputs by name (see `nxdi.core.programs.decoder.forward`)."""
+"""A program's `forward_outputs(weights, cache, x, *, spec, part, coll, ...)`: logits, the cache and
+the extra outputs by name (see `nxdi.core.programs.decoder.forward_outputs`)."""
 
 LOGITS = "logits"
 TOKENS = "tokens"
@@ -116,9 +116,7 @@ def step(
         names; and the updated cache (view).
     """
     given = {} if blocks is None else {"blocks": blocks}
-    logits, cache, extras = forward(
-        weights, cache, x, spec=spec.model, part=spec.partition, coll=coll, extras=True, **given
-    )
+    logits, cache, extras = forward(weights, cache, x, spec=spec.model, part=spec.partition, coll=coll, **given)
     if not spec.on_device_sampling:
         return StepOutputs(logits=logits, extras=extras), cache
     last = logits.reshape(-1, logits.shape[-1])  # [B*R, V]: one output per row (and segment)
