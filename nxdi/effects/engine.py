@@ -55,7 +55,7 @@ from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import block_programs, buckets, sharding
 from nxdi.core.planning.block_programs import BlockPlan
-from nxdi.core.planning.partition import Partition, check_partition
+from nxdi.core.planning.partition import Partition, check_partition, program_shard_plan
 from nxdi.core.planning.program_key import ProgramKey, program_keys
 from nxdi.core.planning.rank_weights import rank_plan
 from nxdi.core.programs import block_kv, catalog, kv_cache
@@ -113,7 +113,7 @@ class EngineModel:
 
     def shard_plan(self) -> sharding.ShardPlan:
         """The sharding of the program's layout (Q, K and V fused) over tp ranks."""
-        planned = sharding.shard_plan_for(self.model, attrs.evolve(self.spec, fused_qkv=True))
+        planned = program_shard_plan(self.model, self.spec)
         assert isinstance(planned, Success), f"a model that passed its checks shards: {planned}"
         return planned.unwrap()
 
@@ -266,7 +266,9 @@ class _FlatStep:
         spec, coll = m.step_spec, m.collectives()
         if rank:
             coll = with_rank(coll, rank[0])
-        outs, new = step(m.program.forward, weights, cache, x, params, uniforms, spec=spec, coll=coll, blocks=blocks)
+        outs, new = step(
+            m.program.forward_outputs, weights, cache, x, params, uniforms, spec=spec, coll=coll, blocks=blocks
+        )
         named = outs.named()
         return (*(named[n] for n in spec.outputs), *new.to_tensors())
 
@@ -369,7 +371,9 @@ def eager_runtime(model: EngineModel, source: CheckpointSource) -> Result[Runtim
 
     def build(tensors: Mapping[str, Tensor]) -> Runtime:
         value = model.program.weights(tensors, spec=model.model)
-        program = functools.partial(step, model.program.forward, value, spec=model.step_spec, coll=model.collectives())
+        program = functools.partial(
+            step, model.program.forward_outputs, value, spec=model.step_spec, coll=model.collectives()
+        )
         programs = dict.fromkeys(model.program_keys(), program)
         return runtime_for(model, programs, value)
 

@@ -145,6 +145,12 @@ def _flash_decoding_group(plan: ShardPlan, model: ModelSpec) -> Result[int, Conf
     return gqa.flash_decoding_group(tp, q, kv).bind(fits)
 
 
+def program_shard_plan(model: ModelSpec, spec: NeuronSpec) -> Result[ShardPlan, ConfigError]:
+    """The sharding of the programs' weight layout under `spec`: Q, K and V always fused (the one
+    layout the programs take, whatever `fused_qkv` says about the checkpoint)."""
+    return shard_plan_for(model, attrs.evolve(spec, fused_qkv=True))
+
+
 def check_partition(model: ModelSpec, spec: NeuronSpec) -> Result[Partition, ConfigError]:
     """The per-rank shapes the engine runs `model` with under `spec` (Q, K and V fused).
 
@@ -154,7 +160,7 @@ def check_partition(model: ModelSpec, spec: NeuronSpec) -> Result[Partition, Con
         group the layout does not give.
     """
     tp = spec.tp_degree
-    plan = shard_plan_for(model, attrs.evolve(spec, fused_qkv=True))
+    plan = program_shard_plan(model, spec)
     sequence = (
         buckets.context_table_for(spec).bind(lambda t: check_sequence_parallel(tp, t.lengths))
         if spec.sequence_parallel_enabled and tp > 1
