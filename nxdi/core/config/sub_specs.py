@@ -275,7 +275,7 @@ class MoESpec:
         None,
         "Separate MoE TP/EP degrees for context encoding and token generation.",
         cpu=OnCpu.REFUSED,
-        cpu_note="expert parallelism is not implemented yet",
+        cpu_note="one expert layout serves every program (context encoding and token generation share the weights)",
     )
     moe_tp_degree: int = setting(
         1,
