@@ -19,6 +19,7 @@ _EXPORTS: dict[str, str] = {
     "LoraServingConfig": "nxdi.shell.config",
     "ChunkedPrefillConfig": "nxdi.shell.config",
     "RouterConfig": "nxdi.shell.config",
+    "HybridShardingConfig": "nxdi.shell.config",
     "InferenceConfig": "nxdi.shell.inference_config",
     "FusedSpecNeuronConfig": "nxdi.shell.inference_config",
     "load_pretrained_config": "nxdi.shell.inference_config",

@@ -39,6 +39,26 @@ def scale_name(name: str) -> str:
     return name.removesuffix("weight") + "scale"
 
 
+_EXPERTS, _TKG_EXPERTS = ".mlp.experts.", ".mlp.experts_tkg."
+
+
+def tkg_twin(name: str) -> str | None:
+    """The name of an experts weight's token-generation copy, which a rank holds beside it when
+    hybrid sharding lays the experts out differently for token generation (NxD's `mlp_op_tkg`):
+    `layers.0.mlp.experts.up_proj.weight` -> `layers.0.mlp.experts_tkg.up_proj.weight`; None for a
+    weight that is not an expert's."""
+    return name.replace(_EXPERTS, _TKG_EXPERTS) if _EXPERTS in name else None
+
+
+def is_tkg_twin(name: str) -> bool:
+    """Whether `name` is the token-generation copy of an experts weight (`tkg_twin`)."""
+    return _TKG_EXPERTS in name
+
+
+TKG_MLP_SLOT = "mlp_tkg"
+"""Where a layer's token-generation experts sit in the slot paths (`layers.{i}.mlp_tkg.up`)."""
+
+
 def dims(spec: ModelSpec) -> Mapping[str, int]:
     """The sizes the dimension letters of a table stand for."""
     return {
@@ -222,6 +242,11 @@ class WeightTable:
         """Slot path -> value for the named values given (a tied slot missing from `tensors` is aliased).
         A quantized linear's scale (`scale_name(name)`) goes to `<slot>.scale`."""
         out = {slot: tensors[name] for name, slot, _ in self.entries(spec) if name in tensors}
+        out |= {  # hybrid sharding: the token-generation experts beside the layer's own
+            slot.replace(".mlp.", f".{TKG_MLP_SLOT}.", 1): tensors[twin]
+            for name, slot, _ in self.entries(spec)
+            if (twin := tkg_twin(name)) is not None and twin in tensors
+        }
         out |= {
             slot + SCALE_SUFFIX: tensors[scale_name(n)] for n, slot, _ in self.entries(spec) if scale_name(n) in tensors
         }

@@ -20,6 +20,7 @@ from nxdi.core.config.fields import JsonMap, did_you_mean, sub_spec_fields, to_j
 from nxdi.core.config.neuron_spec import DERIVED, NeuronSpec
 from nxdi.core.config.sub_specs import (
     ChunkedPrefillSpec,
+    HybridShardingSpec,
     LoraSpec,
     MoESpec,
     OnDeviceSamplingSpec,
@@ -191,8 +192,25 @@ class RouterConfig(_SubConfig):
         return RouterConfig(act_fn=kwargs.pop("router_act_fn", "softmax"), dtype=kwargs.pop("router_dtype", "float32"))
 
 
+class HybridShardingConfig(_SubConfig):
+    """Separate MoE degrees for context encoding and token generation (NxD `HybridShardingConfig`):
+    `moe_cte_tp_degree` x `moe_cte_ep_degree` and `moe_tkg_tp_degree` x `moe_tkg_ep_degree` each
+    equal tp_degree (checked with the config). When the two layouts differ every rank holds both,
+    as NxD's `mlp_op` and `mlp_op_tkg` do. All default to 1, as in NxD.
+
+    Raises:
+        IncompatibleConfigError: an unknown attribute or a degree that is not a positive integer.
+    """
+
+    _spec_cls = HybridShardingSpec
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(unwrap(parse_sub(HybridShardingSpec, kwargs, prefix=_field_of(HybridShardingSpec))))
+
+
 _SUB_CLASSES: Mapping[type, type[_SubConfig]] = {
-    c._spec_cls: c for c in (OnDeviceSamplingConfig, LoraServingConfig, ChunkedPrefillConfig, RouterConfig)
+    c._spec_cls: c
+    for c in (OnDeviceSamplingConfig, LoraServingConfig, ChunkedPrefillConfig, RouterConfig, HybridShardingConfig)
 }
 """The shell class of each sub-spec users configure through an object."""
 

@@ -84,6 +84,8 @@ def wait_until_gone(pids: list[int], seconds: float = 10.0) -> list[int]:
 # --- numbers: every family -------------------------------------------------------------------
 
 SP, VP, FD = "sequence_parallel_enabled", "vocab_parallel", "flash_decoding_enabled"
+HYBRID_TP2 = {"moe_cte_tp_degree": 2, "moe_cte_ep_degree": 1, "moe_tkg_tp_degree": 1, "moe_tkg_ep_degree": 2}
+HYBRID_TP4 = {"moe_cte_tp_degree": 1, "moe_cte_ep_degree": 4, "moe_tkg_tp_degree": 2, "moe_tkg_ep_degree": 2}
 CASES = [  # (family, tp_degree, compiled batch, settings): each family at tp 2 and 4, batch 1 and 4
     ("llama", 2, 1, ()),
     ("llama", 2, 4, (VP,)),
@@ -113,6 +115,9 @@ CASES = [  # (family, tp_degree, compiled batch, settings): each family at tp 2 
     ("mixtral", 2, 4, (("moe_tp_degree", 1), ("moe_ep_degree", 2))),
     ("dbrx", 2, 4, (SP, VP, ("moe_tp_degree", 1), ("moe_ep_degree", 2))),
     ("qwen3_moe", 4, 4, (SP, ("moe_tp_degree", 2), ("moe_ep_degree", 2))),
+    # hybrid sharding: context encoding and token generation each run their own expert layout
+    ("mixtral", 2, 4, (("hybrid_sharding_config", HYBRID_TP2),)),
+    ("qwen3_moe", 4, 1, (SP, ("hybrid_sharding_config", HYBRID_TP4))),
 ]
 
 

@@ -1,6 +1,6 @@
 """Tensor parallelism in the programs, with ranks as threads (tests/support/thread_ranks.py).
 
-- every rank of a tp-way split (dense, or a mixture of experts with or without expert parallelism) gives the logits of one rank holding everything, through a prefill
+- every rank of a tp-way split (dense, or a mixture of experts with or without expert parallelism, hybrid sharding included) gives the logits of one rank holding everything, through a prefill
   and decode steps, whatever the head counts (GQA replication, zero-padded heads, MHA conversion),
   with the embedding split along hidden or vocabulary, with and without sequence parallelism, and
   with flash decoding (each rank caching 1/g of the sequence) wherever the layout allows it;
@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nxdi.core.config.sub_specs import MoESpec
+from nxdi.core.config.sub_specs import HybridShardingSpec, MoESpec
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import sharding
@@ -46,14 +46,30 @@ class TPCase:
     sequence_parallel: bool
     moe_ep: int = 1
     """Expert groups (a mixture of experts: a divisor of tp and of the experts)."""
+    tkg_ep: int | None = None
+    """Hybrid sharding: token generation's expert groups, when they differ from `moe_ep`."""
 
     def shard(self) -> sharding.ShardPlan:
         return sharding.shard_plan(
-            self.spec, tp=self.tp, fused_qkv=True, vocab_parallel=self.vocab_parallel, moe_ep=self.moe_ep
+            self.spec,
+            tp=self.tp,
+            fused_qkv=True,
+            vocab_parallel=self.vocab_parallel,
+            moe_ep=self.moe_ep,
+            tkg_ep=self.tkg_ep,
         ).unwrap()
 
+    def moe(self) -> MoESpec | None:
+        if not self.spec.is_moe:
+            return None
+        if self.tkg_ep is None:
+            return MoESpec(moe_tp_degree=self.tp // self.moe_ep, moe_ep_degree=self.moe_ep)
+        degrees = (self.tp // self.moe_ep, self.moe_ep, self.tp // self.tkg_ep, self.tkg_ep)
+        names = ("moe_cte_tp_degree", "moe_cte_ep_degree", "moe_tkg_tp_degree", "moe_tkg_ep_degree")
+        return MoESpec(hybrid_sharding_config=HybridShardingSpec(**dict(zip(names, degrees, strict=True))))
+
     def partition(self) -> Partition:
-        moe = MoESpec(moe_tp_degree=self.tp // self.moe_ep, moe_ep_degree=self.moe_ep) if self.spec.is_moe else None
+        moe = self.moe()
         return partition_of(
             self.shard(),
             self.spec,
@@ -68,13 +84,12 @@ def tp_cases(draw: st.DrawFn) -> TPCase:
     spec, tp = draw(decoder_specs()), draw(st.integers(2, 4))
     groups = [g for g in range(1, tp + 1) if tp % g == 0 and spec.is_moe and spec.num_experts % g == 0] or [1]
     moe_ep = draw(st.one_of(st.just(groups[-1]), st.sampled_from(groups)))  # the most expert groups, often
-    return TPCase(spec, tp, draw(st.booleans()), draw(st.booleans()), moe_ep)
+    tkg_ep = draw(st.sampled_from(groups))  # hybrid sharding when it differs
+    return TPCase(spec, tp, draw(st.booleans()), draw(st.booleans()), moe_ep, tkg_ep if tkg_ep != moe_ep else None)
 
 
-def _rank_weights(
-    spec: ModelSpec, tp: int, vocab_parallel: bool, seed: int, moe_ep: int = 1
-) -> tuple[sharding.ShardPlan, list[Any]]:
-    shard = sharding.shard_plan(spec, tp=tp, fused_qkv=True, vocab_parallel=vocab_parallel, moe_ep=moe_ep).unwrap()
+def _rank_weights(case: TPCase, seed: int) -> tuple[sharding.ShardPlan, list[Any]]:
+    spec, tp, shard = case.spec, case.tp, case.shard()
     state = random_state_dict(spec, seed)
     program = program_of(spec)
     weights = []
@@ -115,7 +130,7 @@ def test_every_rank_gives_the_logits_of_one_rank(case: TPCase, seed: int, n: int
     toks = torch.randint(0, spec.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
     bucket = -(-n // tp) * tp  # sequence parallelism splits the context bucket over the ranks
     expected = _run(spec, random_weights(spec, seed), Partition.single(spec), SINGLE, toks, bucket)
-    _, weights = _rank_weights(spec, tp, case.vocab_parallel, seed, case.moe_ep)
+    _, weights = _rank_weights(case, seed)
     part = case.partition()
     for got in run_ranks(tp, lambda rank, coll: _run(spec, weights[rank], part, coll, toks, bucket)):
         _close(got, expected)
@@ -138,7 +153,7 @@ def test_flash_decoding_gives_the_logits_of_one_rank(case: tuple[ModelSpec, int]
     toks = torch.randint(0, spec.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
     bucket = n + 1  # any length: the ranks of a group hold ceil(T / g) slots each
     expected = _run(spec, random_weights(spec, seed), Partition.single(spec), SINGLE, toks, bucket)
-    shard, weights = _rank_weights(spec, tp, False, seed)
+    shard, weights = _rank_weights(TPCase(spec, tp, vocab_parallel=False, sequence_parallel=False), seed)
     part = partition_of(shard, spec, kv_group=tp // spec.num_kv_heads)
     assert shard.counts.kv_per_rank == 1
     for got in run_ranks(tp, lambda rank, coll: _run(spec, weights[rank], part, coll, toks, bucket)):

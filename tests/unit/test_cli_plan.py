@@ -258,3 +258,27 @@ def test_timings_summary() -> None:
     t = Timings(samples=[0.010, 0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009])
     assert (t.min, t.median, t.p90) == (0.001, 0.0055, 0.009)
     assert Timings(samples=[0.5]).p90 == 0.5
+
+
+def test_mixtral_hybrid_sharding_reports_both_expert_layouts(
+    models: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Context encoding splits every expert over all 32 ranks; token generation gives each group of
+    4 ranks one expert. Each rank holds both, so the weights per core grow by the second copy."""
+    hybrid = ("--moe-cte-tp-degree", "32", "--moe-cte-ep-degree", "1", "--moe-tkg-tp-degree", "4")
+    status, out, _ = _plan(capsys, models["mixtral"], "--tp-degree", "32", *hybrid, "--moe-tkg-ep-degree", "8")
+    assert status == 0, out
+    assert "Experts    context encoding 8 per layer on every rank: 8 experts per rank, each 448 of its 14336" in out
+    assert "Experts    token generation 8 per layer in 8 expert groups of 4 ranks: 1 expert per rank, each 3584" in out
+    status, doc = _plan_json(capsys, models["mixtral"], "--tp-degree", "32", *hybrid, "--moe-tkg-ep-degree", "8")
+    _, plain = _plan_json(capsys, models["mixtral"], "--tp-degree", "32")
+    s = doc["sharding"]
+    assert status == 0 and (s["experts_per_rank"], s["expert_rows_per_rank"]) == (8, 448)
+    assert (s["tkg_experts_per_rank"], s["tkg_expert_rows_per_rank"]) == (1, 3584)
+    assert plain["sharding"]["tkg_experts_per_rank"] is None
+    # the second copy: 1 expert's 3584 rows per rank, of 3 [E]-wide matrices, in 32 layers, bf16
+    second = 32 * 3 * 1 * 3584 * 4096 * 2
+    assert doc["memory"]["weights_bytes_per_core"] - plain["memory"]["weights_bytes_per_core"] == second
+    status, _, err = _plan(capsys, models["mixtral"], "--tp-degree", "32", *hybrid, "--moe-tkg-ep-degree", "4")
+    assert status == 2 and "hybrid_sharding_config.moe_tkg_tp_degree=4: x moe_tkg_ep_degree=4 must equal" in err
+    assert "set moe_tkg_tp_degree=8" in err

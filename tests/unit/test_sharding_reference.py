@@ -205,3 +205,19 @@ def test_mixtral_8x7b_experts_at_tp32_with_8_expert_groups() -> None:
     for ep in (3, 16, 64):  # divides neither tp nor the 8 experts, or not both
         bad = sharding.shard_plan(spec(MIXTRAL_8X7B), tp=32, moe_ep=ep)
         assert isinstance(bad, Failure) and bad.failure().problems[0].field == "moe_ep_degree"
+
+
+def test_hybrid_sharding_gives_every_rank_token_generations_copy_of_the_experts() -> None:
+    """NxD's `mlp_op_tkg`: context encoding's layout under `experts`, token generation's under
+    `experts_tkg`, each with its own expert groups; an ep degree that does not divide is named."""
+    plan = sharding.shard_plan(spec(MIXTRAL_8X7B), tp=32, moe_ep=1, tkg_ep=8).unwrap()
+    assert plan.hybrid and not sharding.shard_plan(spec(MIXTRAL_8X7B), tp=32, moe_ep=8).unwrap().hybrid
+    cte = plan.weight("layers.{i}.mlp.experts.gate_proj.weight")
+    tkg = plan.weight("layers.{i}.mlp.experts_tkg.gate_proj.weight")
+    assert cte.rank_shape(5) == (8, 448, 4096) and cte.expert_spans is None
+    assert tkg.rank_shape(5) == (1, 3584, 4096) and tkg.expert_spans is not None and tkg.expert_spans[5] == (1, 2)
+    assert plan.experts_per_rank(5) == (8, 448) and plan.experts_per_rank(5, token_generation=True) == (1, 3584)
+    bad = sharding.shard_plan(spec(MIXTRAL_8X7B), tp=32, moe_ep=3, tkg_ep=16)
+    assert isinstance(bad, Failure)
+    fields = [p.field for p in bad.failure().problems]
+    assert fields == ["hybrid_sharding_config.moe_cte_ep_degree", "hybrid_sharding_config.moe_tkg_ep_degree"]

@@ -16,6 +16,7 @@ from transformers import LlamaConfig
 import nxdi
 from nxdi import (
     FusedSpecNeuronConfig,
+    HybridShardingConfig,
     IncompatibleConfigError,
     InferenceConfig,
     LlamaInferenceConfig,
@@ -199,6 +200,33 @@ def test_router_config_is_an_object_as_in_the_reference(tmp_path: Path) -> None:
     ):
         with pytest.raises(IncompatibleConfigError, match=re.escape(field)):
             MoENeuronConfig(**bad)
+
+
+def test_hybrid_sharding_config_is_an_object_as_in_the_reference(tmp_path: Path) -> None:
+    """NxD's `HybridShardingConfig`: a dict or the object; the degrees are checked against tp_degree
+    with the config (each phase's product), and moe_tp/ep_degree may only repeat the context pair."""
+    cte_tkg = {"moe_cte_tp_degree": 2, "moe_cte_ep_degree": 1, "moe_tkg_tp_degree": 1, "moe_tkg_ep_degree": 2}
+    m = MoENeuronConfig(tp_degree=2, hybrid_sharding_config=cte_tkg)
+    assert isinstance(m.hybrid_sharding_config, HybridShardingConfig)
+    assert m.hybrid_sharding_config.moe_tkg_ep_degree == 2 and m.hybrid_sharding_config.to_dict() == cte_tkg
+    assert MoENeuronConfig(tp_degree=2, hybrid_sharding_config=HybridShardingConfig(**cte_tkg)) == m
+    assert m.spec.moe is not None and m.spec.moe.hybrid
+    assert m.spec.moe.ep_degree(token_generation=False) == 1 and m.spec.moe.ep_degree(token_generation=True) == 2
+    hf = {"model_type": "mixtral", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1}
+    hf |= {"num_key_value_heads": 2, "vocab_size": 32, "max_position_embeddings": 64, "rope_theta": 1e4}
+    hf |= {"rms_norm_eps": 1e-5, "hidden_act": "silu", "num_local_experts": 4, "num_experts_per_tok": 2}
+    MixtralInferenceConfig(m, pad_token_id=0, intermediate_size=32, **hf).save(tmp_path)
+    assert MixtralInferenceConfig.load(tmp_path).neuron_config == m
+    for bad, field in (
+        ({"tp_degree": 4, "hybrid_sharding_config": cte_tkg}, "hybrid_sharding_config.moe_cte_tp_degree=2: x"),
+        ({"tp_degree": 2, "hybrid_sharding_config": cte_tkg, "moe_ep_degree": 2}, "moe_ep_degree=2: is replaced"),
+        ({"hybrid_sharding_config": {"moe_cte_tp": 2}}, "hybrid_sharding_config.moe_cte_tp"),
+        ({"hybrid_sharding_config": {"moe_tkg_ep_degree": 0}}, "hybrid_sharding_config.moe_tkg_ep_degree=0"),
+    ):
+        with pytest.raises(IncompatibleConfigError, match=re.escape(field)):
+            MoENeuronConfig(**bad)
+    # repeating the context-encoding pair is allowed
+    assert MoENeuronConfig(tp_degree=2, hybrid_sharding_config=cte_tkg, moe_tp_degree=2).spec.moe is not None
 
 
 def test_lora_serving_config_reads_paths_and_adapter_configs(tmp_path: Path) -> None:

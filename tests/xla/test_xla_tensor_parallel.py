@@ -44,12 +44,15 @@ def xla_tp_model(backend_model: Callable[..., Any]) -> Callable[..., Any]:
     return functools.partial(backend_model, "xla")
 
 
+HYBRID = {"moe_cte_tp_degree": 2, "moe_cte_ep_degree": 1, "moe_tkg_tp_degree": 1, "moe_tkg_ep_degree": 2}
 CASES = [
     ("llama", 2, (VP,)),
     ("qwen3", 2, (SP,)),
     ("mistral", 4, (SP, VP)),
     ("qwen2", 4, (FD,)),
     ("mixtral", 2, (("moe_tp_degree", 1), ("moe_ep_degree", 2))),  # expert parallelism: one expert group per rank
+    # hybrid sharding: context encoding splits every expert, token generation one expert group per rank
+    ("mixtral", 2, (("hybrid_sharding_config", HYBRID),)),
 ]
 
 

@@ -2,9 +2,11 @@
 
 from nxdi.shell.config import (
     ChunkedPrefillConfig,
+    HybridShardingConfig,
     MoENeuronConfig,
     NeuronConfig,
     OnDeviceSamplingConfig,
+    RouterConfig,
     to_torch_dtype,
 )
 from nxdi.shell.exceptions import IncompatibleConfigError
@@ -14,11 +16,13 @@ from nxdi.shell.lora_serving import LoraServingConfig
 __all__ = [
     "ChunkedPrefillConfig",
     "FusedSpecNeuronConfig",
+    "HybridShardingConfig",
     "IncompatibleConfigError",
     "InferenceConfig",
     "LoraServingConfig",
     "MoENeuronConfig",
     "NeuronConfig",
     "OnDeviceSamplingConfig",
+    "RouterConfig",
     "to_torch_dtype",
 ]

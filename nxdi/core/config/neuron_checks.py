@@ -167,10 +167,30 @@ def _parallel(s: NeuronSpec) -> Iterator[Problem]:
 
 def _moe_degrees(s: NeuronSpec) -> Iterator[Problem]:
     """The MoE layers' ranks: moe_ep_degree expert groups of moe_tp_degree ranks make up tp_degree
-    (moe_tp_degree 1 with moe_ep_degree 1 means unset: every rank splits every expert)."""
+    (moe_tp_degree 1 with moe_ep_degree 1 means unset: every rank splits every expert); with
+    `hybrid_sharding_config`, its context-encoding and token-generation pairs each make up tp_degree
+    and replace moe_tp_degree/moe_ep_degree (which may then only repeat the context-encoding pair)."""
     if s.moe is None:
         return
     tp, moe_tp, moe_ep = s.tp_degree, s.moe.moe_tp_degree, s.moe.moe_ep_degree
+    h = s.moe.hybrid_sharding_config
+    if h is not None:
+        for phase in ("cte", "tkg"):
+            p_tp, p_ep = getattr(h, f"moe_{phase}_tp_degree"), getattr(h, f"moe_{phase}_ep_degree")
+            if p_tp * p_ep != tp:
+                why = (
+                    f"x moe_{phase}_ep_degree={p_ep} must equal tp_degree={tp}: the ranks are laid out as expert groups"
+                )
+                fix = f"set moe_{phase}_tp_degree={tp // p_ep}" if tp % p_ep == 0 else f"use an ep degree dividing {tp}"
+                yield Problem.of(f"hybrid_sharding_config.moe_{phase}_tp_degree", p_tp, why, fix)
+        for name, value, cte in (
+            ("moe_tp_degree", moe_tp, h.moe_cte_tp_degree),
+            ("moe_ep_degree", moe_ep, h.moe_cte_ep_degree),
+        ):
+            if value != 1 and value != cte:
+                why = "is replaced by hybrid_sharding_config's degrees, which differ"
+                yield Problem.of(name, value, why, "leave it 1 (hybrid_sharding_config sets both phases)")
+        return
     if moe_ep == 1 and moe_tp not in (1, tp):
         why = f"must equal tp_degree={tp} (moe_tp_degree x moe_ep_degree = tp_degree, moe_ep_degree=1)"
         yield Problem.of("moe_tp_degree", moe_tp, why, f"set moe_tp_degree={tp} or leave it 1")

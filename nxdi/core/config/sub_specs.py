@@ -273,9 +273,7 @@ class MoESpec:
     )
     hybrid_sharding_config: HybridShardingSpec | None = setting(
         None,
-        "Separate MoE TP/EP degrees for context encoding and token generation.",
-        cpu=OnCpu.REFUSED,
-        cpu_note="one expert layout serves every program (context encoding and token generation share the weights)",
+        "Separate MoE TP/EP degrees for context encoding and token generation (ranks hold both expert layouts); replaces moe_tp/ep_degree.",
     )
     moe_tp_degree: int = setting(
         1,
@@ -299,6 +297,20 @@ class MoESpec:
         RouterSpec(),
         "Router activation and dtype; router_act_fn and router_dtype kwargs fill it; default softmax, float32.",
     )
+
+    def ep_degree(self, *, token_generation: bool) -> int:
+        """The expert groups of context encoding or of token generation: `hybrid_sharding_config`'s
+        degree for that phase when set, else `moe_ep_degree` for both."""
+        h = self.hybrid_sharding_config
+        if h is None:
+            return self.moe_ep_degree
+        return h.moe_tkg_ep_degree if token_generation else h.moe_cte_ep_degree
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether context encoding and token generation lay the experts out differently (each rank
+        then holds both layouts: NxD's `mlp_op` and `mlp_op_tkg`)."""
+        return self.ep_degree(token_generation=False) != self.ep_degree(token_generation=True)
 
 
 def _user_name(cls: type) -> str:

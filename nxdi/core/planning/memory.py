@@ -70,6 +70,9 @@ class MemoryRequest:
     flash_decoding_enabled: bool = False
     moe_ep_degree: int = attrs.field(default=1, validator=attrs.validators.gt(0))
     """Expert groups a mixture of experts' experts are split over (`sharding.expert_group_size`)."""
+    moe_tkg_ep_degree: int | None = None
+    """Hybrid sharding: token generation's expert groups, a second copy of the experts per rank
+    (None: token generation uses the one layout)."""
     lora: LoraLoad | None = None
     platform: Platform = Platform.TRN1
     logical_nc_config: int | None = None
@@ -186,6 +189,7 @@ def _per_core(model: ModelSpec, req: MemoryRequest) -> Result[MemoryPlan, Config
         fused_qkv=req.fused_qkv,
         vocab_parallel=req.vocab_parallel,
         moe_ep=req.moe_ep_degree if model.is_moe else 1,
+        tkg_ep=req.moe_tkg_ep_degree if model.is_moe else None,
     )
     return plan.bind(lambda p: layout_for(model, p.counts, req).map(lambda kv: _compose(model, p, kv, req)))
 
@@ -260,7 +264,10 @@ def memory_request_for(
             fused_qkv=spec.fused_qkv,
             vocab_parallel=spec.vocab_parallel,
             flash_decoding_enabled=spec.flash_decoding_enabled,
-            moe_ep_degree=spec.moe.moe_ep_degree if spec.moe is not None else 1,
+            moe_ep_degree=spec.moe.ep_degree(token_generation=False) if spec.moe is not None else 1,
+            moe_tkg_ep_degree=spec.moe.ep_degree(token_generation=True)
+            if spec.moe is not None and spec.moe.hybrid
+            else None,
             lora=lora_load,
             platform=platform,
             logical_nc_config=spec.logical_nc_config,

@@ -50,11 +50,16 @@ class Partition:
     experts: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     """Experts per rank: all of them, or 1/moe_ep_degree under expert parallelism (rank r holds
     group `r // (tp / moe_ep_degree)`, see `sharding.expert_group_size`); 0 for a dense model."""
+    tkg_experts: int | None = None
+    """Experts per rank of token generation's own layout under hybrid sharding (the `experts_tkg`
+    weights); None when token generation uses `experts`."""
 
-    @property
-    def moe_tp(self) -> int:
-        """Ranks splitting each expert's intermediate width (tp / moe_ep_degree)."""
-        return self.tp // (self.moe.moe_ep_degree if self.moe is not None else 1)
+    def expert_layout(self, *, token_generation: bool) -> tuple[int, int]:
+        """(experts per rank, ranks splitting each expert's width: tp / ep degree) of context
+        encoding or token generation (they differ under hybrid sharding)."""
+        ep = self.moe.ep_degree(token_generation=token_generation) if self.moe is not None else 1
+        experts = self.tkg_experts if token_generation and self.tkg_experts is not None else self.experts
+        return experts, self.tp // ep
 
     def cache_slots(self, positions: int) -> int:
         """KV-cache slots a rank holds for `positions` positions: ceil(positions / kv_group)."""
@@ -95,6 +100,7 @@ def partition_of(
         return attrs.evolve(Partition.single(model, moe=moe), sequence_parallel=False, vocab_parallel=vocab_parallel)
     tp, c = plan.tp, plan.counts
     experts, rows = plan.experts_per_rank() or (0, round_up(model.intermediate_size, tp) // tp)
+    tkg = plan.experts_per_rank(token_generation=True) if plan.hybrid else None
     return Partition(
         tp=tp,
         q_heads=c.q_per_rank,
@@ -108,6 +114,7 @@ def partition_of(
         kv_group=kv_group,
         moe=_moe_settings(model, moe),
         experts=experts,
+        tkg_experts=None if tkg is None else tkg[0],
     )
 
 

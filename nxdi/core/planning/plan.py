@@ -98,6 +98,8 @@ def _buckets_dict(p: Plan) -> dict[str, Any]:
 
 def _sharding_dict(s: sharding.ShardPlan) -> dict[str, Any]:
     c = s.counts
+    e = s.experts_per_rank()
+    t = s.experts_per_rank(token_generation=True) if s.hybrid else None
     return {
         "tp_degree": s.tp,
         "strategy": c.strategy.value,
@@ -108,8 +110,11 @@ def _sharding_dict(s: sharding.ShardPlan) -> dict[str, Any]:
         "q_heads_per_rank": c.q_per_rank,
         "kv_heads_per_rank": c.kv_per_rank,
         "params_per_rank": s.rank_params(),
-        "experts_per_rank": None if (e := s.experts_per_rank()) is None else e[0],
+        "experts_per_rank": None if e is None else e[0],
         "expert_rows_per_rank": None if e is None else e[1],
+        # hybrid sharding: token generation's own copy of the experts (None: it uses the one above)
+        "tkg_experts_per_rank": None if t is None else t[0],
+        "tkg_expert_rows_per_rank": None if t is None else t[1],
     }
 
 

@@ -15,6 +15,8 @@ only the range of rows a Take spans (`Take.bounds`), so a rank holds its shard a
   its K rows from k_proj, its V rows from v_proj, which concatenate into its `[Q_r; K_r; V_r]`.
 - A tied lm_head stays an alias of the embedding only when both are split alike (vocab-parallel);
   otherwise the rank reads the embedding again, sliced as an lm_head.
+- Under hybrid sharding (`ShardPlan.hybrid`) every experts step gets a twin (`tkg_twin`), token
+  generation's layout of the same checkpoint tensors, sliced by its own sharding entry.
 - Replicated weights (norms, row-parallel biases) are read whole by every rank.
 - A quantized linear's scales follow its rows: split by output rows, a rank reads the scales of
   the rows it holds; split by input columns, it reads them all.
@@ -30,7 +32,7 @@ from returns.result import Failure, Result, Success
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.planning.sharding import ShardPlan, WeightShard
 from nxdi.core.weight_plan import Combine, SplitExperts, Take, WeightPlan, WeightStep
-from nxdi.core.weight_table import ExpertRows, scale_name
+from nxdi.core.weight_table import ExpertRows, scale_name, tkg_twin
 
 _LAYER = re.compile(r"^layers\.\d+\.")
 
@@ -139,6 +141,9 @@ def rank_plan(plan: WeightPlan, shard: ShardPlan, rank: int) -> Result[WeightPla
     """
     if not 0 <= rank < shard.tp:
         return Failure(ConfigError.of("rank", rank, f"must lie in 0..{shard.tp - 1}"))
+    if shard.hybrid:
+        twins = tuple(attrs.evolve(s, name=t) for s in plan.steps if (t := tkg_twin(s.name)) is not None)
+        plan = attrs.evolve(plan, steps=(*plan.steps, *twins))
     table = {w.name: w for w in shard.weights}
     values_of = {scale_name(s.name): s for s in plan.steps if s.quantized}
     missing = [s.name for s in plan.steps if _pattern(s.name) not in table and s.name not in values_of]

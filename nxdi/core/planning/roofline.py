@@ -96,8 +96,10 @@ def _check(
 def _weight_bytes(model: ModelSpec, plan: sharding.ShardPlan, req: memory.MemoryRequest, batch: int) -> int:
     """Weights one step reads (see the module rules): the plan without the gathered tables, routed experts only."""
     read = tuple(w for w in plan.weights if w.name not in _GATHERED)
-    dense = tuple(w for w in read if ".experts." not in w.name)
-    experts = tuple(w for w in read if ".experts." in w.name)
+    dense = tuple(w for w in read if ".experts" not in w.name)
+    # a decode step reads token generation's copy of the experts under hybrid sharding
+    group = ".experts_tkg." if plan.hybrid else ".experts."
+    experts = tuple(w for w in read if group in w.name)
     total = memory.weight_bytes_per_core(attrs.evolve(plan, weights=dense), req)
     if experts:
         routed = min(model.num_experts, batch * max(model.num_experts_per_tok, 1))

@@ -223,23 +223,34 @@ def _experts(
     return attrs.evolve(shard, expert_spans=tuple(groups[r // moe_tp] for r in range(tp)))
 
 
-def _mlp(model: ModelSpec, tp: int, moe_ep: int = 1) -> list[WeightShard]:
+def _experts_of(model: ModelSpec, tp: int, moe_ep: int, group: str) -> list[WeightShard]:
+    """One layer's experts weights named under `group` (`experts`, or `experts_tkg` for hybrid
+    sharding's token-generation copy), split over `moe_ep` groups of tp / moe_ep ranks, each
+    expert's intermediate size zero padded to a multiple of the group's ranks."""
+    e, f, n = model.hidden_size, model.intermediate_size, model.num_experts
+    fe = round_up(f, expert_group_size(tp, moe_ep))
+    m = f"layers.{{i}}.mlp.{group}"
+    col, row = ShardRule.COLUMN_PARALLEL, ShardRule.ROW_PARALLEL
+    ins = ("gate_proj", "up_proj") if model.gated_mlp else ("up_proj",)
+    out = [_experts(f"{m}.{p}.weight", col, (n, f, e), 1, tp, moe_ep, fe) for p in ins]
+    if model.mlp_bias:
+        out += [_experts(f"{m}.{p}.bias", col, (n, f), 1, tp, moe_ep, fe) for p in ins]
+        out.append(_experts(f"{m}.down_proj.bias", ShardRule.REPLICATED, (n, e), None, tp, moe_ep, e))
+    return [*out, _experts(f"{m}.down_proj.weight", row, (n, e, f), 2, tp, moe_ep, fe)]
+
+
+def _mlp(model: ModelSpec, tp: int, moe_ep: int = 1, tkg_ep: int | None = None) -> list[WeightShard]:
     """The MLP of one layer; the intermediate size is zero padded to a multiple of tp (of moe_tp in
-    a mixture of experts, whose experts are split over `moe_ep` groups of ranks)."""
+    a mixture of experts, whose experts are split over `moe_ep` groups of ranks; with `tkg_ep`,
+    every rank also holds the token-generation copy `experts_tkg`, split over `tkg_ep` groups)."""
     e, f = model.hidden_size, model.intermediate_size
     fp = round_up(f, tp)
     m = "layers.{i}.mlp"
     col, row = ShardRule.COLUMN_PARALLEL, ShardRule.ROW_PARALLEL
     ins = ("gate_proj", "up_proj") if model.gated_mlp else ("up_proj",)
     if model.is_moe:
-        n, moe_tp = model.num_experts, expert_group_size(tp, moe_ep)
-        fe = round_up(f, moe_tp)
-        out = [_copy(f"{m}.router.weight", (n, e), tp)]
-        out += [_experts(f"{m}.experts.{p}.weight", col, (n, f, e), 1, tp, moe_ep, fe) for p in ins]
-        if model.mlp_bias:
-            out += [_experts(f"{m}.experts.{p}.bias", col, (n, f), 1, tp, moe_ep, fe) for p in ins]
-            out.append(_experts(f"{m}.experts.down_proj.bias", ShardRule.REPLICATED, (n, e), None, tp, moe_ep, e))
-        return [*out, _experts(f"{m}.experts.down_proj.weight", row, (n, e, f), 2, tp, moe_ep, fe)]
+        out = [_copy(f"{m}.router.weight", (model.num_experts, e), tp), *_experts_of(model, tp, moe_ep, "experts")]
+        return out if tkg_ep is None else [*out, *_experts_of(model, tp, tkg_ep, "experts_tkg")]
     out = [_split(f"{m}.{p}.weight", col, (f, e), 0, tp, padded=fp) for p in ins]
     if model.mlp_bias:
         out += [_split(f"{m}.{p}.bias", col, (f,), 0, tp, padded=fp) for p in ins]
@@ -296,13 +307,22 @@ class ShardPlan:
     def weight(self, name: str) -> WeightShard:
         return next(w for w in self.weights if w.name == name)
 
-    def experts_per_rank(self, rank: int = 0) -> tuple[int, int] | None:
-        """(experts, intermediate rows of each) that `rank` holds of a mixture of experts; None when dense."""
-        up = next((w for w in self.weights if w.name == "layers.{i}.mlp.experts.up_proj.weight"), None)
+    def experts_per_rank(self, rank: int = 0, *, token_generation: bool = False) -> tuple[int, int] | None:
+        """(experts, intermediate rows of each) that `rank` holds of a mixture of experts, in token
+        generation's layout when asked and hybrid sharding gives it one; None when dense."""
+        names = {w.name: w for w in self.weights}
+        up = names.get("layers.{i}.mlp.experts.up_proj.weight")
         if up is None:
             return None
+        if token_generation:
+            up = names.get("layers.{i}.mlp.experts_tkg.up_proj.weight", up)
         experts, rows, _ = up.rank_shape(rank)
         return experts, rows
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether every rank also holds a token-generation layout of the experts (`experts_tkg`)."""
+        return any(w.name.startswith("layers.{i}.mlp.experts_tkg.") for w in self.weights)
 
 
 def shard_plan(
@@ -313,24 +333,34 @@ def shard_plan(
     fused_qkv: bool = False,
     vocab_parallel: bool = False,
     moe_ep: int = 1,
+    tkg_ep: int | None = None,
 ) -> Result[ShardPlan, ConfigError]:
     """The weight table of `model` over `tp` ranks, with the GQA strategy the reference would use;
-    a mixture of experts' experts split over `moe_ep` groups of tp / moe_ep ranks (`expert_group_size`).
+    a mixture of experts' experts split over `moe_ep` groups of tp / moe_ep ranks (`expert_group_size`),
+    and, with `tkg_ep` (hybrid sharding), a second copy for token generation over `tkg_ep` groups.
 
     Returns:
         `Failure` when tp is not positive, the head counts are inconsistent (see
-        `gqa.shardable_head_counts`) or `moe_ep` does not divide both tp and the experts; platform
-        limits are checked by `check_tp_degree`.
+        `gqa.shardable_head_counts`) or `moe_ep` (`tkg_ep`) does not divide both tp and the experts;
+        platform limits are checked by `check_tp_degree`.
     """
     if tp < 1:
         return Failure(ConfigError.of("tp_degree", tp, "must be a positive integer"))
-    if moe_ep != 1 and (not model.is_moe or tp % moe_ep or model.num_experts % moe_ep):
+    degrees: tuple[tuple[str, int], ...] = (("moe_ep_degree", moe_ep),)
+    if tkg_ep is not None:  # hybrid sharding: the user set these two under hybrid_sharding_config
+        degrees = (
+            ("hybrid_sharding_config.moe_cte_ep_degree", moe_ep),
+            ("hybrid_sharding_config.moe_tkg_ep_degree", tkg_ep),
+        )
+    bad = [(name, ep) for name, ep in degrees if ep != 1 and (not model.is_moe or tp % ep or model.num_experts % ep)]
+    if bad:
         why = f"must divide tp_degree={tp} and the model's {model.num_experts} experts"
-        return Failure(ConfigError.of("moe_ep_degree", moe_ep, why, "use a common divisor, or 1"))
+        fix = "use a common divisor, or 1"
+        return Failure(ConfigError(problems=tuple(Problem.of(name, ep, why, fix) for name, ep in bad)))
     chosen, notes = gqa.determine_strategy(tp, model.num_kv_heads, strategy, q=model.num_attention_heads)
     return gqa.shardable_head_counts(tp, model.num_attention_heads, model.num_kv_heads, chosen).map(
         lambda counts: _assemble(
-            model, counts, notes, fused_qkv=fused_qkv, vocab_parallel=vocab_parallel, moe_ep=moe_ep
+            model, counts, notes, fused_qkv=fused_qkv, vocab_parallel=vocab_parallel, moe_ep=moe_ep, tkg_ep=tkg_ep
         )
     )
 
@@ -343,12 +373,13 @@ def _assemble(
     fused_qkv: bool,
     vocab_parallel: bool,
     moe_ep: int,
+    tkg_ep: int | None,
 ) -> ShardPlan:
     layout = gqa.head_layout(counts)
     tp = counts.tp
     weights = (
         *_attention(model, layout, fused_qkv=fused_qkv),
-        *_mlp(model, tp, moe_ep),
+        *_mlp(model, tp, moe_ep, tkg_ep),
         *_norms(model, tp),
         *_embeddings(model, tp, vocab_parallel=vocab_parallel),
     )
@@ -428,8 +459,14 @@ def check_sequence_parallel(tp: int, context_buckets: Sequence[int]) -> Result[i
 
 
 def shard_plan_for(model: ModelSpec, spec: NeuronSpec) -> Result[ShardPlan, ConfigError]:
-    """The sharding plan of `model` under `spec` (tp_degree, fused_qkv, vocab_parallel, moe_ep_degree)."""
-    moe_ep = spec.moe.moe_ep_degree if spec.moe is not None and model.is_moe else 1
+    """The sharding plan of `model` under `spec` (tp_degree, fused_qkv, vocab_parallel, the expert
+    layouts of `MoESpec.ep_degree`: a token-generation copy when hybrid sharding makes them differ)."""
+    moe = spec.moe if model.is_moe else None
     return shard_plan(
-        model, tp=spec.tp_degree, fused_qkv=spec.fused_qkv, vocab_parallel=spec.vocab_parallel, moe_ep=moe_ep
+        model,
+        tp=spec.tp_degree,
+        fused_qkv=spec.fused_qkv,
+        vocab_parallel=spec.vocab_parallel,
+        moe_ep=1 if moe is None else moe.ep_degree(token_generation=False),
+        tkg_ep=moe.ep_degree(token_generation=True) if moe is not None and moe.hybrid else None,
     )

@@ -46,7 +46,7 @@ from nxdi.core.programs.collectives import SINGLE, Collectives
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 from nxdi.core.programs.linear import QuantizedWeight, Weight, linear
-from nxdi.core.weight_table import SCALE_SUFFIX
+from nxdi.core.weight_table import SCALE_SUFFIX, TKG_MLP_SLOT
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
@@ -80,6 +80,12 @@ class Layer:
     """[E] the norm of the attention output before the residual add (`spec.sandwich_norms`)."""
     mlp_out_norm: Tensor | None = None
     """[E] the norm of the MLP output before the residual add (`spec.sandwich_norms`)."""
+    mlp_tkg: moe.Experts | None = None
+    """Hybrid sharding: token generation's own layout of the experts (the router is `mlp`'s)."""
+
+    def mlp_for(self, *, decode: bool) -> MLP:
+        """The feed-forward weights a context-encoding or a token-generation (`decode`) step runs."""
+        return self.mlp_tkg if decode and self.mlp_tkg is not None else self.mlp
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
@@ -132,13 +138,17 @@ def weights_from_slots(slots: Mapping[str, Tensor], *, spec: ModelSpec) -> Decod
 
     def layer(i: int) -> Layer:
         parts = _group(folded, f"layers.{i}")
+        mlp = _group(parts, "mlp")
+        tkg = _group(parts, TKG_MLP_SLOT)
         return Layer(
             input_norm=parts["input_norm"],
             attn=attention.Attention(**_group(parts, "attn")),
             post_norm=parts["post_norm"],
-            mlp=_mlp_weights(_group(parts, "mlp"), spec),
+            mlp=_mlp_weights(mlp, spec),
             attn_out_norm=parts.get("attn_out_norm"),
             mlp_out_norm=parts.get("mlp_out_norm"),
+            # the router (and its bias) is replicated: one copy serves both layouts
+            mlp_tkg=moe.Experts(**{**mlp, **tkg}) if tkg else None,
         )
 
     return DecoderWeights(
@@ -179,8 +189,9 @@ def _mlp(
             assert part.moe is not None, "a mixture of experts' partition carries its settings"
             options = moe_settings.moe_options(spec, part.moe)
             path = moe.choose_path(x.shape[0], spec.num_experts, options, token_generation=decode)
-            ep = part.experts < spec.num_experts  # expert groups: this rank's first expert follows its rank
-            first = (coll.rank() // part.moe_tp) * part.experts if ep else 0
+            experts, moe_tp = part.expert_layout(token_generation=decode)
+            ep = experts < spec.num_experts  # expert groups: this rank's first expert follows its rank
+            first = (coll.rank() // moe_tp) * experts if ep else 0
             routed = moe.forward(x, m, options, path=path, first_expert=first, token_mask=token_mask)
             return routed.hidden, None, routed
 
@@ -290,7 +301,8 @@ def forward_outputs(
     """
     part = Partition.single(spec) if part is None else part
     b, s = x.input_ids.shape
-    sp = part.sequence_parallel and s > 1  # context encoding only: a decode step has one token
+    decode = s == 1  # a token-generation step (its MoE path and, under hybrid sharding, its experts)
+    sp = part.sequence_parallel and not decode  # context encoding only: a decode step has one token
     if blocks is None:
         slots = inputs.write_slots(x)  # [B, S]
         ropes = attention.rope_tables(slots, slots.gather(1, x.last_index[:, None]).max() + 1, spec, w.embed.dtype)
@@ -337,7 +349,9 @@ def forward_outputs(
         h = h + (_norm(a, lw.attn_out_norm, spec) if spec.sandwich_norms else a)
         normed = _norm(h, lw.post_norm, spec)
         normed = _gather_sequence(normed, coll, b=b) if sp else normed
-        partial, bias, routing = _mlp(lw.mlp, normed, spec, part, coll, decode=s == 1, token_mask=token_mask)
+        partial, bias, routing = _mlp(
+            lw.mlp_for(decode=decode), normed, spec, part, coll, decode=decode, token_mask=token_mask
+        )
         if wanted:
             assert routing is not None, "routing outputs come from a mixture of experts"
             routed.append(routing)

@@ -17,7 +17,7 @@ import attrs
 
 from nxdi.core.config.fields import Group, field_types, info_of
 from nxdi.core.config.neuron_spec import NeuronSpec
-from nxdi.core.config.sub_specs import MoESpec
+from nxdi.core.config.sub_specs import HybridShardingSpec, MoESpec
 from nxdi.shell.cli import reference
 
 _SKIP = frozenset({"moe", "is_prefill_stage", "overrides_torch_dtype"})
@@ -76,8 +76,20 @@ def add_neuron_config_flags(parser: argparse.ArgumentParser) -> None:
         if nargs:
             kw["nargs"] = nargs
         group.add_argument(flag, **kw)
+    for field in attrs.fields(HybridShardingSpec):  # `--moe-cte-tp-degree 4` fills hybrid_sharding_config
+        help_ = f"hybrid_sharding_config.{field.name}: {reference.field_help(field.name, HybridShardingSpec)}"
+        flag = "--" + field.name.replace("_", "-")
+        moe_group.add_argument(flag, type=int, default=None, dest=f"{_HYBRID}{field.name}", help=help_)
+
+
+_HYBRID = "nc_hybrid__"
+"""The namespace prefix of the hybrid_sharding_config flags."""
 
 
 def neuron_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The NeuronConfig kwargs the user gave on the command line."""
-    return {k.removeprefix("nc_"): v for k, v in vars(args).items() if k.startswith("nc_") and v is not None}
+    """The NeuronConfig kwargs the user gave on the command line (the hybrid sharding flags as one
+    `hybrid_sharding_config` dict)."""
+    given = {k: v for k, v in vars(args).items() if k.startswith("nc_") and v is not None}
+    hybrid = {k.removeprefix(_HYBRID): v for k, v in given.items() if k.startswith(_HYBRID)}
+    out = {k.removeprefix("nc_"): v for k, v in given.items() if not k.startswith(_HYBRID)}
+    return out | ({"hybrid_sharding_config": hybrid} if hybrid else {})

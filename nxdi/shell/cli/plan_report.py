@@ -126,15 +126,23 @@ def _sharding_lines(p: Plan) -> list[str]:
 
 
 def _experts_lines(m: ModelSpec, p: Plan) -> list[str]:
-    """Where a mixture of experts' experts live: how many each rank holds, and how much of each."""
-    held = p.sharding.experts_per_rank()
-    if held is None:
+    """Where a mixture of experts' experts live: how many each rank holds, and how much of each
+    (under hybrid sharding, context encoding's layout and token generation's copy)."""
+    if p.sharding.experts_per_rank() is None:
         return []
-    local, width = held
-    groups = m.num_experts // local
-    split = "whole" if width >= m.intermediate_size else f"{width} of its {m.intermediate_size} intermediate rows"
-    where = f"in {groups} expert groups of {p.sharding.tp // groups} ranks" if groups > 1 else "on every rank"
-    return [f"Experts    {m.num_experts} per layer {where}: {_n(local, 'expert')} per rank, each {split}"]
+    phases = (("", False),) if not p.sharding.hybrid else (("context encoding ", False), ("token generation ", True))
+    lines = []
+    for label, tkg in phases:
+        held = p.sharding.experts_per_rank(token_generation=tkg)
+        assert held is not None
+        local, width = held
+        groups = m.num_experts // local
+        split = "whole" if width >= m.intermediate_size else f"{width} of its {m.intermediate_size} intermediate rows"
+        where = f"in {groups} expert groups of {p.sharding.tp // groups} ranks" if groups > 1 else "on every rank"
+        lines.append(
+            f"Experts    {label}{m.num_experts} per layer {where}: {_n(local, 'expert')} per rank, each {split}"
+        )
+    return lines
 
 
 def _kv_lines(p: Plan) -> list[str]:
