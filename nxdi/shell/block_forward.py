@@ -10,6 +10,12 @@ out on the host (`nxdi.core.host.block_inputs`), its program picked by the block
   nowhere. Outputs: `logits` [B, 1, V], `tokens` [B].
 - chunked prefill: every call is one row of requests' chunks (and decode tokens); outputs are per
   request: `logits` [1, R, V], `tokens` [R].
+
+A mixture of experts' routing outputs (`moe_settings.routing_outputs`) are per token of the
+caller's `input_ids` [B, W], as without blocks: [L, B, W, ...], each token in its column, the
+columns no token of the call was computed for (padding, a row's cached prefix before
+`computed_context_lens`) filled with `moe_settings.FILL`. In chunked prefill B = 1 and every one of
+the T columns is a request's token.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from nxdi.core.errors import ConfigError
 from nxdi.core.host import block_inputs, forward_inputs
 from nxdi.core.host.block_inputs import BlockLimits, Segments
 from nxdi.core.planning.block_programs import BlockPlan
+from nxdi.core.programs import moe_settings
 from nxdi.shell.exceptions import IncompatibleConfigError, unwrap
 
 _REQUIRED = ("slot_mapping", "block_table")
@@ -57,12 +64,13 @@ def run(
     block_table: Tensor | None,
     full_context_lens: Tensor | None,
     computed_context_lens: Tensor | None,
-) -> tuple[Tensor | None, Tensor | None]:
+) -> tuple[Tensor | None, Tensor | None, dict[str, Tensor]]:
     """One block-KV forward call of `model` (a `NeuronBaseForCausalLM`) on `runtime`.
 
     Returns:
-        logits (None when the programs return only tokens) and tokens (None without on-device
-        sampling), shaped as the module docstring says.
+        logits (None when the programs return only tokens), tokens (None without on-device
+        sampling) and the routing outputs by name ([L, B, W, ...]; none unless asked for), shaped
+        as the module docstring says.
 
     Raises:
         IncompatibleConfigError: a missing or malformed block argument, or anything
@@ -113,8 +121,10 @@ def run(
         params = _params(model, sampling_params, len(seg.tokens), plan.segments)
         x, blocks = block_inputs.as_chunks(seg, segments=plan.segments, tokens=key.tokens, blocks=plan.blocks(key))
         out = runtime.run_blocks(key, x, blocks, params=params)
-        logits, tokens, r = out.logits, out.tokens, len(seg.tokens)
-        return (None if logits is None else logits[:, :r]), (None if tokens is None else tokens[:r])
+        logits, tokens, r, t = out.logits, out.tokens, len(seg.tokens), ids.shape[1]
+        # The one row holds the requests' tokens in the caller's order, then padding: [L, 1, T, ...].
+        extras = {n: e[:, None, :t] for n, e in out.extras.items()}
+        return (None if logits is None else logits[:, :r]), (None if tokens is None else tokens[:r]), extras
 
     first = unwrap(
         block_inputs.row_segments(ids, positions, slots, table, full, computed, limits=limits),
@@ -132,20 +142,30 @@ def run(
             "Invalid forward() inputs",
         )
     params = _params(model, sampling_params, len(seg.tokens), len(seg.tokens))
-    return _rows(runtime, plan, key, seg, params)
+    logits, tokens, per_row = _rows(runtime, plan, key, seg, params)
+    w = ids.shape[1]
+    fills = moe_settings.FILL
+    extras = {
+        n: block_inputs.in_caller_columns(e, seg, asked=first, width=w, fill=fills.get(n, 0))
+        for n, e in per_row.items()
+    }
+    return logits, tokens, extras
 
 
 def _rows(
     runtime: Any, plan: BlockPlan, key: Any, seg: Segments, params: Tensor
-) -> tuple[Tensor | None, Tensor | None]:
-    """Run `seg`'s rows in chunks of the program's batch; outputs in the caller's row order."""
+) -> tuple[Tensor | None, Tensor | None, dict[str, Tensor]]:
+    """Run `seg`'s rows in chunks of the program's batch; outputs in the caller's row order (the
+    extras [L, B*S, ...] of each chunk as [L, B, S, ...], row r its request's tokens first)."""
     logits_out, tokens_out = [], []
+    extras_out: dict[str, list[Tensor]] = {}
     for start in range(0, len(seg.tokens), key.batch):
         part = Segments(
             tokens=seg.tokens[start : start + key.batch],
             computed=seg.computed[start : start + key.batch],
             slots=seg.slots[start : start + key.batch],
             tables=seg.tables[start : start + key.batch],
+            first_column=seg.first_column[start : start + key.batch],
         )
         n = len(part.tokens)
         x, blocks = block_inputs.as_rows(part, batch=key.batch, tokens=key.tokens, blocks=plan.blocks(key))
@@ -156,7 +176,11 @@ def _rows(
             logits_out.append(out.logits[:n])
         if out.tokens is not None:
             tokens_out.append(out.tokens[:n])
-    return (torch.cat(logits_out) if logits_out else None), (torch.cat(tokens_out) if tokens_out else None)
+        for name, t in out.extras.items():
+            per_row = t.reshape(t.shape[0], key.batch, key.tokens, *t.shape[2:])  # [L, B, S, ...]
+            extras_out.setdefault(name, []).append(per_row[:, :n])
+    extras = {name: torch.cat(parts, dim=1) for name, parts in extras_out.items()}
+    return (torch.cat(logits_out) if logits_out else None), (torch.cat(tokens_out) if tokens_out else None), extras
 
 
 def _params(model: Any, given: Tensor | None, requests: int, rows: int) -> Tensor:

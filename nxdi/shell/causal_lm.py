@@ -201,7 +201,11 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             `output_router_logits=True`) / `expert_index` (one [B*W, k] int64 per layer, the
             chosen experts, best first), a row per token of `input_ids` [B, W] in its order; a
             prompt's padding columns (and tokens cut by allow_input_truncation) hold 0.0 / -1.
-            Both are None otherwise (the block KV layout does not return them yet).
+            With `is_block_kv_layout` the same per token of `input_ids` (logits and tokens come
+            per request): a token the call does not compute holds 0.0 / -1 (padding, and a
+            prefill row's cached prefix before its `computed_context_lens`, even where the
+            program computes some of it again); in chunked prefill `input_ids` is [1, T], so
+            each layer's tensor is [T, X], every row a request's token. Both are None otherwise.
 
         Raises:
             IncompatibleConfigError: before anything runs, listing every problem: inputs that are not
@@ -247,7 +251,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         runtime = self._require_runtime()
         if self.spec.is_block_kv_layout:
             plan = self._block_plan()
-            logits, tokens = block_forward.run(
+            logits, tokens, extras = block_forward.run(
                 self,
                 runtime,
                 plan,
@@ -258,7 +262,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                 **block_args,
             )
             self._blocks_used = True
-            return self._output(logits, tokens, {})
+            return self._output(logits, tokens, extras)
         passed = sorted(k for k, v in block_args.items() if v is not None)
         if passed:
             raise IncompatibleConfigError(
@@ -362,7 +366,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         pad = self.model_spec.pad_token_id or 0
         x = batching.context_inputs(compacted, lengths, bucket=bucket, pad_token_id=pad)
         logits, tokens, extras = self._run_batched(runtime, Phase.CONTEXT, bucket, x, rows, params)
-        return logits, tokens, {n: batching.uncompact(t, mask, fill=_FILL.get(n, 0)) for n, t in extras.items()}
+        fills = moe_settings.FILL
+        return logits, tokens, {n: batching.uncompact(t, mask, fill=fills.get(n, 0)) for n, t in extras.items()}
 
     def _token(self, runtime: StepRuntime, ids: Tensor, positions: Tensor, rows: Tensor, params: Tensor) -> _Outputs:
         """Decode `ids` [B, W] at `positions` [B, W]: W token-generation steps, one column each (a row
@@ -422,11 +427,6 @@ _BLOCK_ARGS = ("slot_mapping", "block_table", "full_context_lens", "computed_con
 """forward()'s block-KV arguments (used only with is_block_kv_layout)."""
 
 _IGNORED = frozenset({"use_cache", "output_attentions", "output_hidden_states", "return_dict", "past_key_values"})
-
-
-_FILL = {moe_settings.ROUTER_LOGITS: 0.0, moe_settings.EXPERT_INDEX: -1}
-"""What an extra output holds for a padding token of a prompt (it has no routing of its own); 0 for
-any other."""
 
 _Outputs = tuple[Tensor | None, Tensor | None, dict[str, Tensor]]
 """logits, tokens, and the extra outputs by name."""

@@ -6,7 +6,7 @@ refused with a named error.
   capacity that holds every token the logits are those of no capacity_factor.
 - moe_mask_padded_tokens: padding takes no expert capacity.
 - Refused, every problem named: quantized weights, moe_tp_degree x moe_ep_degree other than
-  tp_degree, routing outputs with the block KV layout (test_moe_routing.py has them otherwise).
+  tp_degree.
 """
 
 from __future__ import annotations
@@ -92,8 +92,6 @@ def test_masking_padded_tokens_keeps_padding_from_taking_expert_capacity(tiny_ch
         ({"tp_degree": 4, "moe_ep_degree": 2}, "moe_tp_degree"),  # 1 x 2 ranks is not tp_degree=4
         ({"quantized": True, "quantized_checkpoints_path": "/nonexistent/q.pt"}, "quantized"),
         ({"tp_degree": 2, "moe_tp_degree": 4}, "moe_tp_degree"),
-        ({"return_router_logits": True, "is_block_kv_layout": True}, "moe.return_router_logits"),
-        ({"return_expert_index": True, "is_block_kv_layout": True}, "moe.return_expert_index"),
     ],
 )
 def test_settings_not_implemented_are_refused_naming_the_field(

@@ -41,6 +41,7 @@ def test_a_prefix_cache_hit_computes_only_the_new_tokens() -> None:
     assert isinstance(good, Success)
     seg = good.unwrap()
     assert seg.tokens == ((9, 10),) and seg.computed == (4,) and seg.slots == ((16, 17),)
+    assert seg.first_column == (4,), "a prefill row's columns are its positions"
     x, b = block_inputs.as_rows(seg, batch=2, tokens=4, blocks=2)
     assert x.input_ids.tolist() == [[9, 10, 0, 0], [0, 0, 0, 0]]
     assert x.position_ids[0, :2].tolist() == [4, 5]
@@ -74,6 +75,7 @@ def test_chunked_prefill_splits_the_row_by_request() -> None:
         limits=LIMITS,
     ).unwrap()
     assert seg.tokens == ((1, 2, 3), (4, 5))
+    assert seg.first_column == (0, 3)
     x, b = block_inputs.as_chunks(seg, segments=3, tokens=8, blocks=1)
     assert b.segment.tolist() == [[0, 0, 0, 1, 1, -1, -1, -1]]
     assert b.out_index.tolist() == [[2, 4, 0]]
@@ -87,3 +89,32 @@ def test_chunked_prefill_splits_the_row_by_request() -> None:
         limits=LIMITS,
     )
     assert "add up to 5" in _problems(bad)
+
+
+def test_per_token_outputs_go_back_to_the_callers_columns() -> None:
+    """Row 0 is a prefill whose client cached 3 tokens, run from position 1 (2 computed again:
+    not reported); row 1 a one-token prompt. Every other column holds the fill."""
+    ids = torch.tensor([[5, 6, 7, 8, 9], [4, 0, 0, 0, 0]])
+    table = torch.tensor([[2, 4], [3, 0]])
+
+    def segments(max_prefix: int | None) -> block_inputs.Segments:
+        return block_inputs.row_segments(
+            ids,
+            torch.tensor([[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]),
+            slot_mapping=torch.tensor([[11, 16], [12, -1]]),
+            block_table=table,
+            full_context_lens=torch.tensor([5, 1]),
+            computed_context_lens=torch.tensor([3, 0]),
+            limits=LIMITS,
+            max_prefix=max_prefix,
+        ).unwrap()
+
+    asked, ran = segments(None), segments(1)
+    assert asked.first_column == (3, 0) and ran.first_column == (1, 0)
+    assert ran.tokens == ((6, 7, 8, 9), (4,))
+    t = torch.arange(1, 1 + 2 * 4, dtype=torch.float32).reshape(1, 2, 4, 1)  # [L, B, S, 1]
+    out = block_inputs.in_caller_columns(t, ran, asked=asked, width=5, fill=-1.0)
+    assert out.shape == (1, 2, 5, 1)
+    assert out[0, :, :, 0].tolist() == [[-1, -1, -1, 3, 4], [5, -1, -1, -1, -1]]
+    same = block_inputs.in_caller_columns(t, ran, asked=ran, width=5, fill=0.0)
+    assert same[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4]

@@ -277,8 +277,8 @@ def check_neuron_spec(spec: NeuronSpec) -> Result[NeuronSpec, ConfigError]:
 def check_cpu_support(spec: NeuronSpec) -> Result[NeuronSpec, ConfigError]:
     """Fail listing every setting the CPU engine does not implement yet (declared `OnCpu.REFUSED`)
     that `spec` moves off its default, so nothing a user asks for is silently dropped, what the
-    block KV layout cannot run with at tp_degree > 1 (`_block_kv_with_ranks`) or at all
-    (`_routing_with_blocks`), and what quantized weights cannot (`_quantized_weights`)."""
+    block KV layout cannot run with at tp_degree > 1 (`_block_kv_with_ranks`), and what quantized
+    weights cannot (`_quantized_weights`)."""
     fields = attrs.fields_dict(NeuronSpec)
     problems = [
         Problem.of(
@@ -293,19 +293,7 @@ def check_cpu_support(spec: NeuronSpec) -> Result[NeuronSpec, ConfigError]:
     problems.extend(_refused_sub_fields(spec))
     problems.extend(_block_kv_with_ranks(spec))
     problems.extend(_quantized_weights(spec))
-    problems.extend(_routing_with_blocks(spec))
     return problems_result(spec, problems)
-
-
-def _routing_with_blocks(spec: NeuronSpec) -> Iterator[Problem]:
-    """A mixture of experts' routing outputs, which forward() returns for the contiguous KV cache
-    only: a block-KV call's tokens are laid out by the client's block tables, not as [B, W]."""
-    if spec.moe is None or not spec.is_block_kv_layout:
-        return
-    for name in ("return_router_logits", "return_expert_index"):
-        if getattr(spec.moe, name):
-            why = "is not returned by forward() with is_block_kv_layout=True yet"
-            yield Problem.of(f"moe.{name}", True, why, "use the contiguous KV cache, or leave it False")
 
 
 def _quantized_weights(spec: NeuronSpec) -> Iterator[Problem]:

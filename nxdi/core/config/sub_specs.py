@@ -266,10 +266,12 @@ class MoESpec:
         False, "Run the shared experts with sequence parallelism.", cpu="no family nxdi runs has shared experts"
     )
     return_expert_index: bool = setting(
-        False, "forward() also returns expert_index: per layer, the [B*W, top_k] chosen experts (no block KV layout)."
+        False,
+        "forward() also returns expert_index: per layer, the [B*W, top_k] chosen experts of the input_ids tokens.",
     )
     return_router_logits: bool = setting(
-        False, "forward() also returns router_logits: per layer, the [B*W, experts] fp32 logits (no block KV layout)."
+        False,
+        "forward() also returns router_logits: per layer, the [B*W, experts] fp32 logits of the input_ids tokens.",
     )
     hybrid_sharding_config: HybridShardingSpec | None = setting(
         None,

@@ -55,6 +55,9 @@ class Segments:
     """Flat cache slot of each new token."""
     tables: tuple[tuple[int, ...], ...]
     """Each request's blocks covering positions 0..full-1."""
+    first_column: tuple[int, ...]
+    """Where each request's first new token is in the caller's `input_ids`: its column in the
+    request's row (rows; the others follow it), or its index in the one row (chunked prefill)."""
 
     @property
     def new(self) -> tuple[int, ...]:
@@ -126,6 +129,8 @@ def _checked(
     block_table: Tensor,
     limits: BlockLimits,
     problems: list[Problem],
+    *,
+    first_column: list[int],
 ) -> Result[Segments, ConfigError]:
     """The segments, once checked against the cache (`_check_segments`) with the problems found so far."""
     seg = Segments(
@@ -133,6 +138,7 @@ def _checked(
         computed=tuple(computed),
         slots=tuple(slots),
         tables=tuple(tuple(int(v) for v in row.tolist()) for row in block_table),
+        first_column=tuple(first_column),
     )
     _check_segments(seg, limits, problems)
     return Failure(ConfigError(problems=tuple(problems))) if problems else Success(seg)
@@ -184,7 +190,7 @@ def row_segments(
         problems.append(Problem.of("block_table", list(block_table.shape), f"must be [{b}, blocks per sequence]"))
     if problems:
         return Failure(ConfigError(problems=tuple(problems)))
-    tokens, slots = [], []
+    tokens, slots, columns = [], [], []
     for r in range(b):
         c, f = computed[r], full[r]
         if not 0 <= c <= f:
@@ -198,6 +204,7 @@ def row_segments(
             problems.append(Problem.of(f"full_context_lens[{r}]", f, why))
             cols = range(0)
         tokens.append(tuple(int(input_ids[r, col]) for col in cols))
+        columns.append(cols.start)
         again = [_slot(block_table[r], p, limits.block_size) for p in range(keep, c)]
         n = len(cols) - len(again)  # the client's slots cover the tokens after its computed ones
         row_slots = slot_mapping[r].tolist()
@@ -206,7 +213,7 @@ def row_segments(
             row_slots = row_slots + [-1] * n
         slots.append(tuple(again) + tuple(int(s) for s in row_slots[:n]))
         computed[r] = keep
-    return _checked(tokens, computed, slots, block_table, limits, problems)
+    return _checked(tokens, computed, slots, block_table, limits, problems, first_column=columns)
 
 
 def chunked_segments(
@@ -240,12 +247,13 @@ def chunked_segments(
         why = f"the requests' new tokens (full - computed = {counts}) add up to {sum(counts)}"
         problems.append(Problem.of("input_ids", len(ids), why + f", slot_mapping holds {len(flat_slots)}"))
         return Failure(ConfigError(problems=tuple(problems)))
-    tokens, slots, at = [], [], 0
+    tokens, slots, starts, at = [], [], [], 0
     for n in counts:
         tokens.append(tuple(int(t) for t in ids[at : at + n]))
         slots.append(tuple(int(s) for s in flat_slots[at : at + n]))
+        starts.append(at)
         at += n
-    return _checked(tokens, computed, slots, block_table, limits, problems)
+    return _checked(tokens, computed, slots, block_table, limits, problems, first_column=starts)
 
 
 def as_rows(seg: Segments, *, batch: int, tokens: int, blocks: int, pad_id: int = 0) -> tuple[StepInputs, BlockInputs]:
@@ -302,3 +310,27 @@ def as_chunks(
         at += n
     x = StepInputs(input_ids=ids, position_ids=pos, last_index=torch.zeros(1, dtype=torch.int64))
     return x, BlockInputs(slot_mapping=slot, block_table=table, computed=computed, segment=segment, out_index=out)
+
+
+def in_caller_columns(t: Tensor, ran: Segments, *, asked: Segments, width: int, fill: float) -> Tensor:
+    """A row-per-request step's per-token outputs in the caller's `input_ids` [B, W] layout.
+
+    Args:
+        t: [L, B, S, ...] the step's rows (row r: request r's new tokens of `ran` in order, then
+            padding), B the caller's rows.
+        ran: the requests as the step ran them (`as_rows`).
+        asked: the same requests as the caller asked for them: `ran` itself, or with fewer tokens
+            when cached tokens past the program's prefix bucket were computed again (those are
+            the caller's cached prefix, not reported).
+        width: W, the columns of the caller's input_ids.
+        fill: what every other column (padding, a cached prefix) holds.
+
+    Returns:
+        [L, B, W, ...]: request r's token i of `ran` at column `ran.first_column[r] + i` of row r,
+        for the columns from `asked.first_column[r]` on.
+    """
+    out = t.new_full((t.shape[0], t.shape[1], width, *t.shape[3:]), fill)
+    for r, (start, n, wanted) in enumerate(zip(ran.first_column, ran.new, asked.first_column, strict=True)):
+        skip = max(0, wanted - start)  # tokens computed again: the caller's cached prefix
+        out[:, r, start + skip : start + n] = t[:, r, skip:n]
+    return out

@@ -23,6 +23,9 @@ ROUTER_LOGITS = "router_logits"
 """The extra output of every layer's router logits: [L, B*S, X] fp32."""
 EXPERT_INDEX = "expert_index"
 """The extra output of every layer's chosen experts: [L, B*S, k] int64, best first."""
+FILL = {ROUTER_LOGITS: 0.0, EXPERT_INDEX: -1}
+"""What forward() returns for a token of `input_ids` the call did not route (padding, a prompt's
+cached prefix or truncated tail): it has no routing of its own."""
 
 
 def moe_options(spec: ModelSpec, settings: MoESpec) -> moe.MoEOptions:
