@@ -92,6 +92,8 @@ def test_masking_padded_tokens_keeps_padding_from_taking_expert_capacity(tiny_ch
         ({"tp_degree": 4, "moe_ep_degree": 2}, "moe_tp_degree"),  # 1 x 2 ranks is not tp_degree=4
         ({"quantized": True, "quantized_checkpoints_path": "/nonexistent/q.pt"}, "quantized"),
         ({"tp_degree": 2, "moe_tp_degree": 4}, "moe_tp_degree"),
+        ({"glu_mlp": False}, "glu_mlp"),  # Mixtral's experts are gated: its checkpoint has w1 and w3
+        ({"tp_degree": 2, "hybrid_sharding_config": {"moe_cte_tp_degree": 2}}, "moe_tkg_tp_degree"),  # 1 x 1 != 2
     ],
 )
 def test_settings_not_implemented_are_refused_naming_the_field(

@@ -228,7 +228,10 @@ class MoESpec:
         None, "Tokens per expert as a multiple of the fair share; None never drops tokens."
     )
     glu_mlp: bool = setting(
-        True, "Experts use a gated (GLU) MLP.", cpu=OnCpu.REFUSED, cpu_note="the CPU MoE block runs gated experts"
+        True,
+        "Experts use a gated (GLU) MLP.",
+        cpu=OnCpu.REFUSED,
+        cpu_note="every family nxdi runs has gated experts (gate and up projections): False would not fit the checkpoint",
     )
     glu_type: Literal["glu", "swiglu"] = setting("glu", 'Gated activation form: "glu" or "swiglu".')
     hidden_act_scaling_factor: float = setting(1.0, "Scaling factor applied inside the expert activation.")
