@@ -39,7 +39,8 @@ def scale_name(name: str) -> str:
     return name.removesuffix("weight") + "scale"
 
 
-_EXPERTS, _TKG_EXPERTS = ".mlp.experts.", ".mlp.experts_tkg."
+_EXPERTS = ".mlp.experts."
+_TKG_EXPERTS = ".mlp.experts_tkg."
 
 
 def tkg_twin(name: str) -> str | None:
