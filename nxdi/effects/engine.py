@@ -38,6 +38,7 @@ should move the flat step, example and binding into their own module.)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -49,7 +50,7 @@ import torch
 from returns.result import Failure, Result, Success
 from torch import Tensor
 
-from nxdi.core.config.neuron_spec import NeuronSpec
+from nxdi.core.config.neuron_spec import NeuronSpec, Phase
 from nxdi.core.errors import ArtifactError, CheckpointError, Problem
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
@@ -173,6 +174,10 @@ class EngineModel:
             output_logits=self.spec.output_logits,
         )
 
+    def step_spec_for(self, key: ProgramKey) -> StepSpec:
+        """The static part of `key`'s program: a speculation step returns every token's logits."""
+        return dataclasses.replace(self.step_spec, all_logits=key.phase is Phase.SPECULATION)
+
     def tables(self) -> tuple[buckets.BucketTable, buckets.BucketTable]:
         """The context-encoding and token-generation bucket tables (a parsed spec has valid ones)."""
         context, token = buckets.context_table_for(self.spec), buckets.token_table_for(self.spec)
@@ -180,11 +185,28 @@ class EngineModel:
         assert isinstance(token, Success), f"a validated spec has valid bucket tables: {token}"
         return context.unwrap(), token.unwrap()
 
+    def speculation_table(self) -> buckets.BucketTable | None:
+        """The speculation programs' table (`speculation_length` > 0), else None."""
+        if self.spec.speculation_length <= 0:
+            return None
+        table = buckets.speculation_table_for(self.spec)
+        assert isinstance(table, Success), f"a validated spec has valid bucket tables: {table}"
+        return table.unwrap()
+
     def program_keys(self) -> tuple[ProgramKey, ...]:
-        """Every program the model compiles: per context bucket, and per (batch bucket, length
-        bucket) of token generation (`program_key.program_keys`)."""
+        """Every program the model compiles: per context bucket, per (batch bucket, length bucket)
+        of token generation (`program_key.program_keys`), and with `speculation_length` k one
+        speculation program per length bucket scoring k tokens per row."""
         plan = self.block_plan()
-        return program_keys(*self.tables()) if plan is None else plan.keys()
+        if plan is not None:
+            return plan.keys()
+        keys = program_keys(*self.tables())
+        spec = self.speculation_table()
+        if spec is None:
+            return keys
+        k = self.spec.speculation_length
+        more = [ProgramKey.speculation(length, batch, k) for batch in spec.batch_sizes for length in spec.lengths]
+        return tuple(sorted({*keys, *more}))
 
     def weight_names(self, plan: WeightPlan) -> tuple[str, ...]:
         """The weights a program binds, in order: the rank plan's own tensors (an alias is bound once)."""
@@ -246,8 +268,8 @@ def write_weights(
 class _FlatStep:
     """The step as `fn(*weights, *cache, *inputs) -> (*outputs, *cache)` (what a backend traces)."""
 
-    def __init__(self, model: EngineModel, names: Sequence[str]) -> None:
-        self.model, self.names = model, tuple(names)
+    def __init__(self, model: EngineModel, names: Sequence[str], spec: StepSpec) -> None:
+        self.model, self.names, self.spec = model, tuple(names), spec
 
     def __call__(self, *flat: Tensor) -> tuple[Tensor, ...]:
         m = self.model
@@ -263,7 +285,7 @@ class _FlatStep:
             ids, positions, last, params, uniforms, *rank = flat[w + c :]
             x = StepInputs(input_ids=ids, position_ids=positions, last_index=last)
         cache = KVCache.from_tensors(flat[w : w + c])
-        spec, coll = m.step_spec, m.collectives()
+        spec, coll = self.spec, m.collectives()
         if rank:
             coll = with_rank(coll, rank[0])
         outs, new = step(
@@ -371,10 +393,11 @@ def eager_runtime(model: EngineModel, source: CheckpointSource) -> Result[Runtim
 
     def build(tensors: Mapping[str, Tensor]) -> Runtime:
         value = model.program.weights(tensors, spec=model.model)
-        program = functools.partial(
-            step, model.program.forward_outputs, value, spec=model.step_spec, coll=model.collectives()
-        )
-        programs = dict.fromkeys(model.program_keys(), program)
+        coll = model.collectives()
+        programs: dict[ProgramKey, Program] = {
+            key: functools.partial(step, model.program.forward_outputs, value, spec=model.step_spec_for(key), coll=coll)
+            for key in model.program_keys()
+        }
         return runtime_for(model, programs, value)
 
     return read_weights(model, source, check_values=True).map(build)
@@ -424,14 +447,14 @@ def compile_model(
             files.append(sharded_weights(rank))
     names = model.weight_names(source.plan)
     model = attrs.evolve(model, lowering=backend)  # its collectives, when it lowers them itself
-    signature, flat = _signature(model, names), _FlatStep(model, names)
+    signature = _signature(model, names)
     ops.register()  # otherwise collectives trace as nxdi:: ops
 
     def requests(example: Sequence[Tensor]) -> list[ProgramRequest]:
         return [
             ProgramRequest(
                 key=key,
-                fn=flat,
+                fn=_FlatStep(model, names, model.step_spec_for(key)),
                 signature=signature,
                 example=functools.partial(_example, model, example, key),
             )

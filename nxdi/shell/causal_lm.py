@@ -83,6 +83,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             Phase.CONTEXT: unwrap(buckets.context_table_for(self.spec)),
             Phase.TOKEN: unwrap(buckets.token_table_for(self.spec)),
         }
+        if self.spec.speculation_length > 0:
+            self._tables[Phase.SPECULATION] = unwrap(buckets.speculation_table_for(self.spec))
         self._async: AsyncForward | None = None
         """With async_mode (when the runtime was opened): the worker thread that runs every step, and
         the decode step launched ahead; closed with the runtime."""
@@ -283,6 +285,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         params = self._sampling_rows(call["sampling_params"], ids.shape[0])
         if checked.phase is Phase.CONTEXT:
             logits, tokens, extras = self._context(runtime, ids, checked.attention_mask, rows, params)
+        elif ids.shape[1] == self.spec.speculation_length > 1:  # NxD's rule: the speculation model
+            logits, tokens, extras = self._speculate(runtime, ids, checked.position_ids, rows, params)
         else:
             logits, tokens, extras = self._token(runtime, ids, checked.position_ids, rows, params)
         for row, held in checked.cached_after(self.context_capacity).items():
@@ -383,6 +387,17 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             steps.append(extras)
         return logits, tokens, {n: torch.cat([e[n] for e in steps], dim=2) for n in steps[0]}
 
+    def _speculate(
+        self, runtime: StepRuntime, ids: Tensor, positions: Tensor, rows: Tensor, params: Tensor
+    ) -> _Outputs:
+        """Score `ids` [B, k] at `positions` [B, k] (a row's last accepted token and the k-1 draft
+        tokens after it) in one speculation step: logits [B, k, V] (tokens [B, k] with on-device
+        sampling, one per position), the extras [L, B, k, ...]."""
+        bucket = unwrap(buckets.select_bucket(self._tables[Phase.SPECULATION], int(positions[:, 0].max())))
+        last = torch.full((ids.shape[0],), ids.shape[1] - 1, dtype=torch.int64)
+        x = StepInputs(input_ids=ids, position_ids=positions, last_index=last)
+        return self._run_batched(runtime, Phase.SPECULATION, bucket, x, rows, params)
+
     def _run_batched(
         self,
         runtime: StepRuntime,
@@ -395,7 +410,12 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         """Run `x` on the `phase` programs of `bucket`, the batch fitted to their batch sizes
         (`batching.plan_runs`; `rows` [B]: each row's cache row), and restore the caller's order
         (the extras [L, B*S, ...] become [L, B, S, ...])."""
-        key = ProgramKey.context if phase is Phase.CONTEXT else ProgramKey.token
+        k = self.spec.speculation_length
+        key = {
+            Phase.CONTEXT: ProgramKey.context,
+            Phase.TOKEN: ProgramKey.token,
+            Phase.SPECULATION: lambda length, batch: ProgramKey.speculation(length, batch, k),
+        }[phase]
         logits_out: list[tuple[tuple[int, ...], Tensor]] = []
         tokens_out: list[tuple[tuple[int, ...], Tensor]] = []
         extras_out: dict[str, list[tuple[tuple[int, ...], Tensor]]] = {}
@@ -411,8 +431,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             take = torch.tensor(chunk.output_rows)
             if out.logits is not None:
                 logits_out.append((chunk.user_rows, out.logits.index_select(0, take)))
-            if out.tokens is not None:
-                tokens_out.append((chunk.user_rows, out.tokens.index_select(0, take)))
+            if out.tokens is not None:  # [B], or [B*k] from a speculation step: [B, k]
+                per_row = out.tokens if phase is not Phase.SPECULATION else out.tokens.reshape(chunk.batch, -1)
+                tokens_out.append((chunk.user_rows, per_row.index_select(0, take)))
             for name, t in out.extras.items():
                 per_row = t.reshape(t.shape[0], chunk.batch, -1, *t.shape[2:])  # [L, B, S, ...]
                 extras_out.setdefault(name, []).append((chunk.user_rows, per_row.index_select(1, take)))

@@ -32,11 +32,15 @@ from transformers.generation.logits_process import (
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from nxdi.shell import speculative
 from nxdi.shell.causal_lm import NeuronBaseForCausalLM
 from nxdi.shell.exceptions import IncompatibleConfigError
 
 _DEVICE_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 """Processors that on-device sampling applies itself, through sampling_params."""
+
+_SPEC_STOPS = frozenset({"MaxLengthCriteria", "EosTokenCriteria"})
+"""The stopping criteria speculative decoding applies itself (max_new_tokens, eos_token_id)."""
 
 
 def _hf_config(model: NeuronBaseForCausalLM) -> PretrainedConfig:
@@ -126,6 +130,65 @@ class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
                 "or with on_device_sampling_config(do_sample=True) / dynamic=True, or drop those options"
             )
         return needs_host
+
+    def _assisted_decoding(  # type: ignore[override]
+        self,
+        input_ids: Tensor,
+        logits_processor: LogitsProcessorList,
+        stopping_criteria: StoppingCriteriaList,
+        generation_config: GenerationConfig,
+        synced_gpus: bool = False,
+        streamer: Any = None,
+        inputs_tensor: Tensor | None = None,
+        assistant_model: Any = None,
+        assistant_tokenizer: Any = None,
+        tokenizer: Any = None,
+        **model_kwargs: Any,
+    ) -> Tensor | GenerateDecoderOnlyOutput:
+        """`generate(..., assistant_model=draft)`: speculative decoding with a draft nxdi model (or
+        its adapter) on this model's speculation programs (`nxdi.shell.speculative`)."""
+        draft = getattr(assistant_model, "neuron_model", assistant_model)
+        if not isinstance(draft, NeuronBaseForCausalLM):
+            raise IncompatibleConfigError(
+                f"generate(assistant_model=...): got {type(assistant_model).__name__}; pass a loaded nxdi "
+                "causal LM (or its HuggingFaceGenerationAdapter) as the draft"
+            )
+        unsupported = [type(p).__name__ for p in logits_processor if not isinstance(p, _DEVICE_WARPERS)]
+        unsupported += [type(c).__name__ for c in stopping_criteria if type(c).__name__ not in _SPEC_STOPS]
+        if streamer is not None:
+            unsupported.append("streamer")
+        if generation_config.return_dict_in_generate and (
+            generation_config.output_scores or generation_config.output_logits
+        ):
+            unsupported.append("output_scores/output_logits")
+        if unsupported:
+            raise IncompatibleConfigError(
+                f"generate() with a draft model: {unsupported} are not supported with speculative decoding; "
+                "it runs temperature / top_k / top_p, max_new_tokens / max_length and eos_token_id. "
+                "Fix: drop them, or generate without assistant_model"
+            )
+        batch, width = input_ids.shape
+        mask = model_kwargs.get("attention_mask")
+        mask = torch.ones_like(input_ids) if mask is None else mask
+        params = self._sampling_rows(generation_config, batch, None) if generation_config.do_sample else None
+        eos = generation_config._eos_token_tensor
+        pad = generation_config._pad_token_tensor
+        seed = int(torch.randint(0, 2**62, (1,)))  # torch.manual_seed() makes a sampled run repeatable
+        new, self.speculation_stats = speculative.generate(
+            self.neuron_model,
+            draft,
+            input_ids,
+            mask,
+            max_new_tokens=generation_config.max_length - width,
+            params=params,
+            eos_token_id=None if eos is None else int(eos.reshape(-1)[0]),
+            pad_token_id=0 if pad is None else int(pad),
+            generator=torch.Generator().manual_seed(seed),
+        )
+        sequences = torch.cat([input_ids, new], dim=-1)
+        if generation_config.return_dict_in_generate:
+            return GenerateDecoderOnlyOutput(sequences=sequences)
+        return sequences
 
     def _sample(  # type: ignore[override]
         self,

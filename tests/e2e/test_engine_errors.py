@@ -138,6 +138,7 @@ def test_unsupported_features_are_all_listed(tiny_checkpoint: Callable[..., Path
             tiny_checkpoint("llama"),
             "llama",
             pp_degree=2,
+            enable_fused_speculation=True,
             speculation_length=4,
             kv_quant_config={"direct_cast": False},  # scaled KV quantization: a refused sub-config attribute
             lora_config={"max_loras": 2},
@@ -145,7 +146,7 @@ def test_unsupported_features_are_all_listed(tiny_checkpoint: Callable[..., Path
     assert caught.value.error is not None
     assert {p.field for p in caught.value.error.problems} == {
         "pp_degree",
-        "speculation_length",
+        "enable_fused_speculation",
         "kv_quant_config.direct_cast",
         "lora_config",
     }

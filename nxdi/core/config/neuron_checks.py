@@ -293,7 +293,20 @@ def check_cpu_support(spec: NeuronSpec) -> Result[NeuronSpec, ConfigError]:
     problems.extend(_refused_sub_fields(spec))
     problems.extend(_block_kv_with_ranks(spec))
     problems.extend(_quantized_weights(spec))
+    problems.extend(_speculation_programs(spec))
     return problems_result(spec, problems)
+
+
+def _speculation_programs(spec: NeuronSpec) -> Iterator[Problem]:
+    """What the speculation programs (`speculation_length` > 0) do not run with yet: the block KV
+    layout (whose programs are the block buckets') and async_mode (whose next step assumes one
+    token per row)."""
+    if spec.speculation_length <= 0 or spec.enable_fused_speculation:
+        return
+    for name, on in (("is_block_kv_layout", spec.is_block_kv_layout), ("async_mode", spec.async_mode)):
+        if on:
+            why = f"does not run with speculation_length={spec.speculation_length} on the CPU engine yet"
+            yield Problem.of(name, True, why, f"set {name}=False, or speculation_length=0")
 
 
 def _quantized_weights(spec: NeuronSpec) -> Iterator[Problem]:

@@ -364,14 +364,12 @@ class NeuronSpec:
     )
     speculation_length: int = _speculation(
         0,
-        "Draft tokens proposed per step before the target verifies them; > 0 enables speculation.",
-        cpu=OnCpu.REFUSED,
+        "Tokens a speculation step scores per row (the last token and k-1 draft tokens); > 0 compiles speculation programs.",
         bounds=(0, MAX_COUNT),
     )
     spec_batch_size: int = _speculation(
         1,
         "Batch size of the speculation model, in sequences; default batch_size.",
-        cpu="used with speculation only",
         bounds=(1, MAX_BATCH),
     )
     trace_tokengen_model: bool = _speculation(

@@ -65,10 +65,17 @@ class ProgramKey:
         """The token-generation program attending `length` cache positions, one new token per row."""
         return cls(phase=Phase.TOKEN, length=length, batch=batch, tokens=1)
 
+    @classmethod
+    def speculation(cls, length: int, batch: int, tokens: int) -> ProgramKey:
+        """The speculation program attending `length` cache positions, scoring `tokens` per row
+        (speculation_length: the last accepted token and the draft's proposals after it)."""
+        return cls(phase=Phase.SPECULATION, length=length, batch=batch, tokens=tokens)
+
     @property
     def default_tokens(self) -> bool:
-        """Whether `tokens` is the phase's usual count (the whole bucket in context encoding, else 1)."""
-        return self.tokens == (self.length if self.phase is Phase.CONTEXT else 1)
+        """Whether `tokens` is the phase's usual count (the whole bucket in context encoding, the
+        speculation length in speculation, one per model, else 1)."""
+        return self.phase is Phase.SPECULATION or self.tokens == (self.length if self.phase is Phase.CONTEXT else 1)
 
     def name(self, *, default_batch: int | None = None) -> str:
         """`token_generation_256`, `token_generation_256_b2`, `context_encoding_256_t128`, ...: the

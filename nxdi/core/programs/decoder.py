@@ -302,7 +302,9 @@ def forward_outputs(
     part = Partition.single(spec) if part is None else part
     b, s = x.input_ids.shape
     decode = s == 1  # a token-generation step (its MoE path and, under hybrid sharding, its experts)
-    sp = part.sequence_parallel and not decode  # context encoding only: a decode step has one token
+    # context encoding only: a decode step has one token, and a speculation step (every token's
+    # logits) runs without, as NxD's speculation model does (its k tokens need not divide over tp)
+    sp = part.sequence_parallel and not decode and not all_logits
     if blocks is None:
         slots = inputs.write_slots(x)  # [B, S]
         ropes = attention.rope_tables(slots, slots.gather(1, x.last_index[:, None]).max() + 1, spec, w.embed.dtype)

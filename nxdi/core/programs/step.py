@@ -76,6 +76,9 @@ class StepSpec:
     global_topk: int = 256
     output_logits: bool = True
     """Return logits too; always True without on-device sampling."""
+    all_logits: bool = False
+    """Return every token's logits [B, S, V] (and with on-device sampling a token per position,
+    [B*S]): a speculation step, which scores the S = speculation_length tokens it is given."""
 
     @property
     def extras(self) -> tuple[str, ...]:
@@ -111,15 +114,21 @@ def step(
     segment: logits [B, R, V], and `params` [B*R, 3] / `uniforms` [B*R] hold a row per segment.
 
     Returns:
-        The outputs: logits [B, 1, V] fp32 (None when only tokens were asked for), tokens [B]
-        int64 (None without on-device sampling; [B*R] with blocks) and the extras `spec.extras`
+        The outputs: logits [B, 1, V] fp32 ([B, S, V] with `spec.all_logits`; None when only
+        tokens were asked for), tokens [B] int64 (None without on-device sampling; [B*R] with
+        blocks, [B*S] with all_logits) and the extras `spec.extras`
         names; and the updated cache (view).
     """
-    given = {} if blocks is None else {"blocks": blocks}
+    given: dict[str, Any] = (
+        {"blocks": blocks} if blocks is not None else {"all_logits": True} if spec.all_logits else {}
+    )
     logits, cache, extras = forward(weights, cache, x, spec=spec.model, part=spec.partition, coll=coll, **given)
     if not spec.on_device_sampling:
         return StepOutputs(logits=logits, extras=extras), cache
-    last = logits.reshape(-1, logits.shape[-1])  # [B*R, V]: one output per row (and segment)
+    if spec.all_logits:  # each position is sampled with its row's settings
+        per = x.input_ids.shape[1]
+        params, uniforms = params.repeat_interleave(per, 0), uniforms.repeat_interleave(per, 0)
+    last = logits.reshape(-1, logits.shape[-1])  # [B*R, V]: one output per row (and segment, or position)
     tokens = sampling.select(last, params, uniforms, do_sample=spec.do_sample, global_topk=spec.global_topk)
     return StepOutputs(logits=logits if spec.output_logits else None, tokens=tokens, extras=extras), cache
 
