@@ -203,3 +203,34 @@ def test_routing_outputs_equal_the_cpu_engine(xla_model: Callable[..., Any], loa
     _same_routing(ours, theirs)
     step, position = ours.logits[:, -1].argmax(-1)[:, None], mask.sum(1, keepdim=True)  # [[4], [2]]
     _same_routing(model(step, position_ids=position), cpu(step, position_ids=position))
+
+
+def test_speculation_programs_lower_and_give_the_cpu_engines_tokens(
+    xla_model: Callable[..., Any], loaded_model: Callable[..., Any]
+) -> None:
+    """speculation_length=4: the speculation programs lower to HLO; a k-token step's logits equal
+    the CPU engine's, and speculative generation with a draft gives the same tokens."""
+    from nxdi.shell.generation import HuggingFaceGenerationAdapter
+    from tests.support.engine_fixtures import padded
+
+    model = xla_model("llama", batch_size=4, speculation_length=4)
+    cpu = loaded_model("llama", batch_size=4, speculation_length=4)
+    draft = loaded_model("llama", batch_size=4, torch_dtype="bfloat16")  # a draft that disagrees sometimes
+    ids, mask = padded(PROMPTS, "right")
+    outs = []
+    for m in (model, cpu):
+        outs.append(
+            HuggingFaceGenerationAdapter(m).generate(
+                ids, attention_mask=mask, assistant_model=draft, max_new_tokens=12, do_sample=False, pad_token_id=0
+            )
+        )
+    assert torch.equal(outs[0], outs[1])
+    step = torch.randint(3, 100, (4, 4), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for m in (model, cpu):
+        m.reset()
+        m.forward(ids, attention_mask=mask)
+        logits.append(m.forward(step, position_ids=mask.sum(-1, keepdim=True) + torch.arange(4)).logits)
+    for row in range(4):
+        for i in range(4):
+            assert max_relative_logit_error(logits[1][row, i], logits[0][row, i]) <= 1e-5, (row, i)
