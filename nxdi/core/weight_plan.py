@@ -6,7 +6,9 @@ Theory of operation:
    the program's fields.
 2. Rename. Every checkpoint key is renamed once: a leading model prefix (`"model."`, the table's
    `model_prefix` by default: DBRX's is `"transformer."`) becomes the new prefix (`""`), and a
-   trailing `.weight_scale` becomes `.scale`.
+   trailing `.weight_scale` becomes `.scale`. In the checkpoint of a larger model that holds this
+   one (a multimodal Gemma 3: the table's `Wrapper`), the language model's keys are first mapped
+   to the keys of the model's own checkpoints, and its other parts (the vision tower) are skipped.
 3. Steps. Each weight comes from one `WeightStep`: its sources are copied (one source), concatenated
    along dim 0 (fused QKV: `Wqkv = [Q; K; V]`), stacked along a new dim 0 (a mixture of experts'
    per-expert tensors, `experts.{x}.w1` for every expert x: [X, F, E]), or aliased to an earlier
@@ -16,7 +18,7 @@ Theory of operation:
 4. Check. `check_checkpoint` compares a checkpoint's keys and shapes with the plan and reports every
    missing, unexpected, colliding and wrongly shaped key at once, each named by its checkpoint key.
 
-Length: ~430 lines, because the plan's value types, its construction (quantized steps included)
+Length: ~450 lines, because the plan's value types, its construction (quantized steps included)
 and the checkpoint check read the same step shapes; splitting them would scatter one rule set.
 """
 
@@ -37,6 +39,7 @@ from nxdi.core.weight_table import (
     Shape,
     Weight,
     WeightTable,
+    Wrapper,
     scale_name,
 )
 
@@ -222,14 +225,21 @@ class WeightPlan:
     """Renamed keys that may be present and are not used (an explicit `lm_head.weight` when tied)."""
     quant: WeightQuant | None = None
     """How its quantized steps are stored (None: a float checkpoint)."""
+    wrapper: Wrapper | None = None
+    """The larger model whose checkpoint holds this one (a multimodal Gemma 3's), or None."""
 
     def names(self) -> tuple[str, ...]:
         """The weights produced, in order."""
         return tuple(s.name for s in self.steps)
 
     def rename(self, key: str) -> str:
-        """The renamed form of checkpoint key `key`."""
+        """The renamed form of checkpoint key `key` (unwrapped first, in a wrapping model's checkpoint)."""
+        key = key if self.wrapper is None else self.wrapper.unwrap(key)
         return rename_key(key, model_prefix=self.model_prefix, new_prefix=self.new_prefix)
+
+    def skips(self, key: str) -> bool:
+        """True for a checkpoint key of a wrapping model's other parts (a vision tower), never read."""
+        return self.wrapper is not None and self.wrapper.skips(key)
 
     def read_keys(self) -> frozenset[str]:
         """Renamed checkpoint keys the plan reads."""
@@ -377,15 +387,19 @@ def weight_plan_for(
             unprefixed=table.unprefixed,
             optional=frozenset(tied.weight.source_names(spec, tied.source_prefix)) if tied else frozenset(),
             quant=quant,
+            wrapper=table.wrapper_for(spec.model_type),
         )
     )
 
 
 def _renamed(plan: WeightPlan, keys: Mapping[str, Shape]) -> tuple[dict[str, str], list[Problem]]:
-    """Map renamed keys to checkpoint keys, reporting keys that collide after renaming."""
+    """Map renamed keys to checkpoint keys (a wrapping model's other parts left out), reporting keys
+    that collide after renaming."""
     out: dict[str, str] = {}
     problems: list[Problem] = []
     for key in keys:
+        if plan.skips(key):
+            continue
         new = plan.rename(key)
         if new in out:
             problems.append(Problem.of(key, new, f"renames to the same name as {out[new]!r}", "remove one of them"))
@@ -394,10 +408,13 @@ def _renamed(plan: WeightPlan, keys: Mapping[str, Shape]) -> tuple[dict[str, str
     return out, problems
 
 
-def _stored_key(plan: WeightPlan, name: str, *, prefixed: bool) -> str:
-    """The checkpoint key a missing weight would have had (lm_head sits outside the base model)."""
+def _stored_key(plan: WeightPlan, name: str, *, prefixed: bool, keys: Iterable[str] = ()) -> str:
+    """The checkpoint key a missing weight would have had (lm_head sits outside the base model; a
+    wrapping model's checkpoint nests both, in the layout its `keys` show)."""
+    prefixed = prefixed or plan.wrapper is not None
     bare = not prefixed or name.startswith(plan.unprefixed) or not name.startswith(plan.new_prefix)
-    return name if bare else plan.model_prefix + name[len(plan.new_prefix) :]
+    key = name if bare else plan.model_prefix + name[len(plan.new_prefix) :]
+    return key if plan.wrapper is None else plan.wrapper.wrap(key, keys)
 
 
 def check_checkpoint(plan: WeightPlan, shapes: Mapping[str, Shape]) -> Result[Mapping[str, str], CheckpointError]:
@@ -410,14 +427,16 @@ def check_checkpoint(plan: WeightPlan, shapes: Mapping[str, Shape]) -> Result[Ma
     Returns:
         `Success(mapping)` from each renamed key the plan reads to its checkpoint key, or
         `Failure(CheckpointError)` listing every missing key, unexpected key, wrongly shaped key and
-        pair of keys that collide after renaming.
+        pair of keys that collide after renaming. Keys of a wrapping model's other parts (a
+        multimodal Gemma 3's vision tower and projector: `WeightPlan.wrapper`) are not expected and
+        not reported; every other key the plan does not read is.
     """
     names, problems = _renamed(plan, shapes)
     prefixed = bool(plan.model_prefix) and any(k.startswith(plan.model_prefix) for k in shapes)
     expected = plan.source_shapes()
     for name, shape in expected.items():
         if name not in names:
-            key = _stored_key(plan, name, prefixed=prefixed)
+            key = _stored_key(plan, name, prefixed=prefixed, keys=shapes)
             problems.append(Problem.missing(key, f"the checkpoint lacks nxdi weight {name!r}"))
         # NxD's fp8 per-tensor saver writes a 0-d scale where its loader (and this plan) expect [1].
         elif (got := tuple(shapes[names[name]])) != tuple(shape) and not (got == () and tuple(shape) == (1,)):

@@ -18,7 +18,7 @@ KV = K*D (kv heads times head dim), QKV = Q + 2*KV (a fused projection), X exper
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import attrs
 
@@ -191,6 +191,53 @@ class Entry:
     weight: Weight
 
 
+Layout = tuple[tuple[str, str], ...]
+"""(stored key prefix, the prefix the model's own checkpoints give those keys) pairs."""
+
+
+@attrs.frozen(kw_only=True)
+class Wrapper:
+    """A checkpoint that holds the table's model inside a larger model: Gemma 3's multimodal
+    checkpoints keep its language model beside a vision tower and a projector.
+
+    Its language model's keys are mapped to the keys the model's own checkpoints have (legacy
+    `language_model.model.x` -> `model.x`) before the usual renaming, so the table reads both; the
+    prefixes in `skipped` (the vision tower, the projector) are passed over, and every other key is
+    checked as in any checkpoint (unexpected unless the plan reads it).
+    """
+
+    model_type: str
+    """The Hugging Face `model_type` of the wrapping config (`gemma3`): a ModelSpec of that
+    model_type is read through this wrapper."""
+    layouts: tuple[Layout, ...]
+    """The layouts the language model's keys may have, each a set of prefix pairs; the first is
+    the one missing keys are named in when the checkpoint shows none of them."""
+    skipped: tuple[str, ...]
+    """Prefixes of stored keys that belong to the other parts of the wrapping model, not read."""
+
+    def skips(self, key: str) -> bool:
+        """True for a stored key of the wrapping model's other parts (`vision_tower.`...)."""
+        return key.startswith(self.skipped)
+
+    def unwrap(self, key: str) -> str:
+        """Stored key `key` as the model's own checkpoints store it (unchanged when no prefix of the
+        layouts matches it): `language_model.model.layers.0.x` -> `model.layers.0.x`."""
+        for outer, inner in (pair for layout in self.layouts for pair in layout):
+            if key.startswith(outer):
+                return inner + key[len(outer) :]
+        return key
+
+    def wrap(self, key: str, stored: Iterable[str] = ()) -> str:
+        """The stored form of `key` (a key of the model's own checkpoints) in the layout whose prefixes
+        the `stored` keys show, else the first layout: what a missing key is named."""
+        stored = tuple(stored)
+        used = [lo for lo in self.layouts if any(k.startswith(o) for k in stored for o, _ in lo)]
+        for outer, inner in (used or list(self.layouts))[0]:
+            if key.startswith(inner):
+                return outer + key[len(inner) :]
+        return key
+
+
 @attrs.frozen(kw_only=True)
 class WeightTable:
     """A family's checkpoint layout, in binding order: weights before the layers, each layer's, and after."""
@@ -212,6 +259,12 @@ class WeightTable:
     the default `_STATE_DICT_MODEL_PREFIX` of its causal LM class."""
     unprefixed: tuple[str, ...] = ("lm_head.",)
     """nxdi names Hugging Face stores outside the base model, so without the model prefix."""
+    wrappers: tuple[Wrapper, ...] = ()
+    """Checkpoints of larger models that hold this one (Gemma 3's multimodal ones), by model_type."""
+
+    def wrapper_for(self, model_type: str) -> Wrapper | None:
+        """The wrapper a ModelSpec of `model_type` reads its checkpoint through (None: the model's own layout)."""
+        return next((w for w in self.wrappers if w.model_type == model_type), None)
 
     def placed(self, spec: ModelSpec) -> Iterator[Entry]:
         """Every weight `spec` has, in binding order, with its full name, slot path and source prefix.

@@ -7,6 +7,9 @@ quantized `.weight`) and written where `quantized_checkpoints_path` says, as the
 `model.safetensors` when the path is an existing folder, else as a torch pickle file at the path.
 The file is written beside its target and renamed into place, and a target that is (or would
 overwrite) a file of the source checkpoint is refused: the user's checkpoint is never modified.
+A larger model's checkpoint holding the model (a multimodal Gemma 3: `weight_table.Wrapper`)
+gives its language model's weights only, under the model's own keys, so the quantized checkpoint
+has the layout of the text model's.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from returns.result import Failure, Result, Success
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.host.quant import layout
 from nxdi.core.host.quant.weights import QuantScheme
+from nxdi.core.weight_table import Wrapper
 from nxdi.effects import checkpoint, files
 
 SAFETENSORS_NAME = "model.safetensors"
@@ -39,6 +43,7 @@ def save_quantized(
     modules_to_not_convert: tuple[str, ...] | None,
     *,
     tie_word_embeddings: bool,
+    wrapper: Wrapper | None = None,
 ) -> Result[Path, ConfigError]:
     """Quantize the checkpoint at `model_path` and write it to `out` (see the module docstring).
 
@@ -57,6 +62,8 @@ def save_quantized(
         fix = "point quantized_checkpoints_path at another folder or file"
         return Failure(ConfigError.of("neuron_config.quantized_checkpoints_path", str(out), why, fix))
     state = checkpoint.read_state_dict(model_path)
+    if wrapper is not None:  # the language model's tensors, keyed as in the model's own checkpoints
+        state = {wrapper.unwrap(k): t for k, t in state.items() if not wrapper.skips(k)}
     quantized = layout.quantize_state_dict(
         state, scheme, modules_to_not_convert, tie_word_embeddings=tie_word_embeddings
     )

@@ -190,6 +190,7 @@ class NeuronApplicationBase:
         quantization_dtype, block settings, modules_to_not_convert) and write it to
         `quantized_checkpoints_path`: `model.safetensors` inside it when it is an existing folder,
         else a torch pickle file at that path (the reference's behaviour). Compile and load then read it.
+        A multimodal checkpoint (Gemma 3) gives its language model only, saved in the text model's layout.
 
         Raises:
             IncompatibleConfigError: quantized_checkpoints_path is unset or names a file of the
@@ -197,15 +198,17 @@ class NeuronApplicationBase:
             FileNotFoundError / ValueError: no checkpoint at `model_path`, or an unreadable file.
         """
         spec = config.neuron_config.spec
-        cls._program_of(config)  # a model nxdi runs
+        program = cls._program_of(config)  # a model nxdi runs
         unwrap(quant_config.save_config(spec), "Cannot save a quantized checkpoint")
         scheme = unwrap(quant_config.scheme(spec), "Cannot save a quantized checkpoint")
+        model = config.model_spec()
         saved = quantized_checkpoint.save_quantized(
             model_path,
             str(spec.quantized_checkpoints_path),
             scheme,
             spec.modules_to_not_convert,
-            tie_word_embeddings=config.model_spec().tie_word_embeddings,
+            tie_word_embeddings=model.tie_word_embeddings,
+            wrapper=program.table.wrapper_for(model.model_type),
         )
         unwrap(saved, "Cannot save a quantized checkpoint")
 

@@ -222,7 +222,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         """
         given = sorted(k for k, v in unsupported.items() if v is not None and k not in _IGNORED)
         if given:
-            raise TypeError(f"forward() does not support {', '.join(given)} on the CPU backend")
+            images = " (nxdi runs a multimodal model's language model only: text in, text out)"
+            note = images if "pixel_values" in given else ""
+            raise TypeError(f"forward() does not support {', '.join(given)} on the CPU backend{note}")
         call = {
             "input_ids": input_ids,
             "seq_ids": seq_ids,

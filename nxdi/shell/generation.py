@@ -45,6 +45,10 @@ _SPEC_STOPS = frozenset({"MaxLengthCriteria", "EosTokenCriteria"})
 
 def _hf_config(model: NeuronBaseForCausalLM) -> PretrainedConfig:
     data = {k: v for k, v in model.config.hf_dict().items() if not k.startswith("_")}
+    if isinstance(data.get("text_config"), dict):
+        # A multimodal model's language model, a config of its own as in transformers, so that
+        # generate() takes the token ids it lacks at the top level from it, as transformers does.
+        data["text_config"] = PretrainedConfig(**data["text_config"])
     config = PretrainedConfig(**data)
     config.is_encoder_decoder = False
     return config

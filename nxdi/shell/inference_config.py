@@ -138,6 +138,10 @@ class InferenceConfig:
             name = aliases[name]
         if name == "neuron_config" and isinstance(value, Mapping):
             value = self.get_neuron_config_cls()(**value)
+        elif name == "text_config" and isinstance(value, Mapping):
+            # As load_pretrained_config makes it, so a config read back from neuron_config.json
+            # (where it is a JSON object) has the same attributes.
+            value = types.SimpleNamespace(**value)
         elif name == "neuron_config" and _wants_moe(self.get_neuron_config_cls(), value):
             # A plain NeuronConfig for a mixture-of-experts family: the same settings as a
             # MoENeuronConfig (MoE options at their defaults), so what is compiled is what loads.
@@ -169,12 +173,13 @@ class InferenceConfig:
         for name, value in self._family.derived_attributes.items():
             setattr(self, name, value)
         spec = self.neuron_config.spec
-        heads, kv = getattr(self, "num_attention_heads", None), getattr(self, "num_key_value_heads", None)
+        text = self.get_text_config()  # a multimodal model's sizes are its language model's
+        heads, kv = getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)
         if spec.flash_decoding_enabled and isinstance(heads, int) and isinstance(kv, int) and kv > 0:
             self.num_cores_per_group = max(1, min(spec.tp_degree, heads) // kv)
-        if spec.padded_hidden_size is not None and not hasattr(self, "original_hidden_size"):
-            self.original_hidden_size = getattr(self, "hidden_size", None)
-            self.hidden_size = spec.padded_hidden_size
+        if spec.padded_hidden_size is not None and not hasattr(text, "original_hidden_size"):
+            text.original_hidden_size = getattr(text, "hidden_size", None)
+            text.hidden_size = spec.padded_hidden_size
 
     @classmethod
     def get_neuron_config_cls(cls) -> type[NeuronConfig]:
@@ -187,8 +192,11 @@ class InferenceConfig:
         return self if text is None else text
 
     def validate_config(self) -> None:
-        """Check required attributes (all missing ones listed) and the model attributes."""
-        missing = [name for name in self.get_required_attributes() if not hasattr(self, name)]
+        """Check required attributes (all missing ones listed; a multimodal model's are its
+        `text_config`'s) and the model attributes."""
+        text = self.get_text_config()
+        prefix = "" if text is self else "text_config."
+        missing = [prefix + name for name in self.get_required_attributes() if not hasattr(text, name)]
         if missing:
             self._check_model_type()
             lines = "\n".join(f"  - {name}: is required but missing" for name in missing)
@@ -202,14 +210,15 @@ class InferenceConfig:
             self.model_spec()
 
     def _check_model_type(self) -> None:
-        """Raise IncompatibleConfigError when the family refuses these attributes' model_type itself
-        (the multimodal `gemma3`, whose model attributes sit under `text_config`, so they look missing)."""
+        """Raise IncompatibleConfigError when the family refuses these attributes' model_type or
+        text_config itself (an unknown model_type; a multimodal `gemma3` without a text_config),
+        which is the cause when its model attributes look missing."""
         if self._family is None:
             return
         match parse_model_spec(to_json(self.hf_dict())):
-            case Failure(error) if "model_type" in error.fields():
-                refused = attrs.evolve(error, problems=tuple(p for p in error.problems if p.field == "model_type"))
-                unwrap(Failure(refused), "Invalid model configuration")
+            case Failure(error) if {"model_type", "text_config"} & set(error.fields()):
+                kept = tuple(p for p in error.problems if p.field in ("model_type", "text_config"))
+                unwrap(Failure(attrs.evolve(error, problems=kept)), "Invalid model configuration")
 
     # --- the model ---------------------------------------------------------------------------
     def hf_dict(self) -> dict[str, Any]:

@@ -102,10 +102,47 @@ def build_model(variant: str, *, seed: int = 0, **overrides: Any) -> transformer
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model: transformers.PreTrainedModel = transformers.AutoModelForCausalLM.from_config(config)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight") and not p.any():
-                    p.copy_(torch.randn(p.shape) * 0.5)
+        _draw_zero_norms(model)
+    return model.eval()
+
+
+def _draw_zero_norms(model: transformers.PreTrainedModel) -> None:
+    """Norm weights left at zero drawn from the global RNG (the caller forks and seeds it)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and not p.any():
+                p.copy_(torch.randn(p.shape) * 0.5)
+
+
+TINY_VISION: Mapping[str, Any] = {
+    "model_type": "siglip_vision_model",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "image_size": 28,
+    "patch_size": 14,
+}
+"""A SigLIP vision tower of 2 x 2 patches, for tiny multimodal Gemma 3 checkpoints."""
+
+
+def build_gemma3_multimodal(*, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
+    """A multimodal Gemma 3 (transformers' Gemma3ForConditionalGeneration) with random fp32 weights
+    drawn from `seed`, in eval mode: the `gemma3` variant's text model (with `overrides`) as its
+    language model, `TINY_VISION` as its vision tower, one image as 4 tokens. Its lm_head is tied
+    as the text model's is (the outer config's `tie_word_embeddings` is the one transformers
+    obeys); its zero-initialised norms are drawn as `build_model` draws them."""
+    text = tiny_config("gemma3", **overrides).to_dict()
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=dict(TINY_VISION),
+        mm_tokens_per_image=4,
+        tie_word_embeddings=text["tie_word_embeddings"],
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Gemma3ForConditionalGeneration(config)
+        _draw_zero_norms(model)
     return model.eval()
 
 

@@ -5,7 +5,7 @@ whole Gemma 3 models; these show that each Gemma field of the spec is needed for
 (without it, the tiny model's logits leave transformers' by far more than the tolerance: the
 sliding window is exactly `sliding_window` positions, query included, not one more or less), that
 the final logits are soft-capped, and that the norm and embedding scale round as transformers does
-in bf16 and fp16. And a multimodal `gemma3` checkpoint is refused by name through the documented API.
+in bf16 and fp16. (A multimodal `gemma3` checkpoint's language model: test_gemma3_multimodal.py.)
 """
 
 from __future__ import annotations
@@ -18,15 +18,12 @@ from typing import Any
 import attrs
 import pytest
 import torch
-import transformers
 from transformers.models.gemma3 import modeling_gemma3
 
-import nxdi
 from nxdi.core import families
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.programs import decoder, inputs, kv_cache, layers
 from nxdi.effects import weight_loader as weight_io
-from nxdi.shell.exceptions import IncompatibleConfigError, MissingAttributesError
 from nxdi.testing.checkpoints import build_model
 from nxdi.testing.strategies.decoders import plan_of, program_of
 
@@ -131,15 +128,3 @@ def test_the_embedding_scale_rounds_to_the_embedding_dtype_as_transformers_does(
     spec = families.parse_model_spec({"model_type": "gemma3_text", "vocab_size": 16, **sizes}).unwrap()
     assert spec.embed_scale == 3072**0.5
     assert torch.equal(decoder._scaled_embeddings(table.weight.detach()[ids], spec), expected)
-
-
-def test_a_multimodal_gemma3_checkpoint_is_refused_by_name(tmp_path: Path) -> None:
-    """Its model attributes sit under text_config, so they would look missing; the model_type is named instead."""
-    text = transformers.Gemma3TextConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=128)
-    vision = transformers.SiglipVisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
-    transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict()).save_pretrained(tmp_path)
-    assert nxdi.MODEL_TYPES["gemma3"]["causal-lm"] is nxdi.NeuronGemma3ForCausalLM  # NxDI's key
-    with pytest.raises(IncompatibleConfigError) as info:
-        nxdi.Gemma3InferenceConfig(nxdi.NeuronConfig(seq_len=32), load_config=nxdi.load_pretrained_config(tmp_path))
-    assert not isinstance(info.value, MissingAttributesError)
-    assert "model_type='gemma3': is the multimodal Gemma 3" in str(info.value) and "gemma3_text" in str(info.value)

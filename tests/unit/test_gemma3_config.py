@@ -1,17 +1,18 @@
 """Gemma 3 configs through `parse_model_spec`: the hub's layout and transformers 5's, transformers'
-defaults, every bad value named by its field, the multimodal config refused, and `num_params`
-against transformers' own count."""
+defaults, every bad value named by its field, the multimodal config's language model (read from
+its text_config), and `num_params` against transformers' own count."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 import torch
 import transformers
 
 from nxdi.core.model_spec import RopeKind, RopeSpec
-from tests.support.planner_configs import GEMMA_3_1B, GEMMA_3_27B_TEXT
+from tests.support.planner_configs import GEMMA_3_1B, GEMMA_3_4B, GEMMA_3_27B_TEXT
 from tests.support.planner_configs import spec as parsed
 from tests.support.planner_configs import spec_failure as failure
 
@@ -81,10 +82,61 @@ def test_final_logit_softcapping_is_read() -> None:
     assert parsed(GEMMA_3_1B | {"final_logit_softcapping": 30.0}).final_logit_softcap == 30.0
 
 
-def test_the_multimodal_gemma3_config_is_refused_by_name() -> None:
-    error = failure({"model_type": "gemma3", "text_config": GEMMA_3_27B_TEXT})
-    assert error.fields() == {"model_type"}
-    assert "text model only" in error.problems[0].reason and "gemma3_text" in error.problems[0].fix
+def test_the_hub_gemma_3_4b_multimodal_config_reads_its_language_model() -> None:
+    """transformers' defaults fill the sparse text_config; the top-level eos ids win; the language
+    model (tied lm_head counted once) has transformers' own parameter count."""
+    spec = parsed(GEMMA_3_4B)
+    assert spec.model_type == "gemma3" and spec.tie_word_embeddings
+    assert (spec.hidden_size, spec.num_attention_heads, spec.num_kv_heads, spec.head_dim) == (2560, 8, 4, 256)
+    assert (spec.vocab_size, spec.num_layers, spec.sliding_window) == (262208, 34, 1024)
+    assert spec.rope == RopeSpec(theta=1e6, kind=RopeKind.LINEAR, factor=8.0) and spec.local_rope == RopeSpec(theta=1e4)
+    assert (spec.pad_token_id, spec.bos_token_id, spec.eos_token_ids) == (0, 2, (1, 106))
+    config = transformers.Gemma3Config.from_dict(GEMMA_3_4B)
+    with torch.device("meta"):
+        model = transformers.Gemma3ForConditionalGeneration(config)
+    language = {id(p): p.numel() for n, p in model.named_parameters() if not n.startswith("model.vision_tower.")}
+    projector = sum(p.numel() for p in model.model.multi_modal_projector.parameters())
+    assert spec.num_params() == sum(language.values()) - projector == 3_880_263_168
+
+
+def test_a_multimodal_config_reads_text_config_as_a_gemma3_text_config() -> None:
+    text = {**GEMMA_3_27B_TEXT, "eos_token_id": 7}
+    spec = parsed({"model_type": "gemma3", "text_config": text})
+    assert spec == attrs.evolve(parsed(text), model_type="gemma3")
+    assert not parsed({"model_type": "gemma3", "text_config": text, "tie_word_embeddings": False}).tie_word_embeddings
+    outer = parsed({"model_type": "gemma3", "text_config": text, "eos_token_id": [1, 106], "pad_token_id": 5})
+    assert (outer.eos_token_ids, outer.pad_token_id, outer.bos_token_id) == ((1, 106), 5, spec.bos_token_id)
+
+
+def test_the_outer_tie_word_embeddings_is_the_one_transformers_obeys() -> None:
+    text = transformers.Gemma3TextConfig(**GEMMA_3_27B_TEXT | {"num_hidden_layers": 1, "tie_word_embeddings": True})
+    config = transformers.Gemma3Config(text_config=text.to_dict(), tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = transformers.Gemma3ForConditionalGeneration(config)
+    assert model.lm_head.weight is not model.model.language_model.embed_tokens.weight
+    assert not parsed(config.to_dict()).tie_word_embeddings
+
+
+@pytest.mark.parametrize(
+    ("change", "fields"),
+    [
+        ({"text_config": None}, {"text_config"}),
+        ({"text_config": [1]}, {"text_config"}),
+        ({"text_config": GEMMA_3_27B_TEXT | {"model_type": "gemma2"}}, {"text_config.model_type"}),
+        ({"text_config": GEMMA_3_27B_TEXT | {"num_key_value_heads": 3}}, {"text_config.num_key_value_heads"}),
+        ({"text_config": GEMMA_3_27B_TEXT | {"rope_theta": 0}}, {"text_config.rope_theta"}),
+        ({"text_config": GEMMA_3_27B_TEXT | {"eos_token_id": "1"}}, {"text_config.eos_token_id"}),
+        ({"num_hidden_layers": 2, "vocab_size": 128}, {"num_hidden_layers", "vocab_size"}),
+        ({"eos_token_id": -1}, {"eos_token_id"}),
+    ],
+)
+def test_each_problem_of_a_multimodal_config_names_its_field(change: dict[str, Any], fields: set[str]) -> None:
+    """Problems of the language model are named under text_config; a language-model key at the top
+    level (where transformers would not read it either) is refused, not ignored."""
+    error = failure({"model_type": "gemma3", "text_config": GEMMA_3_27B_TEXT} | change)
+    assert error.fields() == fields
+    if "vocab_size" in fields:
+        assert all(p.fix == f"set text_config.{p.field} instead" for p in error.problems)
 
 
 @pytest.mark.parametrize(

@@ -18,9 +18,17 @@ Gemma 3 is Llama plus these ModelSpec fields, each read from the config here and
 
 What is read and what is refused:
 - `gemma3_text` configs (transformers' Gemma3ForCausalLM: Gemma 3 270M and 1B on the hub).
-- `gemma3` configs (Gemma3ForConditionalGeneration: a SigLIP vision tower plus a `text_config`,
-  its weights under `language_model.`) are refused by name: nxdi runs the text model only. The
-  key is listed so that `MODEL_TYPES["gemma3"]` is NxDI's class, as NxDI lists it.
+- `gemma3` configs (Gemma3ForConditionalGeneration: Gemma 3 4B, 12B and 27B, a SigLIP vision tower
+  plus a language model): nxdi runs the language model, text in and text out. Its attributes are
+  read from `text_config` (problems named `text_config.<key>`); `tie_word_embeddings` and the
+  token ids from the outer config where it sets them, as transformers does (its lm_head ties by
+  the outer flag; generate() takes the outer token ids first, so the hub's `eos_token_id` [1, 106]
+  ends a turn). A language-model key set at the top level instead, where nothing reads it, is
+  refused. The checkpoint is read through `MULTIMODAL_CHECKPOINT`: the language model's keys in
+  either layout transformers reads (`language_model.model.*` and `language_model.lm_head.weight`,
+  what it writes; or its module names `model.language_model.*`, `lm_head.weight`), the vision
+  tower and projector skipped, anything else reported. Images cannot reach the model: the shell
+  refuses image inputs (`pixel_values`, ...) rather than generate from the text alone.
 - `attn_logit_softcapping` is accepted and, as in transformers' Gemma3 (which stores it but never
   passes it to attention: Gemma 3 replaced attention soft-capping by the q/k norm), not applied.
 - `use_bidirectional_attention` (EmbeddingGemma) is refused: the engine's attention is causal.
@@ -28,6 +36,7 @@ What is read and what is refused:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from nxdi.core.errors import Problem
@@ -36,7 +45,7 @@ from nxdi.core.families.llama import EMBED, GATED_MLP, HEAD, SELF_ATTENTION
 from nxdi.core.families.reader import ConfigReader
 from nxdi.core.families.record import ClassNames, FamilyRecord, ProgramKind
 from nxdi.core.model_spec import RopeSpec
-from nxdi.core.weight_table import WeightTable, copy
+from nxdi.core.weight_table import WeightTable, Wrapper, copy
 
 REQUIRED = (
     "head_dim",
@@ -64,6 +73,57 @@ _LOCAL_THETA = 10_000.0
 """`rope_local_base_freq`."""
 _TOKENS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
 """transformers' default token ids of a Gemma3TextConfig."""
+_TOKEN_FIELDS = {"eos_token_id": "eos_token_ids"}
+"""ModelSpec fields of the token-id keys, where the names differ."""
+
+TEXT = "gemma3_text"
+"""The text model's model_type (Gemma3ForCausalLM)."""
+MULTIMODAL = "gemma3"
+"""The multimodal model's model_type (Gemma3ForConditionalGeneration)."""
+_TEXT_KEYS = frozenset(
+    {
+        *REQUIRED,
+        "vocab_size",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "hidden_activation",
+        "rope_parameters",
+        "rope_scaling",
+        "rope_theta",
+        "rope_local_base_freq",
+        "layer_types",
+        "sliding_window_pattern",
+        "final_logit_softcapping",
+        "attn_logit_softcapping",
+        "attention_bias",
+        "use_bidirectional_attention",
+    }
+)
+"""The keys a multimodal config keeps under `text_config` (its language model's architecture)."""
+_TEXT_DEFAULTS = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+}
+"""transformers' Gemma3TextConfig defaults for the sizes, which the hub's multimodal configs rely on
+(their `text_config` leaves out vocab_size, and gemma-3-4b's its head counts too); a `gemma3_text`
+config must give them, as every family's config must."""
+
+MULTIMODAL_CHECKPOINT = Wrapper(
+    model_type=MULTIMODAL,
+    layouts=(
+        (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
+        (("model.language_model.", "model."), ("lm_head.", "lm_head.")),
+    ),
+    skipped=("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector."),
+)
+"""Where a multimodal checkpoint keeps the language model: the two layouts transformers reads, its
+legacy keys (which save_pretrained writes, and the hub's checkpoints have) and its module names
+(`Gemma3ForConditionalGeneration`'s conversion mapping between them); the vision tower and the
+projector, in either layout, are skipped."""
 
 GEMMA3_WEIGHTS = WeightTable(
     before=EMBED,
@@ -76,10 +136,12 @@ GEMMA3_WEIGHTS = WeightTable(
         *GATED_MLP,
     ),
     after=HEAD,
+    wrappers=(MULTIMODAL_CHECKPOINT,),
 )
 """A Gemma 3 checkpoint as the decoder takes it: Llama's, with `post_attention_layernorm` norming the
 attention output (`attn_out_norm`) and the MLP between `pre_feedforward_layernorm` (the `post_norm`
-slot, the norm a Llama layer puts before its MLP) and `post_feedforward_layernorm` (`mlp_out_norm`)."""
+slot, the norm a Llama layer puts before its MLP) and `post_feedforward_layernorm` (`mlp_out_norm`);
+in a multimodal checkpoint, nested as `MULTIMODAL_CHECKPOINT` says."""
 
 
 def _full_layers(r: ConfigReader, layers: int) -> tuple[int, ...] | None:
@@ -119,19 +181,48 @@ def _ropes(r: ConfigReader) -> tuple[RopeSpec | None, RopeSpec | None]:
         why = f"has keys {extra}: Gemma 3 keeps one block of RoPE parameters per layer type"
         r.problems.append(Problem.of(r.name("rope_parameters"), dict(params.raw), why, f"nest them under {_FULL}"))
     full = params.sub(_FULL) if _FULL in params.raw else r.sub("rope_scaling")
-    theta = ("rope_theta", r.raw.get("rope_theta"))
+    theta = (r.name("rope_theta"), r.raw.get("rope_theta"))
     glob = reader.rope_block(full, theta=theta, default_theta=_GLOBAL_THETA)
-    local_theta = ("rope_local_base_freq", r.raw.get("rope_local_base_freq"))
+    local_theta = (r.name("rope_local_base_freq"), r.raw.get("rope_local_base_freq"))
     local = reader.rope_block(params.sub(_SLIDING), theta=local_theta, default_theta=_LOCAL_THETA)
     return glob, local
 
 
 def read_gemma3(r: ConfigReader) -> dict[str, Any]:
-    """ModelSpec fields of a `gemma3_text` config (see the module docstring)."""
-    if r.raw.get("model_type") == "gemma3":
-        why = "is the multimodal Gemma 3 (a vision tower and a text_config); nxdi runs the text model only"
-        r.problems.append(Problem.of("model_type", "gemma3", why, "use a Gemma3ForCausalLM (gemma3_text) checkpoint"))
+    """ModelSpec fields of a `gemma3_text` config, or of the language model of a `gemma3` one
+    (see the module docstring)."""
+    return _read_multimodal(r) if r.raw.get("model_type") == MULTIMODAL else _read_text(r)
+
+
+def _read_multimodal(r: ConfigReader) -> dict[str, Any]:
+    """The language model of a multimodal `gemma3` config: its `text_config`, with the outer
+    config's `tie_word_embeddings` and token ids."""
+    raw = r.raw.get("text_config")
+    if not isinstance(raw, Mapping):
+        fix = "a gemma3 config keeps its language model's attributes (hidden_size, ...) in a text_config object"
+        missing = Problem.missing("text_config", fix)
+        r.problems.append(missing if raw is None else Problem.of("text_config", raw, "must be an object", fix))
         return {}
+    text = ConfigReader({**_TEXT_DEFAULTS, **raw}, r.name("text_config.")).sharing(r)
+    if text.raw.get("model_type", TEXT) != TEXT:
+        why = f"must be {TEXT}: the language model of a multimodal Gemma 3"
+        r.problems.append(Problem.of(text.name("model_type"), text.raw["model_type"], why))
+    for key in sorted(k for k in _TEXT_KEYS if r.raw.get(k) is not None):
+        why = "is a language-model attribute at the top level of a multimodal gemma3 config, where nothing reads it"
+        r.problems.append(Problem.of(key, r.raw[key], why, f"set text_config.{key} instead"))
+    fields = _read_text(text)
+    outer = {k: r.raw[k] for k in _TOKENS if r.raw.get(k) is not None}
+    tokens = reader.tokens(ConfigReader(outer).sharing(r))
+    return {
+        **fields,
+        "model_type": MULTIMODAL,
+        "tie_word_embeddings": r.bool_("tie_word_embeddings", True),
+        **{_TOKEN_FIELDS.get(k, k): tokens[_TOKEN_FIELDS.get(k, k)] for k in outer},
+    }
+
+
+def _read_text(r: ConfigReader) -> dict[str, Any]:
+    """ModelSpec fields of a Gemma 3 text model's config (a `gemma3_text` config, or a `text_config`)."""
     if r.bool_("use_bidirectional_attention", False):
         why = "asks for bidirectional attention (EmbeddingGemma); nxdi runs causal language models"
         r.problems.append(Problem.of(r.name("use_bidirectional_attention"), True, why, "set it to false"))
@@ -149,7 +240,7 @@ def read_gemma3(r: ConfigReader) -> dict[str, Any]:
     glob, local = _ropes(r)
     hidden = dims["hidden_size"]
     return dict(
-        model_type="gemma3_text",
+        model_type=TEXT,
         **dims,
         num_layers=r.int_("num_hidden_layers"),
         vocab_size=r.int_("vocab_size"),
@@ -175,7 +266,7 @@ def read_gemma3(r: ConfigReader) -> dict[str, Any]:
 
 RECORD = FamilyRecord(
     name="gemma3",
-    model_types=("gemma3_text", "gemma3"),
+    model_types=(TEXT, MULTIMODAL),
     read=read_gemma3,
     required_attributes=REQUIRED,
     classes=ClassNames(

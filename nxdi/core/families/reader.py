@@ -108,7 +108,7 @@ def _eos_ids(r: ConfigReader) -> tuple[int, ...]:
         return ()
     items = v if isinstance(v, list) else [v]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
-        r.problems.append(Problem.of("eos_token_id", v, "must be a non-negative integer or a list of them"))
+        r.problems.append(Problem.of(r.name("eos_token_id"), v, "must be a non-negative integer or a list of them"))
         return ()
     return tuple(items)
 

@@ -11,10 +11,14 @@ half the dense MLP width, so its active parameters match the dense model's:
 | tiny | 2048 | 22 | 32 / 4 | 5632 | 8 x 2816, top 2 | dense 1.1B; MoE 1.1B active, 3.4B in all |
 
 Vocabulary 32000, untied embeddings, transformers' default initialisation (std 0.02), and no
-sliding window shorter than the model (Mistral's and Mixtral's window off, Qwen2's unused); other
-features are the family's test configuration's (Qwen3-MoE renormalises its top-k affinities).
-`toy` is that test configuration itself (`nxdi.testing.checkpoints.tiny_config`: hidden 64,
-2 layers, vocab 160), for every runnable family: seconds to build, for smoke tests.
+sliding window shorter than the model (Mistral's and Mixtral's window off, Qwen2's unused) except
+Gemma 3's, whose interleave is the family: every sixth layer global, the others within Gemma 3
+1B's window of 512, and query_pre_attn_scalar = head_dim as in Gemma 3 1B and 4B. DBRX (its sizes
+under `d_model`, `attn_config`, `ffn_config`) clamps q/k/v at the published DBRX's clip_qkv of 8
+and normalises its top-k weights by their sum (p = 1). Other features are the family's test
+configuration's (Qwen3-MoE renormalises its top-k affinities). `toy` is that test configuration
+itself (`nxdi.testing.checkpoints.tiny_config`: hidden 64, 2 layers, vocab 160), for every
+runnable family: seconds to build, for smoke tests.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ _COMMON: Mapping[str, Any] = dict(head_dim=64, vocab_size=32000, max_position_em
 
 @attrs.frozen(kw_only=True)
 class FamilyKeys:
-    """How a family's Hugging Face config names the sizes a shape sets."""
+    """How a family's Hugging Face config names the sizes a shape sets. A key may be dotted
+    (`ffn_config.moe_top_k`): the key of that name in the nested object."""
 
     ffn: str = "intermediate_size"
     """The key of the MLP width (a mixture of experts: one expert's)."""
@@ -47,6 +52,14 @@ class FamilyKeys:
     """The key of the number of experts; None for a dense family."""
     top_k: str = "num_experts_per_tok"
     """The key of the experts each token uses (mixtures of experts only)."""
+    also: Mapping[str, str] = attrs.field(factory=dict)
+    """Shared size key -> another key that must hold the same size: DBRX's `d_model` (transformers
+    sizes the experts from it before the `hidden_size` alias is set) and `attn_config.kv_n_heads`."""
+    head_dim: bool = True
+    """The config has a `head_dim` key (DBRX's is d_model / n_heads, 64 in every shape)."""
+    global_every: int | None = None
+    """Write `layer_types` for the shape's layers: every n-th global, the others within the sliding
+    window (Gemma 3's interleave: 6, so layers 5, 11, 17, ...); None: the config has no layer_types."""
     fixed: Mapping[str, Any] = attrs.field(factory=dict)
     """Settings over the family's test configuration (`FamilyRecord.tiny_config`)."""
 
@@ -58,6 +71,18 @@ FAMILIES: Mapping[str, FamilyKeys] = {
     "qwen3": FamilyKeys(fixed={"use_sliding_window": False}),
     "mixtral": FamilyKeys(experts="num_local_experts", fixed={"sliding_window": None}),
     "qwen3_moe": FamilyKeys(ffn="moe_intermediate_size", experts="num_experts", fixed={"use_sliding_window": False}),
+    "gemma3": FamilyKeys(
+        global_every=6,
+        fixed={"sliding_window": 512, "query_pre_attn_scalar": _COMMON["head_dim"], "tie_word_embeddings": False},
+    ),
+    "dbrx": FamilyKeys(
+        ffn="ffn_config.ffn_hidden_size",
+        experts="ffn_config.moe_num_experts",
+        top_k="ffn_config.moe_top_k",
+        also={"hidden_size": "d_model", "num_key_value_heads": "attn_config.kv_n_heads"},
+        head_dim=False,
+        fixed={"attn_config.clip_qkv": 8.0, "ffn_config.moe_normalize_expert_weights": 1.0},
+    ),
 }
 """The families `small` and `tiny` know the keys of (every runnable family has `toy`)."""
 
@@ -103,9 +128,37 @@ def config_overrides(model_type: str, shape: str) -> dict[str, Any]:
         raise UsageError(f"--shape {shape} is not defined for {model_type} (only for {known}); use --shape toy")
     sizes = dict(SIZES[shape])
     ffn = sizes.pop("ffn")
+    common = {k: v for k, v in _COMMON.items() if keys.head_dim or k != "head_dim"}
+    flat = {**common, **sizes, **{key: sizes[size] for size, key in keys.also.items()}, **keys.fixed}
+    if (every := keys.global_every) is not None:
+        flat["layer_types"] = [
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(sizes["num_hidden_layers"])
+        ]
     if keys.experts is None:
-        return {**_COMMON, **sizes, **keys.fixed, keys.ffn: ffn}
-    return {**_COMMON, **sizes, **keys.fixed, keys.ffn: ffn // TOP_K, keys.experts: EXPERTS, keys.top_k: TOP_K}
+        flat[keys.ffn] = ffn
+    else:
+        flat |= {keys.ffn: ffn // TOP_K, keys.experts: EXPERTS, keys.top_k: TOP_K}
+    return _nested(flat, _test_config(model_type))
+
+
+def _test_config(model_type: str) -> Mapping[str, Any]:
+    """The family's test configuration (`FamilyRecord.tiny_config`) of `--model-type` (a family name)."""
+    from nxdi.core import families
+
+    return next(r.tiny_config for r in families.RECORDS if r.name == model_type)
+
+
+def _nested(flat: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
+    """`flat` with each dotted key (`attn_config.kv_n_heads`) set inside its object, over that object
+    in `base`: an override replaces a whole object, so the rest of it is kept from the test config."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        outer, dot, inner = key.partition(".")
+        if dot:
+            out[outer] = {**base.get(outer, {}), **out.get(outer, {}), inner: value}
+        else:
+            out[key] = value
+    return out
 
 
 def checkpoint_for(args: argparse.Namespace) -> Path:
