@@ -11,6 +11,10 @@ Rules:
 - Slices are given in the *padded* layout: first the `remap` (GQA head padding/replication of q/k/v/o,
   zero padding of an intermediate or vocab size that tp does not divide) builds the padded tensor, then
   rank r takes `rank_spans[r]` along `dim`. With `fused_qkv`, rank r holds `[Q_r; K_r; V_r]`, three spans.
+
+(Over 400 lines: every weight kind's rule (attention's GQA remaps, the MLP and both expert layouts,
+norms, embeddings) is one table that the rank plans, the partition and the memory planner read;
+the platform's TP-degree checks at the end are the next thing to move out if it grows.)
 """
 
 from __future__ import annotations
