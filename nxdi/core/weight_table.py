@@ -51,11 +51,6 @@ def tkg_twin(name: str) -> str | None:
     return name.replace(_EXPERTS, _TKG_EXPERTS) if _EXPERTS in name else None
 
 
-def is_tkg_twin(name: str) -> bool:
-    """Whether `name` is the token-generation copy of an experts weight (`tkg_twin`)."""
-    return _TKG_EXPERTS in name
-
-
 TKG_MLP_SLOT = "mlp_tkg"
 """Where a layer's token-generation experts sit in the slot paths (`layers.{i}.mlp_tkg.up`)."""
 

@@ -412,19 +412,13 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         """Run `x` on the `phase` programs of `bucket`, the batch fitted to their batch sizes
         (`batching.plan_runs`; `rows` [B]: each row's cache row), and restore the caller's order
         (the extras [L, B*S, ...] become [L, B, S, ...])."""
-        k = self.spec.speculation_length
-        key = {
-            Phase.CONTEXT: ProgramKey.context,
-            Phase.TOKEN: ProgramKey.token,
-            Phase.SPECULATION: lambda length, batch: ProgramKey.speculation(length, batch, k),
-        }[phase]
         logits_out: list[tuple[tuple[int, ...], Tensor]] = []
         tokens_out: list[tuple[tuple[int, ...], Tensor]] = []
         extras_out: dict[str, list[tuple[tuple[int, ...], Tensor]]] = {}
         for chunk in batching.plan_runs(rows.tolist(), self._tables[phase].batch_sizes):
             source = torch.tensor(chunk.source_rows)
             out = runtime.run(
-                key(bucket, chunk.batch),
+                ProgramKey(phase=phase, length=bucket, batch=chunk.batch, tokens=x.input_ids.shape[1]),
                 batching.select_rows(x, source),
                 # Padding rows (-1) write nowhere: there may be no unused cache row to give them.
                 rows=None if chunk.in_order else torch.tensor(chunk.cache_rows),

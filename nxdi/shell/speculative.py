@@ -77,7 +77,7 @@ class _Picker:
         p = self.dist(logits)
         if self.params is None:
             return logits.argmax(-1), p
-        return torch.multinomial(p, 1, generator=self.generator).squeeze(1), p
+        return speculation.draw(p, self.uniforms(p.shape[0])), p
 
     def uniforms(self, *shape: int) -> Tensor:
         return torch.rand(shape, generator=self.generator)
@@ -123,6 +123,7 @@ def generate(
     out = [[int(t)] for t in cur]
     at = lengths.clone()  # [B, 1]: the position of `cur`
     stats = {"target_steps": 0, "emitted": batch, "proposed": 0, "accepted": 0}
+    first_round = True
     while not all(_room(row, max_new_tokens, eos_token_id) == 0 for row in out):
         room = torch.tensor([_room(row, max_new_tokens, eos_token_id) for row in out])
         if int(at.max()) + k > limit:
@@ -136,7 +137,7 @@ def generate(
             at = at + going[:, None].long()
             continue
         proposals, qs = [], []
-        if stats["target_steps"] == 0:  # the draft holds each prompt: `cur` is all it lacks
+        if first_round:  # the draft holds each prompt: `cur` is all it lacks
             logits = draft.forward(cur[:, None], position_ids=at).logits
         else:  # [prev, cur]: positions from 1 on (a call holding position 0 would be a prefill)
             logits = draft.forward(torch.stack([prev, cur], 1), position_ids=torch.cat([at - 1, at], 1)).logits
@@ -146,6 +147,7 @@ def generate(
             qs.append(q)
             if i < k - 2:
                 logits = draft.forward(d[:, None], position_ids=at + i + 1).logits
+        first_round = False
         drafted = torch.stack(proposals, 1)  # [B, k-1]
         scored = target.forward(torch.cat([cur[:, None], drafted], 1), position_ids=at + torch.arange(k)).logits
         if params is None:

@@ -60,8 +60,6 @@ def test_greedy_rows_accept_different_counts() -> None:
     tokens, counts = speculation.greedy_accept(_logits_with_argmax(best, 5, g), draft, pad=9)
     assert counts.tolist() == [4, 1, 3, 2]
     assert tokens.tolist() == [[2, 4, 1, 0], [2, 9, 9, 9], [2, 4, 1, 9], [3, 3, 9, 9]]
-    assert speculation.last_tokens(tokens, counts).tolist() == [0, 2, 1, 3]
-    assert speculation.next_positions(torch.tensor([5, 5, 7, 0]), counts).tolist() == [9, 6, 10, 2]
 
 
 def test_no_draft_tokens_is_one_ordinary_step() -> None:
@@ -274,7 +272,7 @@ class _Verify(torch.nn.Module):
         p, q = speculation.probs(target, params), speculation.probs(drafted, params)
         tokens, counts = speculation.sample_accept(p, q, draft, uniforms)
         greedy_tokens, greedy_counts = speculation.greedy_accept(target, draft)
-        return tokens, counts, greedy_tokens, greedy_counts, speculation.last_tokens(tokens, counts)
+        return tokens, counts, greedy_tokens, greedy_counts
 
 
 @pytest.mark.parametrize("strict", [False, True])

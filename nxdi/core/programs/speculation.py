@@ -29,8 +29,8 @@ Theory of operation (Leviathan et al. 2023; Chen et al. 2023):
    temperature 0 p is one-hot, and `sample_accept` gives `greedy_accept`'s result for any q.
 
 Afterwards the target's cache is valid for the inputs last, d_1..d_n (counts of them, from the
-step's first position). The next step feeds `last_tokens(tokens, counts)` at
-`next_positions(positions, counts)`.
+step's first position): the next step feeds each row's last emitted token at its first position
+plus its count, and overwrites the rejected drafts' entries from there on.
 """
 
 from __future__ import annotations
@@ -128,19 +128,6 @@ def sample_accept(p: Tensor, q: Tensor, draft: Tensor, uniforms: Tensor, *, pad:
     at = n[:, None, None].expand(-1, 1, p.shape[-1])  # [B, 1, V]
     dist = residual(p.gather(1, at), q_pad.gather(1, at))[:, 0]  # [B, V]
     return _emit(draft, n, draw(dist, uniforms[:, -1]), pad)
-
-
-def last_tokens(tokens: Tensor, counts: Tensor) -> Tensor:
-    """Each row's last emitted token, the next step's first input: [B] int64."""
-    return tokens.gather(1, (counts - 1)[:, None])[:, 0]
-
-
-def next_positions(positions: Tensor, counts: Tensor) -> Tensor:
-    """Where the next step's first input goes: [B], given this step's first position [B].
-
-    The cache entries from positions + counts on hold rejected drafts; the next step overwrites them.
-    """
-    return positions + counts
 
 
 def _leading(ok: Tensor) -> Tensor:

@@ -119,10 +119,9 @@ def step(
         blocks, [B*S] with all_logits) and the extras `spec.extras`
         names; and the updated cache (view).
     """
-    given: dict[str, Any] = (
-        {"blocks": blocks} if blocks is not None else {"all_logits": True} if spec.all_logits else {}
+    logits, cache, extras = forward(
+        weights, cache, x, spec=spec.model, part=spec.partition, coll=coll, all_logits=spec.all_logits, blocks=blocks
     )
-    logits, cache, extras = forward(weights, cache, x, spec=spec.model, part=spec.partition, coll=coll, **given)
     if not spec.on_device_sampling:
         return StepOutputs(logits=logits, extras=extras), cache
     if spec.all_logits:  # each position is sampled with its row's settings
