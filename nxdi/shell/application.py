@@ -28,14 +28,14 @@ from nxdi.core.host.quant import config as quant_config
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import host_memory, partition
 from nxdi.core.programs import catalog
-from nxdi.effects import backends, engine, quantized_checkpoint, staging
+from nxdi.effects import backends, engine, fused_engine, quantized_checkpoint, staging
 from nxdi.effects import env as env_mod
 from nxdi.effects import memory as host_mem
 from nxdi.effects import weight_loader as weight_io
 from nxdi.effects.backends.base import Backend
 from nxdi.effects.distributed import launch
 from nxdi.effects.runtime import StepRuntime
-from nxdi.shell import inner_model
+from nxdi.shell import fused_speculation, inner_model
 from nxdi.shell.config import NeuronConfig
 from nxdi.shell.exceptions import IncompatibleConfigError, exception_for, unwrap
 from nxdi.shell.inference_config import CONFIG_FILE, InferenceConfig
@@ -88,6 +88,9 @@ class NeuronApplicationBase:
         self.is_compiled = False
         self.is_loaded_to_neuron = False
         self._runtime: StepRuntime | None = None
+        self._fused = fused_speculation.FusedModel(self) if self.spec.enable_fused_speculation else None
+        """With enable_fused_speculation: the draft fused with this model, whose compile, load and
+        weights go through it (`nxdi.shell.fused_speculation`)."""
         inert = self.neuron_config._without_effect_on_cpu()
         if inert:
             warnings.warn(
@@ -139,13 +142,14 @@ class NeuronApplicationBase:
     @classmethod
     def validate_config(cls, config: InferenceConfig) -> None:
         """Require a neuron_config, and reject what the CPU engine cannot run (all listed): settings it
-        does not implement yet, and ranks it cannot lay out (heads over tp_degree, sequence-parallel buckets)."""
+        does not implement yet, ranks it cannot lay out (heads over tp_degree, sequence-parallel
+        buckets), and a fused-speculation draft that does not fit the target (`fused_speculation.check_config`)."""
         if getattr(config, "neuron_config", None) is None:
             raise IncompatibleConfigError("neuron_config: is required but missing from the InferenceConfig")
         spec = config.neuron_config.spec
         problems = problems_of(
             neuron_checks.check_cpu_support(spec), partition.check_partition(config.model_spec(), spec)
-        )
+        ) + fused_speculation.check_config(config)
         unwrap(problems_result(spec, problems), "Cannot run on the CPU backend")
 
     def get_compiler_args(self) -> str | None:
@@ -224,9 +228,8 @@ class NeuronApplicationBase:
         return engine.EngineModel(program=self.program, model=self.model_spec, spec=self.spec)
 
     def _graph_key(self) -> str:
-        return graph_key.graph_key(
-            self.spec, self.model_spec, extra=f"{type(self).__name__}/{self.program.record.name}"
-        )
+        key = graph_key.graph_key(self.spec, self.model_spec, extra=f"{type(self).__name__}/{self.program.record.name}")
+        return key if self._fused is None else self._fused.graph_key(key)
 
     def _backend(self) -> Backend:
         """The backend given to the constructor, else the one `NXDI_BACKEND` names, else cpu."""
@@ -283,6 +286,11 @@ class NeuronApplicationBase:
 
     def _start_runtime(self, root: str | os.PathLike[str] | None, checkpoint: str, *, warmup: bool) -> StepRuntime:
         """Load the weights and programs (and warm them up): the runtime `_open` installs."""
+        if self._fused is not None:
+            backend = None if root is None else self._backend()
+            return self._fused.start_runtime(
+                root, checkpoint, backend=backend, graph_key=self._graph_key(), warmup=warmup
+            )
         opened = launch.open_runtime(
             self._engine_model(),
             self._source(checkpoint),
@@ -368,20 +376,29 @@ class NeuronApplicationBase:
             # Everything lands in a build folder that replaces the compiled one as a whole.
             # Never carried over from the old folder: a compile writes its own (weights only with
             # save_sharded_checkpoint; an old folder's shards were made for another compile).
-            owned = (CONFIG_FILE, "programs", "manifest.json", "hlo", "weights")
+            owned = (CONFIG_FILE, "programs", "manifest.json", "hlo", "weights", fused_engine.DRAFT_SOURCE)
             with staging.building(root, timeout=_lock_timeout(env), on_wait=_waiting, owned=owned) as build:
                 self.config.save(build.path)
-                compiled = engine.compile_model(
-                    build.path,
-                    self._engine_model(),
-                    self._source(self.model_path),
-                    backend=backend,
-                    graph_key=self._graph_key(),
-                    save_weights=self.spec.save_sharded_checkpoint,
-                    cache_dir=env.compile_cache_dir,
-                    record=[CONFIG_FILE],
-                    previous=build.target,
-                )
+                if self._fused is not None:  # the draft and this model in one program per bucket
+                    compiled = self._fused.compile_into(
+                        build.path,
+                        backend=backend,
+                        graph_key=self._graph_key(),
+                        record=[CONFIG_FILE],
+                        previous=build.target,
+                    )
+                else:
+                    compiled = engine.compile_model(
+                        build.path,
+                        self._engine_model(),
+                        self._source(self.model_path),
+                        backend=backend,
+                        graph_key=self._graph_key(),
+                        save_weights=self.spec.save_sharded_checkpoint,
+                        cache_dir=env.compile_cache_dir,
+                        record=[CONFIG_FILE],
+                        previous=build.target,
+                    )
                 result = unwrap(compiled)
                 if hlo:
                     unwrap(engine.write_hlo(build.path, backend, build.path / "hlo"))
@@ -402,6 +419,9 @@ class NeuronApplicationBase:
         def write() -> None:
             lock = staging.writing(compiled_model_path, purpose="write weights", timeout=_lock_timeout(env))
             with lock as folder:
+                if self._fused is not None:
+                    self._fused.write_shards(folder)
+                    return
                 unwrap(engine.write_shards(folder, model, source))
 
         launch.once(model, env, write)
@@ -453,6 +473,9 @@ class NeuronApplicationBase:
         def write() -> None:
             lock = staging.writing(compiled_model_path, purpose="re-pin", timeout=timeout, on_wait=_waiting)
             with lock as folder:
+                if self._fused is not None:
+                    self._fused.repin(folder, self.checkpoint_path)
+                    return
                 unwrap(engine.repin_source(folder, source))
 
         launch.once(self._engine_model(), env_mod.read_env(), write)

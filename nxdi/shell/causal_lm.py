@@ -31,7 +31,7 @@ from nxdi.core.planning.program_key import ProgramKey
 from nxdi.core.programs import moe_settings
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.effects.runtime import StepRuntime
-from nxdi.shell import block_forward
+from nxdi.shell import block_forward, fused_speculation
 from nxdi.shell.application import NeuronApplicationBase
 from nxdi.shell.async_forward import AsyncForward, AsyncStats
 from nxdi.shell.exceptions import IncompatibleConfigError, unwrap
@@ -208,6 +208,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             prefill row's cached prefix before its `computed_context_lens`, even where the
             program computes some of it again); in chunked prefill `input_ids` is [1, T], so
             each layer's tensor is [T, X], every row a request's token. Both are None otherwise.
+            With enable_fused_speculation: NxDI's `fused_outputs` (`nxdi.shell.fused_speculation`).
 
         Raises:
             IncompatibleConfigError: before anything runs, listing every problem: inputs that are not
@@ -285,6 +286,12 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         )
         ids, rows = checked.input_ids, checked.cache_rows
         params = self._sampling_rows(call["sampling_params"], ids.shape[0])
+        if self._fused is not None:  # the draft and this model in one program (nxdi.shell.fused_speculation)
+            fields, holds = self._fused.forward(runtime, checked, params)
+            self._cached = [holds.get(row, n) for row, n in enumerate(self._cached)]
+            return CausalLMOutput(
+                attentions=None, past_key_values=None, router_logits=None, expert_index=None, **fields
+            )
         if checked.phase is Phase.CONTEXT:
             logits, tokens, extras = self._context(runtime, ids, checked.attention_mask, rows, params)
         elif ids.shape[1] == self.spec.speculation_length > 1:  # NxD's rule: the speculation model
@@ -307,6 +314,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         self._require_runtime().random.generator.set_state(random_state)
 
     def _next_call(self, call: dict[str, Any], out: CausalLMOutput) -> dict[str, Any] | None:
+        if self._fused is not None:
+            return fused_speculation.next_call(call, out, max_length=self.spec.max_length)
         tokens = out.tokens if self.spec.on_device_sampling_config is not None else None
         block = self.spec.is_block_kv_layout
         return async_steps.next_decode(

@@ -32,7 +32,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from nxdi.shell import speculative
+from nxdi.shell import fused_generation, speculative
 from nxdi.shell.causal_lm import NeuronBaseForCausalLM
 from nxdi.shell.exceptions import IncompatibleConfigError
 
@@ -150,7 +150,16 @@ class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
         **model_kwargs: Any,
     ) -> Tensor | GenerateDecoderOnlyOutput:
         """`generate(..., assistant_model=draft)`: speculative decoding with a draft nxdi model (or
-        its adapter) on this model's speculation programs (`nxdi.shell.speculative`)."""
+        its adapter) on this model's speculation programs (`nxdi.shell.speculative`); on a fused
+        model (its draft inside), its own loop (`nxdi.shell.fused_generation`)."""
+        if self.neuron_model._fused is not None:
+            if assistant_model not in (None, self, self.neuron_model):
+                raise IncompatibleConfigError(
+                    "generate(assistant_model=...): this model runs its own draft (enable_fused_speculation). "
+                    "Fix: call generate() without assistant_model"
+                )
+            args = (logits_processor, stopping_criteria, generation_config, streamer, model_kwargs)
+            return fused_generation.decode(self, input_ids, *args)
         draft = getattr(assistant_model, "neuron_model", assistant_model)
         if not isinstance(draft, NeuronBaseForCausalLM):
             raise IncompatibleConfigError(
@@ -205,6 +214,9 @@ class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
         **model_kwargs: Any,
     ) -> Tensor | GenerateDecoderOnlyOutput:
         model = self.neuron_model
+        if model._fused is not None:  # the draft runs inside the model: its fused loop
+            args = (logits_processor, stopping_criteria, generation_config, streamer, model_kwargs)
+            return fused_generation.decode(self, input_ids, *args)
         batch, prompt_width = input_ids.shape
         mask = model_kwargs.get("attention_mask")
         mask = torch.ones_like(input_ids) if mask is None else mask

@@ -87,14 +87,30 @@ class FusedSpecNeuronConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], config_cls: type[InferenceConfig]) -> FusedSpecNeuronConfig:
-        """Rebuild from JSON, importing the referenced classes (ModuleNotFoundError if one is gone)."""
+        """Rebuild from JSON, importing the referenced classes (ModuleNotFoundError if one is gone).
+
+        The draft config is rebuilt as its own family's config class: `draft_model_cls`'s when the
+        config names one, else the class of the draft's `model_type` (a draft of another family
+        than the target, a mixture of experts' MoENeuronConfig), else `config_cls`."""
         worker = _resolve_class(data.get("worker_cls"), "fused_spec_config.worker_cls")
         draft_cls = _resolve_class(data.get("draft_model_cls"), "fused_spec_config.draft_model_cls")
         draft = data.get("draft_config")
         if isinstance(draft, Mapping):
-            draft_config_cls = draft_cls.get_config_cls() if hasattr(draft_cls, "get_config_cls") else config_cls
-            draft = draft_config_cls.from_dict(draft)
+            draft = _draft_config_cls(draft_cls, draft, config_cls).from_dict(draft)
         return cls(worker, draft_config=draft, draft_model_path=data.get("draft_model_path"), draft_model_cls=draft_cls)
+
+
+def _draft_config_cls(
+    draft_cls: Any, draft: Mapping[str, Any], default: type[InferenceConfig]
+) -> type[InferenceConfig]:
+    """The InferenceConfig class a saved draft config is rebuilt with (see `FusedSpecNeuronConfig.from_dict`)."""
+    if hasattr(draft_cls, "get_config_cls"):
+        return draft_cls.get_config_cls()  # type: ignore[no-any-return]
+    from nxdi.shell.models import CONFIG_TYPES  # the family classes import this module
+
+    model_type = draft.get("model_type")
+    found = CONFIG_TYPES.get(model_type) if isinstance(model_type, str) else None
+    return found if found is not None else default
 
 
 class InferenceConfig:
@@ -255,6 +271,19 @@ class InferenceConfig:
         """Write `model_path/neuron_config.json` (atomically), creating the folder."""
         Path(model_path).mkdir(parents=True, exist_ok=True)
         self.to_json_file(Path(model_path) / CONFIG_FILE)
+
+    @staticmethod
+    def get_draft_neuron_class(fused_spec_config_dict: Mapping[str, Any]) -> Any:
+        """The draft's application class a saved fused_spec_config names in `draft_model_cls`
+        (`{"__module__": ..., "__name__": ...}`, imported), or None when it names none (NxDI's).
+
+        Raises:
+            ModuleNotFoundError: the module or class it names cannot be imported.
+        """
+        ref = fused_spec_config_dict.get("draft_model_cls")
+        if not ref:
+            return None
+        return _resolve_class(ref, "fused_spec_config.draft_model_cls")
 
     @classmethod
     def load(cls, model_path: str | os.PathLike[str], **kwargs: Any) -> InferenceConfig:

@@ -146,11 +146,12 @@ def test_unsupported_features_are_all_listed(tiny_checkpoint: Callable[..., Path
     assert caught.value.error is not None
     assert {p.field for p in caught.value.error.problems} == {
         "pp_degree",
-        "enable_fused_speculation",
+        "fused_spec_config",  # fused speculation runs, given its draft and on-device sampling
+        "on_device_sampling_config",
         "kv_quant_config.direct_cast",
         "lora_config",
     }
-    assert "Cannot run on the CPU backend: 4 problems" in str(caught.value)
+    assert "Cannot run on the CPU backend: 5 problems" in str(caught.value)
 
 
 def test_forward_before_loading_says_how_to_load(tiny_checkpoint: Callable[..., Path]) -> None:

@@ -234,3 +234,51 @@ def test_speculation_programs_lower_and_give_the_cpu_engines_tokens(
     for row in range(4):
         for i in range(4):
             assert max_relative_logit_error(logits[1][row, i], logits[0][row, i]) <= 1e-5, (row, i)
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
+def test_fused_speculation_programs_lower_and_give_the_cpu_engines_tokens(
+    sampling: bool, tiny_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """enable_fused_speculation: the context and fused programs (both models' weights and caches,
+    the draft's k steps unrolled, acceptance inside: greedy, or speculative sampling) lower to
+    HLO; generation (seeded alike) and one fused step's outputs equal the CPU engine's."""
+    import nxdi
+    from nxdi.testing import checkpoints
+    from tests.support.engine_fixtures import padded
+    from tests.support.fused_models import K, fused_config
+
+    target = tiny_checkpoint("llama")
+    draft, _ = checkpoints.build_checkpoint(
+        tmp_path / "draft", "llama", checkpoints.SaveFormat.SAFETENSORS, seed=7, num_hidden_layers=1
+    )
+    ods = {"do_sample": True} if sampling else {"top_k": 1}
+    settings = {"batch_size": 4, "output_logits": True, "on_device_sampling_config": ods}
+    model = nxdi.NeuronLlamaForCausalLM(target, fused_config(target, draft, **settings), backend="xla")
+    model.compile(tmp_path / "xla", debug=True)
+    model.load(tmp_path / "xla")
+    hlo = sorted(p.name for p in (tmp_path / "xla" / "hlo").iterdir())
+    assert hlo == ["context_encoding_64.hlo.txt", f"fused_speculation_{64 + K}.hlo.txt"]
+    cpu = nxdi.NeuronLlamaForCausalLM(target, fused_config(target, draft, **settings))
+    cpu.to_cpu()
+    generation = {"do_sample": True, "top_k": 20, "temperature": 0.8} if sampling else {}
+    try:
+        tokens = []
+        for m in (model, cpu):
+            m.set_seed(5)
+            tokens.append(nxdi_generate(m, PROMPTS, max_new_tokens=12, **generation))
+        assert torch.equal(tokens[0], tokens[1])
+        ids, mask = padded(PROMPTS, "right")
+        outs = []
+        for m in (model, cpu):
+            m.set_seed(6)
+            m.reset()
+            first = m.forward(ids, attention_mask=mask).fused_outputs
+            outs.append(m.forward(first[1], position_ids=first[3]).fused_outputs)
+        for i in (0, 1, 3):
+            assert torch.equal(outs[0][i], outs[1][i]), i
+        for row in range(4):
+            for i in range(K):
+                assert max_relative_logit_error(outs[1][5][row, i], outs[0][5][row, i]) <= 1e-5, (row, i)
+    finally:
+        model.close()

@@ -112,6 +112,9 @@ def _features(s: NeuronSpec) -> Iterator[Problem]:
         yield Problem.of("is_medusa", True, "needs medusa_speculation_length > 0 and num_medusa_heads > 0", "set both")
     if s.enable_fused_speculation and s.speculation_length <= 0:
         yield Problem.of("speculation_length", s.speculation_length, "must be > 0 with fused speculation")
+    if s.enable_fused_speculation and s.is_medusa:
+        why = "is a speculation mode of its own: a model speculates with Medusa heads or a fused draft, not both"
+        yield Problem.of("is_medusa", True, why, "set is_medusa=False or enable_fused_speculation=False")
     cp = s.chunked_prefill_config
     if cp is not None and not s.is_block_kv_layout:
         yield Problem.of("chunked_prefill_config", "set", "needs is_block_kv_layout=True", "enable the block KV layout")
@@ -294,7 +297,29 @@ def check_cpu_support(spec: NeuronSpec) -> Result[NeuronSpec, ConfigError]:
     problems.extend(_block_kv_with_ranks(spec))
     problems.extend(_quantized_weights(spec))
     problems.extend(_speculation_programs(spec))
+    problems.extend(_fused_programs(spec))
     return problems_result(spec, problems)
+
+
+def _fused_programs(spec: NeuronSpec) -> Iterator[Problem]:
+    """What fused speculation does not run with on the CPU engine: the block KV layout (its
+    programs are the block buckets'), tensor parallelism (the fused programs run on one rank), a
+    mixture of experts' routing outputs (a fused step returns none), and no on-device sampling
+    (acceptance runs inside the program, so the program picks the tokens, as NxDI requires)."""
+    if not spec.enable_fused_speculation:
+        return
+    why = "does not run with enable_fused_speculation=True on the CPU engine yet"
+    if spec.is_block_kv_layout:
+        yield Problem.of("is_block_kv_layout", True, why, "set is_block_kv_layout=False (the contiguous KV cache)")
+    if spec.tp_degree > 1:
+        yield Problem.of("tp_degree", spec.tp_degree, why, "set tp_degree=1, or use a separate draft model")
+    for name in ("return_router_logits", "return_expert_index"):
+        if spec.moe is not None and getattr(spec.moe, name):
+            yield Problem.of(name, True, f"{why}: a fused step returns tokens, not routing", f"set {name}=False")
+    if spec.on_device_sampling_config is None:
+        why = "is required with enable_fused_speculation=True: the fused program accepts and picks the tokens itself"
+        fix = "set on_device_sampling_config (e.g. {'top_k': 1} for greedy, do_sample=True or dynamic=True to sample)"
+        yield Problem.of("on_device_sampling_config", None, why, fix)
 
 
 def _speculation_programs(spec: NeuronSpec) -> Iterator[Problem]:

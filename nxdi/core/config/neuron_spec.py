@@ -50,6 +50,8 @@ class Phase(enum.Enum):
     CONTEXT = "context_encoding"
     TOKEN = "token_generation"
     SPECULATION = "speculation"
+    FUSED_SPECULATION = "fused_speculation"
+    """A draft model and its target in one program (`enable_fused_speculation`)."""
 
 
 _general = functools.partial(setting, group=Group.GENERAL)
@@ -344,7 +346,7 @@ class NeuronSpec:
     draft_model_modules_to_not_convert: tuple[str, ...] | None = _quantization(
         None,
         "Draft-model module names kept in full precision under fused speculation.",
-        cpu="used with fused speculation only",
+        cpu="the draft config's own modules_to_not_convert applies to the fused draft",
     )
     kv_cache_quant: bool = _quantization(
         False, "Store the KV cache as float8_e4m3fn (half the bytes of bf16), dequantized to torch_dtype on read."
@@ -379,8 +381,8 @@ class NeuronSpec:
     )
     enable_fused_speculation: bool = _speculation(
         False,
-        "Fuse draft and target into one compiled model; needs speculation_length > 0; default False (True with EAGLE).",
-        cpu=OnCpu.REFUSED,
+        "Fuse draft and target into one program per bucket; needs speculation_length > 0, fused_spec_config and "
+        "on-device sampling; default False (True with EAGLE).",
     )
     enable_eagle_speculation: bool = _speculation(
         False,

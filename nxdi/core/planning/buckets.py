@@ -51,11 +51,13 @@ _LIMIT_FIELD = {
     Phase.CONTEXT: "max_context_length",
     Phase.TOKEN: "max_length",
     Phase.SPECULATION: "max_length",
+    Phase.FUSED_SPECULATION: "max_length",
 }
 _BUCKETS_FIELD = {
     Phase.CONTEXT: "context_encoding_buckets",
     Phase.TOKEN: "token_generation_buckets",
     Phase.SPECULATION: "token_generation_buckets",
+    Phase.FUSED_SPECULATION: "token_generation_buckets",
 }
 
 

@@ -132,7 +132,9 @@ def sample_accept(p: Tensor, q: Tensor, draft: Tensor, uniforms: Tensor, *, pad:
 
 def _leading(ok: Tensor) -> Tensor:
     """The number of leading True entries per row: ok [B, k-1] bool -> [B] int64."""
-    return torch.cumprod(ok.long(), dim=1).sum(dim=1)
+    # Counted as the entries before the first False (a cumsum of the misses), not as a cumprod of
+    # the hits: torch-xla 2.9 crashes lowering an integer cumprod (fused speculation lowers this).
+    return ((~ok).long().cumsum(dim=1) == 0).sum(dim=1)
 
 
 def _emit(draft: Tensor, n: Tensor, last: Tensor, pad: int) -> tuple[Tensor, Tensor]:

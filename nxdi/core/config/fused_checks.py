@@ -1,0 +1,96 @@
+"""What a fused-speculation target needs of its draft model. Pure.
+
+`enable_fused_speculation` puts a draft model and its target in one compiled program per bucket
+(`nxdi.core.programs.fused_speculation`). The draft comes from `InferenceConfig.fused_spec_config`
+(NxDI's `FusedSpecNeuronConfig`: the draft's config and checkpoint path). The fused program runs
+the draft on the target's batch, buckets and cache, so its config must agree with the target's
+where those meet; `check_fused_pair` lists every disagreement (field names as the user writes
+them, under `fused_spec_config.`). The draft's architecture, dtype and weights are its own; its
+runtime settings (buckets, on-device sampling, async_mode) are the target's: the draft proposes
+greedily, as NxDI's does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import attrs
+
+from nxdi.core.config.neuron_spec import NeuronSpec
+from nxdi.core.errors import Problem
+from nxdi.core.model_spec import ModelSpec
+
+FIELD = "fused_spec_config"
+DRAFT = f"{FIELD}.draft_config"
+
+
+@attrs.frozen(kw_only=True)
+class DraftSide:
+    """What the fused config says about the draft (None where it says nothing)."""
+
+    spec: NeuronSpec | None = None
+    """The draft config's NeuronSpec."""
+    model: ModelSpec | None = None
+    """The draft's architecture (None when its config does not parse; that error is listed apart)."""
+    path: str | None = None
+    """`draft_model_path`: where its weights are read."""
+
+
+def check_fused_pair(target: NeuronSpec, target_model: ModelSpec, draft: DraftSide | None) -> tuple[Problem, ...]:
+    """Every reason the target (with `enable_fused_speculation`) cannot run with its draft.
+
+    Args:
+        draft: the fused config's draft, or None when the InferenceConfig has no fused_spec_config.
+
+    Returns:
+        The problems (empty when they can run together): a fused_spec_config without
+        enable_fused_speculation (its draft would be unused); a missing fused_spec_config, draft
+        config or draft_model_path; a draft over another vocabulary; a draft whose batch size,
+        max_length or tp_degree differ from the target's; a draft that itself asks for fused
+        speculation, or for a mixture of experts' routing outputs (a fused program returns none).
+    """
+    if not target.enable_fused_speculation:
+        if draft is None:
+            return ()
+        why = "is set but enable_fused_speculation=False, so its draft model would not be used"
+        return (Problem.of(FIELD, "set", why, "set enable_fused_speculation=True, or fused_spec_config=None"),)
+    return tuple(_pair(target, target_model, draft))
+
+
+def _pair(target: NeuronSpec, target_model: ModelSpec, draft: DraftSide | None) -> Iterator[Problem]:
+    if draft is None:
+        why = "is required with enable_fused_speculation=True: it names the draft model fused with the target"
+        fix = (
+            "set config.fused_spec_config = FusedSpecNeuronConfig(Cls._model_cls, draft_config=..., "
+            "draft_model_path=...)"
+        )
+        yield Problem.of(FIELD, None, why, fix)
+        return
+    if draft.path is None:
+        yield Problem.of(
+            f"{FIELD}.draft_model_path", None, "is required: the draft's weights are read from it", "set it"
+        )
+    if draft.spec is None:
+        yield Problem.of(DRAFT, None, "is required: the draft model's InferenceConfig", "set draft_config")
+        return
+    if draft.model is not None and draft.model.vocab_size != target_model.vocab_size:
+        why = (
+            f"differs from the target's vocab_size={target_model.vocab_size}: the target verifies the draft's token ids"
+        )
+        yield Problem.of(f"{DRAFT}.vocab_size", draft.model.vocab_size, why, "use a draft with the target's tokenizer")
+    d, t = draft.spec, target
+    for name, fix in (
+        ("batch_size", "give the draft the target's batch_size"),
+        ("max_length", "give the draft the target's seq_len / max_length (both caches share the buckets)"),
+        ("tp_degree", "give the draft the target's tp_degree"),
+    ):
+        if getattr(d, name) != getattr(t, name):
+            why = f"differs from the target's {name}={getattr(t, name)}: the draft runs inside the target's programs"
+            yield Problem.of(f"{DRAFT}.neuron_config.{name}", getattr(d, name), why, fix)
+    if d.enable_fused_speculation:
+        why = "must be False on the draft: the target's config fuses the pair"
+        yield Problem.of(f"{DRAFT}.neuron_config.enable_fused_speculation", True, why, "set it to False on the draft")
+    for name in ("return_router_logits", "return_expert_index"):
+        if d.moe is not None and getattr(d.moe, name):
+            why = "is not returned by a fused program (it returns tokens)"
+            yield Problem.of(f"{DRAFT}.neuron_config.{name}", True, why, f"set {name}=False on the draft")

@@ -1,0 +1,45 @@
+"""Fused-speculation models built the documented way, for the end-to-end and XLA tests.
+
+`fused_config(target, draft, **neuron_config)`: the target's NeuronConfig (fused speculation on,
+speculation_length `K`, greedy on-device sampling by default), the draft's a deep copy of it with
+enable_fused_speculation=False (as NxDI's example makes it), and
+`config.fused_spec_config = FusedSpecNeuronConfig(NeuronLlamaForCausalLM._model_cls, draft_config=...,
+draft_model_path=...)`.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from tests.support.engine_fixtures import SEQ_LEN
+
+K = 4
+"""speculation_length of the fused models."""
+
+
+def fused_config(target: Path, draft: Path, **kwargs: Any) -> Any:
+    """A LlamaInferenceConfig of the target at `target` fused with the draft at `draft`."""
+    import nxdi
+    from nxdi.shell.config import NeuronConfig
+    from nxdi.shell.inference_config import FusedSpecNeuronConfig, load_pretrained_config
+
+    lm = nxdi.NeuronLlamaForCausalLM
+    settings = {
+        "torch_dtype": "float32",
+        "seq_len": SEQ_LEN,
+        "speculation_length": K,
+        "enable_fused_speculation": True,
+        "on_device_sampling_config": {"top_k": 1},
+        **kwargs,
+    }
+    neuron_config = NeuronConfig(**settings)
+    config = lm.get_config_cls()(neuron_config, load_config=load_pretrained_config(target))
+    draft_neuron_config = copy.deepcopy(neuron_config)
+    draft_neuron_config.enable_fused_speculation = False
+    draft_config = lm.get_config_cls()(draft_neuron_config, load_config=load_pretrained_config(draft))
+    config.fused_spec_config = FusedSpecNeuronConfig(
+        lm._model_cls, draft_config=draft_config, draft_model_path=str(draft)
+    )
+    return config
