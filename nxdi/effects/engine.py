@@ -30,6 +30,11 @@ from the block plan (`nxdi.core.planning.block_programs`), the whole block cache
 `BLOCK_INPUTS` as their inputs, run by `Runtime.run_blocks` (under tensor parallelism on every
 rank, each on its KV heads of every block: `EngineModel.empty_cache`).
 
+With `is_medusa` every program also runs the Medusa heads (`EngineModel.forward_outputs`,
+`nxdi.core.programs.medusa`), bound as further weights after the model's own, read from its
+heads file (`CheckpointSource.medusa_heads`, `nxdi.effects.medusa_heads`); its speculation
+programs are the tree steps (`medusa_speculation_length` tokens per row).
+
 (Over 400 lines: the three paths share the weight reading, flat-step and binding definitions
 here, and splitting them would put one calling convention in several rooms. The block-KV
 variants of those definitions are branches of them for the same reason; the next kind of step
@@ -55,18 +60,20 @@ from nxdi.core.errors import ArtifactError, CheckpointError, Problem
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import block_programs, buckets, sharding
+from nxdi.core.planning import medusa as medusa_plan
 from nxdi.core.planning.block_programs import BlockPlan
+from nxdi.core.planning.medusa import MedusaPlan
 from nxdi.core.planning.partition import Partition, check_partition, program_shard_plan
 from nxdi.core.planning.program_key import ProgramKey, program_keys
 from nxdi.core.planning.rank_weights import rank_plan
-from nxdi.core.programs import block_kv, catalog, kv_cache
+from nxdi.core.programs import block_kv, catalog, kv_cache, medusa
 from nxdi.core.programs.block_kv import BlockInputs
 from nxdi.core.programs.collectives import RANK_INPUT, SINGLE, Collectives, with_rank
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 from nxdi.core.programs.step import StepOutputs, StepSpec, example_inputs, step
 from nxdi.core.weight_plan import Combine, WeightPlan
-from nxdi.effects import artifacts, checkpoint, checkpoint_scan, weight_loader
+from nxdi.effects import artifacts, checkpoint, checkpoint_scan, medusa_heads, weight_loader
 from nxdi.effects.artifacts import CompileResult, ProgramRequest
 from nxdi.effects.backends.base import Backend, LoadedProgram, Signature, WeightSet
 from nxdi.effects.distributed import ops
@@ -93,6 +100,8 @@ class CheckpointSource:
     allow_nonfinite: bool = False
     """Accept NaN and inf weights (NXDI_ALLOW_NONFINITE_WEIGHTS=1); otherwise compile() and
     to_cpu() refuse them, naming each tensor."""
+    medusa_heads: str | None = None
+    """A Medusa model's heads file (`medusa_heads.pt`, `nxdi.effects.medusa_heads`); None otherwise."""
 
 
 @attrs.frozen(kw_only=True)
@@ -175,8 +184,35 @@ class EngineModel:
         )
 
     def step_spec_for(self, key: ProgramKey) -> StepSpec:
-        """The static part of `key`'s program: a speculation step returns every token's logits."""
-        return dataclasses.replace(self.step_spec, all_logits=key.phase is Phase.SPECULATION)
+        """The static part of `key`'s program: a speculation step returns every token's logits (a
+        Medusa model's is its tree step); a Medusa program returns the heads' candidates too."""
+        spec = key.phase is Phase.SPECULATION
+        more = medusa.outputs(tree=spec) if self.spec.is_medusa else ()
+        return dataclasses.replace(self.step_spec, all_logits=spec, program_outputs=more)
+
+    def medusa(self) -> MedusaPlan | None:
+        """The Medusa plan (`is_medusa`), else None."""
+        if not self.spec.is_medusa:
+            return None
+        planned = medusa_plan.plan_for(self.spec)
+        assert isinstance(planned, Success), f"a validated spec has a valid Medusa tree: {planned}"
+        return planned.unwrap()
+
+    @property
+    def forward_outputs(self) -> Any:
+        """The step's forward: the family program's, or for Medusa that plus the heads (`medusa.forward_outputs`)."""
+        plan = self.medusa()
+        if plan is None:
+            return self.program.forward_outputs
+        return functools.partial(medusa.forward_outputs, base=self.program.forward_outputs, plan=plan)
+
+    def weights_value(self, tensors: Mapping[str, Tensor]) -> Any:
+        """The programs' weights value from named tensors (with Medusa, the heads beside the program's)."""
+        value = self.program.weights(tensors, spec=self.model)
+        plan = self.medusa()
+        if plan is None:
+            return value
+        return medusa.MedusaWeights(decoder=value, heads=medusa.heads_from_tensors(tensors, plan.num_heads))
 
     def tables(self) -> tuple[buckets.BucketTable, buckets.BucketTable]:
         """The context-encoding and token-generation bucket tables (a parsed spec has valid ones)."""
@@ -186,10 +222,13 @@ class EngineModel:
         return context.unwrap(), token.unwrap()
 
     def speculation_table(self) -> buckets.BucketTable | None:
-        """The speculation programs' table (`speculation_length` > 0), else None."""
-        if self.spec.speculation_length <= 0:
+        """The speculation programs' table (`speculation_length` > 0; Medusa's tree steps), else None."""
+        if self.spec.is_medusa:
+            table = medusa_plan.tree_table_for(self.spec)
+        elif self.spec.speculation_length <= 0:
             return None
-        table = buckets.speculation_table_for(self.spec)
+        else:
+            table = buckets.speculation_table_for(self.spec)
         assert isinstance(table, Success), f"a validated spec has valid bucket tables: {table}"
         return table.unwrap()
 
@@ -204,13 +243,16 @@ class EngineModel:
         spec = self.speculation_table()
         if spec is None:
             return keys
-        k = self.spec.speculation_length
+        k = self.spec.medusa_speculation_length if self.spec.is_medusa else self.spec.speculation_length
         more = [ProgramKey.speculation(length, batch, k) for batch in spec.batch_sizes for length in spec.lengths]
         return tuple(sorted({*keys, *more}))
 
     def weight_names(self, plan: WeightPlan) -> tuple[str, ...]:
-        """The weights a program binds, in order: the rank plan's own tensors (an alias is bound once)."""
-        return tuple(s.name for s in self.weight_plan(plan).steps if s.combine is not Combine.ALIAS)
+        """The weights a program binds, in order: the rank plan's own tensors (an alias is bound
+        once), then a Medusa model's heads."""
+        own = tuple(s.name for s in self.weight_plan(plan).steps if s.combine is not Combine.ALIAS)
+        heads = self.medusa()
+        return own if heads is None else (*own, *medusa_plan.head_names(heads.num_heads))
 
     def cache_dtype(self) -> torch.dtype:
         """The KV cache's storage dtype (`NeuronSpec.kv_dtype`): float8 with KV-cache quantization."""
@@ -247,7 +289,16 @@ def read_weights(
     """This rank's converted weights, read slice by slice from the original checkpoint; with
     `check_values`, NaN and inf in what it reads are refused (unless `source.allow_nonfinite`)."""
     refuse = check_values and not source.allow_nonfinite
-    return weight_loader.get_state_dict(source.path, model.weight_plan(source.plan), refuse_nonfinite=refuse)
+    read = weight_loader.get_state_dict(source.path, model.weight_plan(source.plan), refuse_nonfinite=refuse)
+    if not model.spec.is_medusa:
+        return read
+    return read.bind(lambda tensors: read_heads(model, source).map(lambda heads: {**tensors, **heads}))
+
+
+def read_heads(model: EngineModel, source: CheckpointSource) -> Result[dict[str, Tensor], CheckpointError]:
+    """A Medusa model's heads from `source.medusa_heads`, checked (`nxdi.effects.medusa_heads`)."""
+    assert source.medusa_heads is not None, "a Medusa model's source names its heads file"
+    return medusa_heads.read_for(model.spec, model.model, source.medusa_heads, allow_nonfinite=source.allow_nonfinite)
 
 
 def write_weights(
@@ -274,7 +325,7 @@ class _FlatStep:
     def __call__(self, *flat: Tensor) -> tuple[Tensor, ...]:
         m = self.model
         w, c = len(self.names), 2 * m.model.num_layers
-        weights = m.program.weights(dict(zip(self.names, flat[:w], strict=True)), spec=m.model)
+        weights = m.weights_value(dict(zip(self.names, flat[:w], strict=True)))
         blocks = None
         if m.spec.is_block_kv_layout:
             ids, positions, *rest = flat[w + c :]
@@ -288,16 +339,15 @@ class _FlatStep:
         spec, coll = self.spec, m.collectives()
         if rank:
             coll = with_rank(coll, rank[0])
-        outs, new = step(
-            m.program.forward_outputs, weights, cache, x, params, uniforms, spec=spec, coll=coll, blocks=blocks
-        )
+        outs, new = step(m.forward_outputs, weights, cache, x, params, uniforms, spec=spec, coll=coll, blocks=blocks)
         named = outs.named()
         return (*(named[n] for n in spec.outputs), *new.to_tensors())
 
 
-def _signature(model: EngineModel, names: Sequence[str]) -> Signature:
+def _signature(model: EngineModel, names: Sequence[str], key: ProgramKey) -> Signature:
     cache = tuple(f"layers.{i}.{kv}" for i in range(model.model.num_layers) for kv in ("k", "v"))
-    return Signature(weights=tuple(names), cache=cache, inputs=model.inputs, outputs=model.step_spec.outputs)
+    outputs = model.step_spec_for(key).outputs
+    return Signature(weights=tuple(names), cache=cache, inputs=model.inputs, outputs=outputs)
 
 
 def _example(model: EngineModel, weights: Sequence[Tensor], key: ProgramKey) -> list[Tensor]:
@@ -392,10 +442,10 @@ def eager_runtime(model: EngineModel, source: CheckpointSource) -> Result[Runtim
     """This rank's pure step programs, run eagerly, bound to its weights from `source`."""
 
     def build(tensors: Mapping[str, Tensor]) -> Runtime:
-        value = model.program.weights(tensors, spec=model.model)
+        value = model.weights_value(tensors)
         coll = model.collectives()
         programs: dict[ProgramKey, Program] = {
-            key: functools.partial(step, model.program.forward_outputs, value, spec=model.step_spec_for(key), coll=coll)
+            key: functools.partial(step, model.forward_outputs, value, spec=model.step_spec_for(key), coll=coll)
             for key in model.program_keys()
         }
         return runtime_for(model, programs, value)
@@ -437,6 +487,9 @@ def compile_model(
     scanned = weight_loader.scan_source(source.path, source.plan, allow_nonfinite=source.allow_nonfinite)
     if isinstance(scanned, Failure):
         return Failure(scanned.failure())
+    heads = read_heads(model, source) if model.spec.is_medusa else Success({})
+    if isinstance(heads, Failure):
+        return Failure(heads.failure())
     folder.mkdir(parents=True, exist_ok=True)
     files = list(record)
     if save_weights:
@@ -447,15 +500,15 @@ def compile_model(
             files.append(sharded_weights(rank))
     names = model.weight_names(source.plan)
     model = attrs.evolve(model, lowering=backend)  # its collectives, when it lowers them itself
-    signature = _signature(model, names)
     ops.register()  # otherwise collectives trace as nxdi:: ops
 
     def requests(example: Sequence[Tensor]) -> list[ProgramRequest]:
+        example = [*example, *(torch.zeros_like(t) for t in heads.unwrap().values())]
         return [
             ProgramRequest(
                 key=key,
                 fn=_FlatStep(model, names, model.step_spec_for(key)),
-                signature=signature,
+                signature=_signature(model, names, key),
                 example=functools.partial(_example, model, example, key),
             )
             for key in model.program_keys()

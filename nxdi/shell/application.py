@@ -26,9 +26,9 @@ from nxdi.core.errors import ArtifactError, Problem, problems_of, problems_resul
 from nxdi.core.host import weight_ops
 from nxdi.core.host.quant import config as quant_config
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.planning import host_memory, partition
+from nxdi.core.planning import host_memory, medusa, partition
 from nxdi.core.programs import catalog
-from nxdi.effects import backends, engine, fused_engine, quantized_checkpoint, staging
+from nxdi.effects import backends, engine, fused_engine, medusa_heads, quantized_checkpoint, staging
 from nxdi.effects import env as env_mod
 from nxdi.effects import memory as host_mem
 from nxdi.effects import weight_loader as weight_io
@@ -147,9 +147,11 @@ class NeuronApplicationBase:
         if getattr(config, "neuron_config", None) is None:
             raise IncompatibleConfigError("neuron_config: is required but missing from the InferenceConfig")
         spec = config.neuron_config.spec
-        problems = problems_of(
-            neuron_checks.check_cpu_support(spec), partition.check_partition(config.model_spec(), spec)
-        ) + fused_speculation.check_config(config)
+        problems = (
+            problems_of(neuron_checks.check_cpu_support(spec), partition.check_partition(config.model_spec(), spec))
+            + fused_speculation.check_config(config)
+            + tuple(medusa.model_problems(config.model_spec(), spec))
+        )
         unwrap(problems_result(spec, problems), "Cannot run on the CPU backend")
 
     def get_compiler_args(self) -> str | None:
@@ -247,12 +249,14 @@ class NeuronApplicationBase:
             if problem.startswith("NXDI_ALLOW_NONFINITE_WEIGHTS"):
                 warnings.warn(problem, stacklevel=3)
         allow = env.allow_nonfinite_weights
+        heads = str(medusa_heads.heads_path(path)) if self.spec.is_medusa else None  # beside the original checkpoint
         if self.spec.quantized:  # the quantized checkpoint replaces the model's own weights
             problem = quantized_checkpoint.quant_problem(self.spec.quantized_checkpoints_path)
             if problem is not None:
                 raise FileNotFoundError(problem.render())
             path = str(self.spec.quantized_checkpoints_path)
-        return engine.CheckpointSource(path=str(path), plan=self._weight_plan(self.config), allow_nonfinite=allow)
+        plan = self._weight_plan(self.config)
+        return engine.CheckpointSource(path=str(path), plan=plan, allow_nonfinite=allow, medusa_heads=heads)
 
     def _check_host_memory(self, backend: Backend | None) -> None:
         """Refuse, before anything is allocated, a model whose weights, KV cache and activations do

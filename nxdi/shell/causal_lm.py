@@ -26,9 +26,10 @@ from nxdi.core import sampling_params as sampling_params_core
 from nxdi.core.config.neuron_spec import Phase
 from nxdi.core.host import async_steps, batching, forward_inputs
 from nxdi.core.planning import block_programs, buckets
+from nxdi.core.planning import medusa as medusa_plan
 from nxdi.core.planning.block_programs import BlockPlan
 from nxdi.core.planning.program_key import ProgramKey
-from nxdi.core.programs import moe_settings
+from nxdi.core.programs import medusa, moe_settings
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.effects.runtime import StepRuntime
 from nxdi.shell import block_forward, fused_speculation
@@ -83,7 +84,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             Phase.CONTEXT: unwrap(buckets.context_table_for(self.spec)),
             Phase.TOKEN: unwrap(buckets.token_table_for(self.spec)),
         }
-        if self.spec.speculation_length > 0:
+        if self.spec.is_medusa:  # the tree steps (nxdi.shell.medusa)
+            self._tables[Phase.SPECULATION] = unwrap(medusa_plan.tree_table_for(self.spec))
+        elif self.spec.speculation_length > 0:
             self._tables[Phase.SPECULATION] = unwrap(buckets.speculation_table_for(self.spec))
         self._async: AsyncForward | None = None
         """With async_mode (when the runtime was opened): the worker thread that runs every step, and
@@ -209,6 +212,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             program computes some of it again); in chunked prefill `input_ids` is [1, T], so
             each layer's tensor is [T, X], every row a request's token. Both are None otherwise.
             With enable_fused_speculation: NxDI's `fused_outputs` (`nxdi.shell.fused_speculation`).
+            A Medusa model (is_medusa=True) also gives `medusa_tokens` [B, H, K]: each head's K
+            best tokens (best first) at each row's last token, the next tree's candidates
+            (NxD's `medusa_tokens`; its tree steps run through `nxdi.shell.medusa`).
 
         Raises:
             IncompatibleConfigError: before anything runs, listing every problem: inputs that are not
@@ -334,8 +340,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             name: None if name not in extras else tuple(t.reshape(-1, *t.shape[2:]) for t in extras[name])
             for name in (moe_settings.ROUTER_LOGITS, moe_settings.EXPERT_INDEX)
         }
+        more = {medusa.MEDUSA_TOKENS: extras.get(medusa.MEDUSA_TOKENS)} if self.spec.is_medusa else {}
         return CausalLMOutput(
-            logits=logits, hidden_states=shown, tokens=shown, attentions=None, past_key_values=None, **routing
+            logits=logits, hidden_states=shown, tokens=shown, attentions=None, past_key_values=None, **routing, **more
         )
 
     def _block_plan(self) -> BlockPlan:
@@ -382,7 +389,14 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         x = batching.context_inputs(compacted, lengths, bucket=bucket, pad_token_id=pad)
         logits, tokens, extras = self._run_batched(runtime, Phase.CONTEXT, bucket, x, rows, params)
         fills = moe_settings.FILL
-        return logits, tokens, {n: batching.uncompact(t, mask, fill=fills.get(n, 0)) for n, t in extras.items()}
+        return (
+            logits,
+            tokens,
+            {
+                n: t if n in medusa.ROW_OUTPUTS else batching.uncompact(t, mask, fill=fills.get(n, 0))
+                for n, t in extras.items()
+            },
+        )
 
     def _token(self, runtime: StepRuntime, ids: Tensor, positions: Tensor, rows: Tensor, params: Tensor) -> _Outputs:
         """Decode `ids` [B, W] at `positions` [B, W]: W token-generation steps, one column each (a row
@@ -396,7 +410,12 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             x = StepInputs(input_ids=ids[:, col : col + 1], position_ids=at, last_index=last)
             logits, tokens, extras = self._run_batched(runtime, Phase.TOKEN, bucket, x, rows, params)
             steps.append(extras)
-        return logits, tokens, {n: torch.cat([e[n] for e in steps], dim=2) for n in steps[0]}
+        last = steps[-1]  # a per-row output (Medusa's) is the last step's
+        return (
+            logits,
+            tokens,
+            {n: last[n] if n in medusa.ROW_OUTPUTS else torch.cat([e[n] for e in steps], dim=2) for n in steps[0]},
+        )
 
     def _speculate(
         self, runtime: StepRuntime, ids: Tensor, positions: Tensor, rows: Tensor, params: Tensor
@@ -440,11 +459,16 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                 per_row = out.tokens if phase is not Phase.SPECULATION else out.tokens.reshape(chunk.batch, -1)
                 tokens_out.append((chunk.user_rows, per_row.index_select(0, take)))
             for name, t in out.extras.items():
+                if name in medusa.ROW_OUTPUTS:  # [B, ...]
+                    extras_out.setdefault(name, []).append((chunk.user_rows, t.index_select(0, take)))
+                    continue
                 per_row = t.reshape(t.shape[0], chunk.batch, -1, *t.shape[2:])  # [L, B, S, ...]
                 extras_out.setdefault(name, []).append((chunk.user_rows, per_row.index_select(1, take)))
         n = len(rows)
         extras = {
-            name: t for name, parts in extras_out.items() if (t := batching.gather_rows(parts, n, dim=1)) is not None
+            name: t
+            for name, parts in extras_out.items()
+            if (t := batching.gather_rows(parts, n, dim=0 if name in medusa.ROW_OUTPUTS else 1)) is not None
         }
         return batching.gather_rows(logits_out, n), batching.gather_rows(tokens_out, n), extras
 

@@ -32,7 +32,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from nxdi.shell import fused_generation, speculative
+from nxdi.shell import fused_generation, medusa, speculative
 from nxdi.shell.causal_lm import NeuronBaseForCausalLM
 from nxdi.shell.exceptions import IncompatibleConfigError
 
@@ -151,7 +151,9 @@ class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
     ) -> Tensor | GenerateDecoderOnlyOutput:
         """`generate(..., assistant_model=draft)`: speculative decoding with a draft nxdi model (or
         its adapter) on this model's speculation programs (`nxdi.shell.speculative`); on a fused
-        model (its draft inside), its own loop (`nxdi.shell.fused_generation`)."""
+        model (its draft inside), its own loop (`nxdi.shell.fused_generation`); for a Medusa model
+        (is_medusa=True), the model itself (or its adapter) as the assistant: Medusa decoding
+        (`nxdi.shell.medusa`, greedy only)."""
         if self.neuron_model._fused is not None:
             if assistant_model not in (None, self, self.neuron_model):
                 raise IncompatibleConfigError(
@@ -161,7 +163,8 @@ class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
             args = (logits_processor, stopping_criteria, generation_config, streamer, model_kwargs)
             return fused_generation.decode(self, input_ids, *args)
         draft = getattr(assistant_model, "neuron_model", assistant_model)
-        if not isinstance(draft, NeuronBaseForCausalLM):
+        medusa_model = self.neuron_model.spec.is_medusa
+        if not medusa_model and not isinstance(draft, NeuronBaseForCausalLM):
             raise IncompatibleConfigError(
                 f"generate(assistant_model=...): got {type(assistant_model).__name__}; pass a loaded nxdi "
                 "causal LM (or its HuggingFaceGenerationAdapter) as the draft"
@@ -174,10 +177,13 @@ class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
             generation_config.output_scores or generation_config.output_logits
         ):
             unsupported.append("output_scores/output_logits")
+        if medusa_model and generation_config.do_sample:
+            unsupported.append("do_sample=True (Medusa decoding is greedy)")
         if unsupported:
+            runs = "greedy decoding" if medusa_model else "temperature / top_k / top_p"
             raise IncompatibleConfigError(
-                f"generate() with a draft model: {unsupported} are not supported with speculative decoding; "
-                "it runs temperature / top_k / top_p, max_new_tokens / max_length and eos_token_id. "
+                f"generate() with assistant_model: {unsupported} are not supported with speculative decoding; "
+                f"it runs {runs}, max_new_tokens / max_length and eos_token_id. "
                 "Fix: drop them, or generate without assistant_model"
             )
         batch, width = input_ids.shape
@@ -186,6 +192,22 @@ class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
         params = self._sampling_rows(generation_config, batch, None) if generation_config.do_sample else None
         eos = generation_config._eos_token_tensor
         pad = generation_config._pad_token_tensor
+        if medusa_model:
+            medusa.check_model(self.neuron_model, draft, batch=batch)
+            new, self.speculation_stats = medusa.generate(
+                self.neuron_model,
+                input_ids,
+                mask,
+                max_new_tokens=generation_config.max_length - width,
+                eos_token_id=None if eos is None else int(eos.reshape(-1)[0]),
+                pad_token_id=0 if pad is None else int(pad),
+            )
+            sequences = torch.cat([input_ids, new], dim=-1)
+            return (
+                GenerateDecoderOnlyOutput(sequences=sequences)
+                if generation_config.return_dict_in_generate
+                else sequences
+            )
         seed = int(torch.randint(0, 2**62, (1,)))  # torch.manual_seed() makes a sampled run repeatable
         new, self.speculation_stats = speculative.generate(
             self.neuron_model,

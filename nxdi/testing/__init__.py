@@ -1,2 +1,3 @@
 """Helpers for testing code that uses nxdi: hypothesis strategies (`nxdi.testing.strategies`), tiny
-random Hugging Face checkpoints (`checkpoints`), and brief training for accuracy tests (`training`)."""
+random Hugging Face checkpoints (`checkpoints`), brief training for accuracy tests (`training`), and
+Medusa heads: a reference module, their `medusa_heads.pt` file and brief training (`medusa`)."""

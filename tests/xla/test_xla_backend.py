@@ -282,3 +282,49 @@ def test_fused_speculation_programs_lower_and_give_the_cpu_engines_tokens(
                 assert max_relative_logit_error(outs[1][5][row, i], outs[0][5][row, i]) <= 1e-5, (row, i)
     finally:
         model.close()
+
+
+def test_medusa_tree_programs_lower_and_give_the_cpu_engines_tokens(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """is_medusa=True: the tree programs (tree attention, in-program acceptance, KV compaction and
+    the heads) lower to HLO and run without host fallbacks; a tree step's logits and outputs equal
+    the CPU engine's, and Medusa generation gives its tokens and acceptance counts."""
+    import shutil
+
+    from nxdi.shell import medusa as medusa_loop
+    from nxdi.shell.generation import HuggingFaceGenerationAdapter
+    from nxdi.testing import checkpoints
+    from nxdi.testing import medusa as testing_medusa
+    from tests.support.engine_fixtures import padded
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint("llama"), folder)
+    config = checkpoints.tiny_config("llama")
+    testing_medusa.save_medusa_heads(testing_medusa.random_medusa_heads(config, 4, seed=1), folder)
+    tree = [list(p) for p in testing_medusa.DEFAULT_TREE]
+    medusa = {"is_medusa": True, "medusa_speculation_length": 12, "num_medusa_heads": 4, "medusa_tree": tree}
+    met.clear_all()
+    model = load_model(folder, "llama", workdir=tmp_path, backend="xla", batch_size=4, **medusa)
+    cpu = load_model(folder, "llama", batch_size=4, **medusa)
+    ids, mask = padded(PROMPTS, "right")
+    outs, stats = [], []
+    for m in (model, cpu):
+        adapter = HuggingFaceGenerationAdapter(m)
+        outs.append(
+            adapter.generate(
+                ids, attention_mask=mask, assistant_model=adapter, max_new_tokens=24, do_sample=False, pad_token_id=0
+            )
+        )
+        stats.append(adapter.speculation_stats)
+    assert torch.equal(outs[0], outs[1]) and stats[0] == stats[1] and stats[0]["tree_steps"] > 0
+    tokens = torch.randint(3, 150, (4, 12), generator=torch.Generator().manual_seed(0))
+    steps = []
+    for m in (model, cpu):
+        m.reset()
+        m.forward(ids, attention_mask=mask)
+        steps.append(medusa_loop.tree_step(m, tokens, mask.sum(-1)))
+    assert steps[0].logits is not None and steps[1].logits is not None
+    assert max_relative_logit_error(steps[1].logits, steps[0].logits) <= 1e-5
+    assert torch.equal(steps[0].tokens, steps[1].tokens) and torch.equal(steps[0].candidates, steps[1].candidates)
+    assert not [name for name in met.counter_names() if name.startswith("aten::")]

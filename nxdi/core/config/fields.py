@@ -58,6 +58,8 @@ class OnCpu(enum.Enum):
     """It takes effect when tp_degree > 1; with one rank it has none (a model warns, as for NO)."""
     WITH_QUANTIZED = "with quantized=True"
     """It takes effect when quantized=True; without it it has none (a model warns, as for NO)."""
+    WITH_MEDUSA = "with is_medusa=True"
+    """It takes effect when is_medusa=True; without it it has none (a model warns, as for NO)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -19,7 +19,7 @@ from returns.result import Result, Success
 from nxdi.core.config.fields import OnCpu, infos, sub_spec_fields
 from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.errors import ConfigError, Problem, problems_result
-from nxdi.core.planning import block_programs, buckets
+from nxdi.core.planning import block_programs, buckets, medusa
 
 Rule = Callable[[NeuronSpec], Iterator[Problem]]
 
@@ -265,7 +265,7 @@ def _kernels(s: NeuronSpec) -> Iterator[Problem]:
             yield Problem.of("activation_quantization_type", "static", "is incompatible with fused_qkv=True")
 
 
-RULES: tuple[Rule, ...] = (_lengths, _buckets, _features, _parallel, _kernels)
+RULES: tuple[Rule, ...] = (_lengths, _buckets, _features, _parallel, _kernels, medusa.rule_problems)
 
 
 def check_neuron_spec(spec: NeuronSpec) -> Result[NeuronSpec, ConfigError]:
@@ -298,6 +298,7 @@ def check_cpu_support(spec: NeuronSpec) -> Result[NeuronSpec, ConfigError]:
     problems.extend(_quantized_weights(spec))
     problems.extend(_speculation_programs(spec))
     problems.extend(_fused_programs(spec))
+    problems.extend(medusa.cpu_problems(spec))
     return problems_result(spec, problems)
 
 

@@ -402,22 +402,24 @@ class NeuronSpec:
     )
     is_medusa: bool = _speculation(
         False,
-        "Medusa speculation with extra LM heads; needs medusa_speculation_length and num_medusa_heads > 0.",
-        cpu=OnCpu.REFUSED,
+        "Medusa speculation: extra LM heads (<model dir>/medusa_heads.pt) propose a token tree; needs the three settings below.",
     )
     medusa_speculation_length: int = _speculation(
         0,
-        "Tokens the Medusa heads propose before the model verifies them.",
-        cpu="used with is_medusa only",
+        "Tree nodes one Medusa step scores per row, the root included (the tree is padded to it); > len(medusa_tree).",
+        cpu=OnCpu.WITH_MEDUSA,
         bounds=(0, MAX_COUNT),
     )
     num_medusa_heads: int = _speculation(
-        0, "Number of Medusa LM heads.", cpu="used with is_medusa only", bounds=(0, MAX_COUNT)
+        0,
+        "Number of Medusa LM heads (head i proposes the token i + 2 ahead); at least the tree's depth.",
+        cpu=OnCpu.WITH_MEDUSA,
+        bounds=(0, MAX_COUNT),
     )
     medusa_tree: tuple[tuple[int, ...], ...] | None = _speculation(
         None,
-        "Medusa tree of candidate paths (e.g. medusa_mc_sim_7b_63.json).",
-        cpu="used with is_medusa only",
+        "Medusa tree: paths of top-k choice indices per depth, prefix-closed (e.g. medusa_mc_sim_7b_63.json).",
+        cpu=OnCpu.WITH_MEDUSA,
         bounds=(0, MAX_COUNT),
     )
     is_block_kv_layout: bool = _paged(

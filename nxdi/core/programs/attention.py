@@ -16,10 +16,11 @@ from torch import Tensor
 
 from nxdi.core.model_spec import ModelSpec, RopeSpec
 from nxdi.core.planning.partition import Partition
-from nxdi.core.programs import block_kv, flash_decoding, kv_cache, layers
+from nxdi.core.programs import block_kv, flash_decoding, kv_cache, layers, token_tree
 from nxdi.core.programs.block_kv import BlockInputs
 from nxdi.core.programs.collectives import Collectives
 from nxdi.core.programs.linear import Weight, linear
+from nxdi.core.programs.token_tree import TreeInputs
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
@@ -121,10 +122,14 @@ def _block_attention(
     return o, block_kv.write(k_cache, ks, blocks.slot_mapping), block_kv.write(v_cache, vs, blocks.slot_mapping)
 
 
-def masks(slots: Tensor, length: int, spec: ModelSpec, part: Partition) -> list[Tensor | None]:
+def masks(
+    slots: Tensor, length: int, spec: ModelSpec, part: Partition, *, tree: TreeInputs | None = None
+) -> list[Tensor | None]:
     """Each layer's attention mask [B, 1, G*S, T]; layers with the same window share one tensor.
-    None with flash decoding, which masks by the positions each rank holds."""
+    None with flash decoding, which masks by the positions each rank holds. With `tree` (a token-tree
+    step, `token_tree.visible`) a token sees the cached prefix and the step's tokens the tree allows."""
     if part.kv_group > 1:
+        assert tree is None, "flash decoding does not run token trees (checked by the configuration)"
         return [None] * spec.num_layers
     groups = part.q_heads // part.kv_heads
     built: dict[int | None, Tensor] = {}
@@ -132,7 +137,12 @@ def masks(slots: Tensor, length: int, spec: ModelSpec, part: Partition) -> list[
     for i in range(spec.num_layers):
         window = spec.layer_window(i)
         if window not in built:
-            built[window] = layers.fold_mask(layers.visible_mask(slots, length, window=window), groups)
+            seen = (
+                layers.visible_mask(slots, length, window=window)
+                if tree is None
+                else token_tree.visible(slots, tree, length, window=window)
+            )
+            built[window] = layers.fold_mask(seen, groups)
         out.append(built[window])
     return out
 

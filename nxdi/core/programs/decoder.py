@@ -46,7 +46,11 @@ from nxdi.core.programs.collectives import SINGLE, Collectives
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 from nxdi.core.programs.linear import QuantizedWeight, Weight, linear
+from nxdi.core.programs.token_tree import TreeInputs
 from nxdi.core.weight_table import SCALE_SUFFIX, TKG_MLP_SLOT
+
+HIDDEN = "hidden_states"
+"""The extra output `forward_outputs(..., hidden=True)` adds: the final normed hidden states."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
@@ -260,9 +264,12 @@ def forward(
     coll: Collectives = SINGLE,
     all_logits: bool = False,
     blocks: BlockInputs | None = None,
+    tree: TreeInputs | None = None,
 ) -> tuple[Tensor, KVCache]:
     """`forward_outputs` without the extra outputs: (logits, cache)."""
-    logits, new, _ = forward_outputs(w, cache, x, spec=spec, part=part, coll=coll, all_logits=all_logits, blocks=blocks)
+    logits, new, _ = forward_outputs(
+        w, cache, x, spec=spec, part=part, coll=coll, all_logits=all_logits, blocks=blocks, tree=tree
+    )
     return logits, new
 
 
@@ -276,6 +283,8 @@ def forward_outputs(
     coll: Collectives = SINGLE,
     all_logits: bool = False,
     blocks: BlockInputs | None = None,
+    tree: TreeInputs | None = None,
+    hidden: bool = False,
 ) -> tuple[Tensor, KVCache, dict[str, Tensor]]:
     """One decoder step over the cache view `cache` (T slots), on one rank's shard.
 
@@ -290,6 +299,11 @@ def forward_outputs(
         blocks: with a block cache (`cache` is then L layers of [N+1, bs, K_r, D], see
             `nxdi.core.programs.block_kv`): where each token reads and writes; `x.last_index` is
             then unused (each segment's output token is `blocks.out_index`).
+        tree: a token-tree step (`nxdi.core.programs.token_tree`): the S tokens hold contiguous
+            slots (`x.position_ids`) but take their rotary positions from `tree.positions`, and
+            attend to the cached prefix and the step's tokens `tree.mask` allows.
+        hidden: also return the final normed hidden states at the output tokens, `HIDDEN`
+            [B, S', E] (what the lm_head reads; extra heads, such as Medusa's, read them too).
 
     Returns:
         logits [B, 1, V] fp32 (or [B, S, V] with `all_logits`; [B, R, V] with `blocks`, one per
@@ -297,7 +311,7 @@ def forward_outputs(
         at the tokens' slots; every other slot unchanged. Inputs are not mutated. Third, the extra
         outputs `moe_settings.routing_outputs(part)` names, by name (`moe_settings.ROUTER_LOGITS`
         [L, B*S, X] fp32, `EXPERT_INDEX` [L, B*S, k] int64; rows in [B, S] order, padding tokens
-        included; empty when none is asked).
+        included; empty when none is asked), and `HIDDEN` with `hidden`.
     """
     part = Partition.single(spec) if part is None else part
     b, s = x.input_ids.shape
@@ -307,8 +321,10 @@ def forward_outputs(
     sp = part.sequence_parallel and not decode and not all_logits
     if blocks is None:
         slots = inputs.write_slots(x)  # [B, S]
-        ropes = attention.rope_tables(slots, slots.gather(1, x.last_index[:, None]).max() + 1, spec, w.embed.dtype)
-        masks = attention.masks(slots, cache.length, spec, part)
+        rotary = slots if tree is None else tree.positions  # a tree's siblings share a position
+        longest = (slots.gather(1, x.last_index[:, None]) if tree is None else rotary).max() + 1
+        ropes = attention.rope_tables(rotary, longest, spec, w.embed.dtype)
+        masks = attention.masks(slots, cache.length, spec, part, tree=tree)
         out_index = x.last_index[:, None]  # [B, 1]
     else:
         assert part.kv_group == 1, "a block cache is not split over the sequence (flash decoding)"
@@ -364,8 +380,12 @@ def forward_outputs(
     h = (_gather_sequence(h, coll, b=b) if sp else h).view(b, s, -1)
     if not all_logits:
         h = h.gather(1, out_index[:, :, None].expand(b, out_index.shape[1], h.shape[-1]))  # [B, R, E]
-    logits = linear(_norm(h, w.norm, spec), w.lm_head)  # [B, S', V_r]
+    normed = _norm(h, w.norm, spec)  # [B, S', E]
+    logits = linear(normed, w.lm_head)  # [B, S', V_r]
     if part.tp > 1:
         logits = coll.all_gather(logits, -1)[..., : spec.vocab_size]  # [B, S', V] on every rank
     logits = _soft_cap(logits, spec.final_logit_softcap).float()
-    return logits, KVCache(k=tuple(ks), v=tuple(vs)), moe_settings.stack_routing(routed, wanted)
+    extras = moe_settings.stack_routing(routed, wanted)
+    if hidden:
+        extras[HIDDEN] = normed
+    return logits, KVCache(k=tuple(ks), v=tuple(vs)), extras

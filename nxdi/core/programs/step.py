@@ -79,11 +79,15 @@ class StepSpec:
     all_logits: bool = False
     """Return every token's logits [B, S, V] (and with on-device sampling a token per position,
     [B*S]): a speculation step, which scores the S = speculation_length tokens it is given."""
+    program_outputs: tuple[str, ...] = ()
+    """Further extra outputs the forward itself returns, after the routing ones (a Medusa
+    program's candidates, `nxdi.core.programs.medusa.outputs`)."""
 
     @property
     def extras(self) -> tuple[str, ...]:
-        """The extra outputs the partition's MoE settings ask for (`moe_settings.routing_outputs`)."""
-        return moe_settings.routing_outputs(self.partition)
+        """The extra outputs: those the partition's MoE settings ask for (`moe_settings.routing_outputs`),
+        then `program_outputs`."""
+        return (*moe_settings.routing_outputs(self.partition), *self.program_outputs)
 
     @property
     def outputs(self) -> tuple[str, ...]:

@@ -88,6 +88,8 @@ def _cpu_text(row: Row) -> str:
             return "yes with tp_degree > 1 (no effect at 1)"
         case OnCpu.WITH_QUANTIZED:
             return "yes with quantized=True (no effect without)"
+        case OnCpu.WITH_MEDUSA:
+            return "yes with is_medusa=True (no effect without)"
 
 
 def render_text(rows: list[Row]) -> str:
@@ -142,5 +144,6 @@ def field_help(name: str, spec_cls: type = NeuronSpec) -> str:
         OnCpu.REFUSED: " [not on CPU yet]",
         OnCpu.WITH_TP: " [on CPU with tp_degree > 1]",
         OnCpu.WITH_QUANTIZED: " [with quantized=True]",
+        OnCpu.WITH_MEDUSA: " [with is_medusa=True]",
     }[info.cpu]
     return (describe(info) + cpu).replace("%", "%%")  # argparse formats help with %
