@@ -30,6 +30,7 @@ and keyword-only, and compare with `torch.testing.assert_close` on their tensors
 Modules: `layers` (norms, RoPE, attention, MLP), `kv_cache` (the KVCache value and its writes),
 `inputs` (StepInputs), `decoder` (the decoder: Llama and every family that is Llama plus ModelSpec
 fields), `moe` (the mixture-of-experts block) and `moe_settings` (its MoENeuronConfig settings and
-routing outputs), `step` (a decoder step plus the sampler), `sampling`, and `catalog` (which
-program runs a family). Host-side tensor helpers that are never traced live in `nxdi.core.host`.
+routing outputs), `step` (a decoder step plus the sampler), `sampling`, `speculation` (accepting
+draft tokens), `eagle` (the EAGLE draft: the decoder fed its target's hidden states), and `catalog`
+(which program runs a family). Host-side tensor helpers that are never traced live in `nxdi.core.host`.
 """
