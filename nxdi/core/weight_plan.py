@@ -18,7 +18,7 @@ Theory of operation:
 4. Check. `check_checkpoint` compares a checkpoint's keys and shapes with the plan and reports every
    missing, unexpected, colliding and wrongly shaped key at once, each named by its checkpoint key.
 
-Length: ~450 lines, because the plan's value types, its construction (quantized steps included)
+Length: ~460 lines, because the plan's value types, its construction (quantized steps included)
 and the checkpoint check read the same step shapes; splitting them would scatter one rule set.
 """
 
@@ -30,6 +30,8 @@ from collections.abc import Iterable, Iterator, Mapping
 import attrs
 from returns.result import Failure, Result, Success
 
+from nxdi.core import eagle_layout
+from nxdi.core.eagle_layout import EagleDraft
 from nxdi.core.errors import CheckpointError, ConfigError, Problem
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.weight_table import (
@@ -227,6 +229,8 @@ class WeightPlan:
     """How its quantized steps are stored (None: a float checkpoint)."""
     wrapper: Wrapper | None = None
     """The larger model whose checkpoint holds this one (a multimodal Gemma 3's), or None."""
+    eagle_draft: EagleDraft | None = None
+    """The EAGLE draft layout it reads (`nxdi.core.eagle_layout`), or None for any other model."""
 
     def names(self) -> tuple[str, ...]:
         """The weights produced, in order."""
@@ -330,6 +334,7 @@ def weight_plan_for(
     model_prefix: str | None = None,
     new_prefix: str = NEW_STATE_DICT_MODEL_PREFIX,
     quant: WeightQuant | None = None,
+    eagle_draft: EagleDraft | None = None,
 ) -> Result[WeightPlan, ConfigError]:
     """The plan that reads a Hugging Face checkpoint of `spec` into the weights of `table`'s program.
 
@@ -343,6 +348,7 @@ def weight_plan_for(
             (`model_prefix` None: the table's, `"model."` for most families).
         quant: read the table's linear weights quantized (values as stored plus `scale_name` scales),
             except those `quant.skip` keeps in float; a quantized lm_head is read, not tied.
+        eagle_draft: read an EAGLE draft's checkpoint (`table` changed by `EagleDraft.table`).
 
     Returns:
         `Success(WeightPlan)`, or `Failure(ConfigError)` naming every problem: an unknown `cast_type`,
@@ -357,6 +363,7 @@ def weight_plan_for(
     if problems:
         return Failure(ConfigError(problems=tuple(problems)))
     casts: tuple[Transform, ...] = (CastFloat(dtype=torch_dtype),) if cast_type == "config" else ()
+    table = table if eagle_draft is None else eagle_draft.table(table)
     by_slot = {e.slot: e for e in table.placed(spec)}
     tied_slot, target = table.tied
     steps: list[WeightStep] = []
@@ -388,6 +395,7 @@ def weight_plan_for(
             optional=frozenset(tied.weight.source_names(spec, tied.source_prefix)) if tied else frozenset(),
             quant=quant,
             wrapper=table.wrapper_for(spec.model_type),
+            eagle_draft=eagle_draft,
         )
     )
 
@@ -445,6 +453,8 @@ def check_checkpoint(plan: WeightPlan, shapes: Mapping[str, Shape]) -> Result[Ma
         if name not in expected and name not in plan.optional and not name.endswith(IGNORED_SUFFIXES):
             why, fix = "is not a weight of this model", "check model_type and num_hidden_layers in config.json"
             problems.append(Problem.of(key, tuple(shapes[key]), why, fix))
+    if problems and plan.eagle_draft is not None:
+        problems = list(eagle_layout.explain(problems, plan.rename))
     if problems:
         return Failure(CheckpointError(problems=tuple(problems)))
     return Success({n: names[n] for n in expected})

@@ -10,7 +10,7 @@ A weight's sources are copied (one), concatenated along dim 0 (fused QKV: `Wqkv 
 stacked along a new dim 0 (one source per expert, `experts.{x}.w1` for every expert x: [X, F, E]),
 or split (one source holding every expert's rows one above the other, DBRX's `w1` [X*F, E]).
 
-Dimension letters: E hidden, F ffn, V vocab, D head dim, Q = H*D (query heads times head dim),
+Dimension letters: E hidden (2E: twice that), F ffn, V vocab, D head dim, Q = H*D (query heads times head dim),
 KV = K*D (kv heads times head dim), QKV = Q + 2*KV (a fused projection), X experts, XF = X*F
 (every expert's rows), 1 a dimension of size one (a scale).
 """
@@ -59,6 +59,7 @@ def dims(spec: ModelSpec) -> Mapping[str, int]:
     """The sizes the dimension letters of a table stand for."""
     return {
         "E": spec.hidden_size,
+        "2E": 2 * spec.hidden_size,  # an EAGLE draft's fc input: [embedding; target hidden state]
         "F": spec.intermediate_size,
         "V": spec.vocab_size,
         "D": spec.head_dim,

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from nxdi.core import graph_key
+from nxdi.core import eagle_layout, graph_key
 from nxdi.core import weight_plan as weight_plans
 from nxdi.core.config import neuron_checks
 from nxdi.core.config.neuron_spec import NeuronSpec
@@ -167,8 +167,13 @@ class NeuronApplicationBase:
     @classmethod
     def _weight_plan(cls, config: InferenceConfig) -> weight_plans.WeightPlan:
         """The plan that converts a checkpoint of `config`'s model into its program's weights (the
-        quantized checkpoint's layout with `quantized=True`)."""
+        quantized checkpoint's layout with `quantized=True`, an EAGLE draft's with `is_eagle_draft`)."""
         spec = config.neuron_config.spec
+        draft = eagle_layout.eagle_draft_for(
+            is_eagle_draft=spec.is_eagle_draft,
+            input_norm=spec.enable_eagle_draft_input_norm,
+            fc_bias=bool(getattr(config, "fc_bias", False)),
+        )
         plan = weight_plans.weight_plan_for(
             cls._program_of(config).table,
             config.model_spec(),
@@ -177,6 +182,7 @@ class NeuronApplicationBase:
             model_prefix=cls._STATE_DICT_MODEL_PREFIX,
             new_prefix=cls._NEW_STATE_DICT_MODEL_PREFIX,
             quant=quant_config.weight_quant(spec),
+            eagle_draft=draft,
         )
         return unwrap(plan)
 

@@ -299,6 +299,7 @@ def check_cpu_support(spec: NeuronSpec) -> Result[NeuronSpec, ConfigError]:
     problems.extend(_speculation_programs(spec))
     problems.extend(_fused_programs(spec))
     problems.extend(medusa.cpu_problems(spec))
+    problems.extend(_eagle_draft_alone(spec))
     return problems_result(spec, problems)
 
 
@@ -321,6 +322,15 @@ def _fused_programs(spec: NeuronSpec) -> Iterator[Problem]:
         why = "is required with enable_fused_speculation=True: the fused program accepts and picks the tokens itself"
         fix = "set on_device_sampling_config (e.g. {'top_k': 1} for greedy, do_sample=True or dynamic=True to sample)"
         yield Problem.of("on_device_sampling_config", None, why, fix)
+
+
+def _eagle_draft_alone(spec: NeuronSpec) -> Iterator[Problem]:
+    """An EAGLE draft cannot run as a model of its own: every step needs its target's hidden states
+    (its weights still load: `get_state_dict` reads the draft's layout)."""
+    if spec.is_eagle_draft:
+        why = "marks an EAGLE draft, which runs only inside EAGLE speculation, fed its target's hidden states"
+        fix = "give its config to the target's fused_spec_config as draft_config (enable_eagle_speculation=True)"
+        yield Problem.of("is_eagle_draft", True, why, fix)
 
 
 def _speculation_programs(spec: NeuronSpec) -> Iterator[Problem]:

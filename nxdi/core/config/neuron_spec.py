@@ -391,9 +391,15 @@ class NeuronSpec:
     )
     eagle_rolling_buffer_kernel_enabled: bool = _kernels(False, "Rolling-buffer kernel for EAGLE speculation.")
     is_eagle3: bool = _speculation(False, "The EAGLE draft is an EAGLE-3 model.", cpu=OnCpu.REFUSED)
-    is_eagle_draft: bool = _speculation(False, "Marks the config of an EAGLE draft model.", cpu=OnCpu.REFUSED)
+    is_eagle_draft: bool = _speculation(
+        False,
+        "Marks the config of an EAGLE draft model (fc over [embedding; target hidden state], no final norm).",
+        cpu_note="its weights load as an EAGLE draft; it runs only inside EAGLE speculation, never on its own",
+    )
     enable_eagle_draft_input_norm: bool = _speculation(
-        False, "Apply input normalization in the EAGLE draft model.", cpu=OnCpu.REFUSED
+        False,
+        "Apply input normalization in the EAGLE draft model (every layer's input_layernorm); default False.",
+        cpu_note="read by the EAGLE draft's weight layout; no effect on a target model",
     )
     token_tree_config: JsonMap | None = _speculation(
         None,

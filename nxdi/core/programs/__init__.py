@@ -32,5 +32,7 @@ Modules: `layers` (norms, RoPE, attention, MLP), `kv_cache` (the KVCache value a
 fields), `moe` (the mixture-of-experts block) and `moe_settings` (its MoENeuronConfig settings and
 routing outputs), `step` (a decoder step plus the sampler), `sampling`, `speculation` (draft
 verification), `token_tree` (tree attention, candidates, tree acceptance and KV compaction),
-`medusa` (Medusa heads and tree steps), and `catalog` (which program runs a family). Host-side tensor helpers that are never traced live in `nxdi.core.host`.
+`medusa` (Medusa heads and tree steps), `eagle` (the EAGLE draft: the decoder fed its target's
+hidden states), `fused_speculation` (draft and target in one step), and `catalog` (which program
+runs a family). Host-side tensor helpers that are never traced live in `nxdi.core.host`.
 """

@@ -26,6 +26,13 @@ window), which is causal attention inside a prompt and "everything cached so far
 layer's router logits and chosen experts for every token of the step, padding included. The router
 is replicated, so every rank returns the same values, and under sequence parallelism the experts
 see the gathered tokens, so these are always the whole [B*S] rows.
+
+For EAGLE (`nxdi.core.programs.eagle`) a step can also return every token's final hidden state
+(`hidden=True`) and start from given embeddings (`inputs_embeds`); a layer without `input_norm`
+and weights without a final `norm` skip those norms (an EAGLE draft's).
+
+Over 400 lines because it is the one forward pass every family and every step kind shares
+(contiguous, block, token-tree and EAGLE steps): split, one pass would be read across files.
 """
 
 from __future__ import annotations
@@ -49,8 +56,8 @@ from nxdi.core.programs.linear import QuantizedWeight, Weight, linear
 from nxdi.core.programs.token_tree import TreeInputs
 from nxdi.core.weight_table import SCALE_SUFFIX, TKG_MLP_SLOT
 
-HIDDEN = "hidden_states"
-"""The extra output `forward_outputs(..., hidden=True)` adds: the final normed hidden states."""
+HIDDEN = "hidden"
+"""The extra output `forward_outputs(hidden=True)` adds: every token's final hidden state [B, S, E]."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
@@ -74,8 +81,8 @@ two-matrix MLP joins as a further case, handled by a `match` in `_mlp`)."""
 class Layer:
     """One decoder layer."""
 
-    input_norm: Tensor
-    """[E]"""
+    input_norm: Tensor | None
+    """[E]; None: the attention reads the residual stream unnormed (an EAGLE draft's layers)."""
     attn: attention.Attention
     post_norm: Tensor
     """[E] the norm of the MLP input (Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm)."""
@@ -99,8 +106,8 @@ class DecoderWeights:
     embed: Tensor
     """[V, E]"""
     layers: tuple[Layer, ...]
-    norm: Tensor
-    """[E]"""
+    norm: Tensor | None
+    """[E]; None: the lm_head reads the last layer's output unnormed (an EAGLE draft)."""
     lm_head: Weight
     """[V, E]"""
 
@@ -145,7 +152,7 @@ def weights_from_slots(slots: Mapping[str, Tensor], *, spec: ModelSpec) -> Decod
         mlp = _group(parts, "mlp")
         tkg = _group(parts, TKG_MLP_SLOT)
         return Layer(
-            input_norm=parts["input_norm"],
+            input_norm=parts.get("input_norm"),
             attn=attention.Attention(**_group(parts, "attn")),
             post_norm=parts["post_norm"],
             mlp=_mlp_weights(mlp, spec),
@@ -158,7 +165,7 @@ def weights_from_slots(slots: Mapping[str, Tensor], *, spec: ModelSpec) -> Decod
     return DecoderWeights(
         embed=folded["embed"],
         layers=tuple(layer(i) for i in range(spec.num_layers)),
-        norm=folded["norm"],
+        norm=folded.get("norm"),
         lm_head=folded["lm_head"],
     )
 
@@ -213,6 +220,16 @@ def _embed(w: DecoderWeights, ids: Tensor, spec: ModelSpec, part: Partition, col
     return columns[:, : spec.hidden_size]
 
 
+def token_embeddings(
+    w: DecoderWeights, input_ids: Tensor, *, spec: ModelSpec, part: Partition | None = None, coll: Collectives = SINGLE
+) -> Tensor:
+    """The embeddings [B, S, E] a step starts from for input_ids [B, S] (scaled when `spec` asks),
+    the whole hidden width on every rank: what `forward_outputs(inputs_embeds=...)` replaces."""
+    part = Partition.single(spec) if part is None else part
+    b, s = input_ids.shape
+    return _scaled_embeddings(_embed(w, input_ids.reshape(-1), spec, part, coll), spec).view(b, s, -1)
+
+
 def _norm(x: Tensor, weight: Tensor | None, spec: ModelSpec) -> Tensor:
     """The norm of x [N, E] as `spec` computes it: RMSNorm (Gemma's `1 + w` with `spec.norm_offset`)
     or bias-free LayerNorm (DBRX)."""
@@ -220,6 +237,11 @@ def _norm(x: Tensor, weight: Tensor | None, spec: ModelSpec) -> Tensor:
     if spec.norm is NormKind.LAYER:
         return layers.layer_norm(x, weight, spec.norm_eps)
     return layers.rms_norm(x, weight, spec.norm_eps, offset=spec.norm_offset)
+
+
+def _final_norm(h: Tensor, w: DecoderWeights, spec: ModelSpec) -> Tensor:
+    """h normed as the lm_head reads it; h itself for weights without a final norm (an EAGLE draft)."""
+    return h if w.norm is None else _norm(h, w.norm, spec)
 
 
 def _scaled_embeddings(h: Tensor, spec: ModelSpec) -> Tensor:
@@ -284,6 +306,7 @@ def forward_outputs(
     all_logits: bool = False,
     blocks: BlockInputs | None = None,
     tree: TreeInputs | None = None,
+    inputs_embeds: Tensor | None = None,
     hidden: bool = False,
 ) -> tuple[Tensor, KVCache, dict[str, Tensor]]:
     """One decoder step over the cache view `cache` (T slots), on one rank's shard.
@@ -302,8 +325,10 @@ def forward_outputs(
         tree: a token-tree step (`nxdi.core.programs.token_tree`): the S tokens hold contiguous
             slots (`x.position_ids`) but take their rotary positions from `tree.positions`, and
             attend to the cached prefix and the step's tokens `tree.mask` allows.
-        hidden: also return the final normed hidden states at the output tokens, `HIDDEN`
-            [B, S', E] (what the lm_head reads; extra heads, such as Medusa's, read them too).
+        inputs_embeds: [B, S, E] the layers' input instead of the tokens' embeddings (NxDI's
+            `inputs_embeds`; an EAGLE draft's `fc` output); `x.input_ids` then only gives the shape.
+        hidden: also return every token's final hidden state as `HIDDEN` [B, S, E] (after the
+            final norm, the lm_head's input; padding tokens included): what an EAGLE draft reads (Medusa's heads read it at their tokens).
 
     Returns:
         logits [B, 1, V] fp32 (or [B, S, V] with `all_logits`; [B, R, V] with `blocks`, one per
@@ -311,7 +336,7 @@ def forward_outputs(
         at the tokens' slots; every other slot unchanged. Inputs are not mutated. Third, the extra
         outputs `moe_settings.routing_outputs(part)` names, by name (`moe_settings.ROUTER_LOGITS`
         [L, B*S, X] fp32, `EXPERT_INDEX` [L, B*S, k] int64; rows in [B, S] order, padding tokens
-        included; empty when none is asked), and `HIDDEN` with `hidden`.
+        included; empty when none is asked), then `HIDDEN` with `hidden`.
     """
     part = Partition.single(spec) if part is None else part
     b, s = x.input_ids.shape
@@ -340,14 +365,17 @@ def forward_outputs(
             else blocks.segment >= 0
         )
         token_mask = real.reshape(-1)
-    h = _scaled_embeddings(_embed(w, x.input_ids.reshape(-1), spec, part, coll), spec)  # [B*S, E]
+    embeds = (
+        token_embeddings(w, x.input_ids, spec=spec, part=part, coll=coll) if inputs_embeds is None else inputs_embeds
+    )
+    h = embeds.reshape(b * s, -1)  # [B*S, E]
     if sp:
         h = coll.scatter(h.view(b, s, -1), 1).reshape(-1, h.shape[-1])  # [B*S/tp, E]
     ks, vs = [], []
     wanted = moe_settings.routing_outputs(part)
     routed: list[moe.MoEOutput] = []
     for i, (lw, mask, k_cache, v_cache) in enumerate(zip(w.layers, masks, cache.k, cache.v, strict=True)):
-        normed = _norm(h, lw.input_norm, spec)
+        normed = h if lw.input_norm is None else _norm(h, lw.input_norm, spec)
         normed = _gather_sequence(normed, coll, b=b) if sp else normed
         a, k_cache, v_cache = attention.attend(
             lw.attn,
@@ -378,14 +406,15 @@ def forward_outputs(
         ks.append(k_cache)
         vs.append(v_cache)
     h = (_gather_sequence(h, coll, b=b) if sp else h).view(b, s, -1)
+    states = _final_norm(h, w, spec) if hidden else None  # [B, S, E]: normed once, for both outputs
+    head = h if states is None else states
     if not all_logits:
-        h = h.gather(1, out_index[:, :, None].expand(b, out_index.shape[1], h.shape[-1]))  # [B, R, E]
-    normed = _norm(h, w.norm, spec)  # [B, S', E]
-    logits = linear(normed, w.lm_head)  # [B, S', V_r]
+        head = head.gather(1, out_index[:, :, None].expand(b, out_index.shape[1], h.shape[-1]))  # [B, R, E]
+    logits = linear(head if states is not None else _final_norm(head, w, spec), w.lm_head)  # [B, S', V_r]
     if part.tp > 1:
         logits = coll.all_gather(logits, -1)[..., : spec.vocab_size]  # [B, S', V] on every rank
     logits = _soft_cap(logits, spec.final_logit_softcap).float()
     extras = moe_settings.stack_routing(routed, wanted)
-    if hidden:
-        extras[HIDDEN] = normed
+    if states is not None:
+        extras = {**extras, HIDDEN: states}
     return logits, KVCache(k=tuple(ks), v=tuple(vs)), extras

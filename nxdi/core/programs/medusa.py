@@ -139,7 +139,8 @@ def forward_outputs(
     if not all_logits:
         logits, cache, extras = base(w.decoder, cache, x, **kwargs)
         extras = dict(extras)
-        hidden = extras.pop(decoder.HIDDEN)[:, 0]  # [B, E] at each row's output token
+        every = extras.pop(decoder.HIDDEN)  # [B, S, E]
+        hidden = every.gather(1, x.last_index[:, None, None].expand(-1, 1, every.shape[-1]))[:, 0]  # [B, E]
         return logits, cache, {**extras, MEDUSA_TOKENS: top_candidates(w.heads, hidden, plan.top_k)}
     slots = inputs.write_slots(x)  # [B, N]: L..L+N-1
     tree = token_tree.tree_inputs(slots, plan.tree)

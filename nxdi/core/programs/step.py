@@ -27,6 +27,7 @@ from nxdi.core.planning.partition import Partition
 from nxdi.core.programs import moe_settings, sampling
 from nxdi.core.programs.block_kv import BlockInputs
 from nxdi.core.programs.collectives import SINGLE, Collectives
+from nxdi.core.programs.decoder import HIDDEN
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 
@@ -48,7 +49,7 @@ class StepOutputs:
     """[B] int64 sampled ids ([B*R] with a block cache)."""
     extras: Mapping[str, Tensor] = dataclasses.field(default_factory=dict)
     """Further outputs by name, `StepSpec.extras` (`moe_settings.ROUTER_LOGITS` [L, B*S, X] fp32,
-    `moe_settings.EXPERT_INDEX` [L, B*S, k] int64)."""
+    `moe_settings.EXPERT_INDEX` [L, B*S, k] int64, `decoder.HIDDEN` [B, S, E])."""
 
     def named(self) -> dict[str, Tensor]:
         """Every output present, by name: logits, tokens, then the extras in their order."""
@@ -82,12 +83,16 @@ class StepSpec:
     program_outputs: tuple[str, ...] = ()
     """Further extra outputs the forward itself returns, after the routing ones (a Medusa
     program's candidates, `nxdi.core.programs.medusa.outputs`)."""
+    hidden_states: bool = False
+    """Also return every token's final hidden state [B, S, E] (after the final norm) as the extra
+    output `decoder.HIDDEN`: what an EAGLE draft reads from its target (NxDI's `full_hidden_states`)."""
 
     @property
     def extras(self) -> tuple[str, ...]:
         """The extra outputs: those the partition's MoE settings ask for (`moe_settings.routing_outputs`),
-        then `program_outputs`."""
-        return (*moe_settings.routing_outputs(self.partition), *self.program_outputs)
+        then `program_outputs`, then `decoder.HIDDEN` with `hidden_states`."""
+        hidden = (HIDDEN,) if self.hidden_states else ()
+        return (*moe_settings.routing_outputs(self.partition), *self.program_outputs, *hidden)
 
     @property
     def outputs(self) -> tuple[str, ...]:
@@ -123,8 +128,17 @@ def step(
         blocks, [B*S] with all_logits) and the extras `spec.extras`
         names; and the updated cache (view).
     """
+    asked = {"hidden": True} if spec.hidden_states else {}  # a program without the option is never passed it
     logits, cache, extras = forward(
-        weights, cache, x, spec=spec.model, part=spec.partition, coll=coll, all_logits=spec.all_logits, blocks=blocks
+        weights,
+        cache,
+        x,
+        spec=spec.model,
+        part=spec.partition,
+        coll=coll,
+        all_logits=spec.all_logits,
+        blocks=blocks,
+        **asked,
     )
     if not spec.on_device_sampling:
         return StepOutputs(logits=logits, extras=extras), cache
