@@ -8,15 +8,20 @@ The same three paths as `nxdi.effects.engine` (eager, compile, load), for a `Fus
 - Weights: every program binds the target's weights under `target_model.` and the draft's under
   `draft_model.` (NxDI's prefixes for a fused model), each converted by its own weight plan from
   its own checkpoint (the draft's: `draft_model_path`).
-- Cache: one `KVCache`, the target's layers then the draft's, `max_length + speculation_length`
-  slots per row (`nxdi.core.planning.fused_programs`).
+- Cache: one `KVCache`, the target's layers then the draft's (then, with EAGLE, the target's
+  hidden-state cache, `nxdi.core.programs.eagle_fused`), `max_length + speculation_length` slots
+  per row (`nxdi.core.planning.fused_programs`).
 - Programs (`fused_programs.fused_keys`): context encoding runs
-  `fused_speculation.context_step`, a fused step `fused_speculation.fused_step`; both take the
+  `fused_speculation.context_step`, a fused step `fused_speculation.fused_step` (with an EAGLE
+  draft: `eagle_fused.context_step` and `eagle_fused.fused_step`); both take the
   engine's inputs (`engine.INPUTS`: a fused step's `uniforms` are [B, k]).
 - A compiled folder pins the target's checkpoint in its manifest, as any model, and the draft's in
   `draft_source.json` (listed in the manifest): loading refuses either checkpoint if it changed
   since compile, unless the folder holds the weights (`save_sharded_checkpoint`: one shard file
   with both models' weights).
+
+(Over 400 lines: the three paths of one fused model, kept with the model value they share, as
+`nxdi.effects.engine` keeps its own.)
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ from returns.result import Failure, Result, Success
 from torch import Tensor
 
 from nxdi.core.config.neuron_spec import NeuronSpec, Phase
+from nxdi.core.eagle_layout import EagleDraft
 from nxdi.core.errors import ArtifactError, CheckpointError, Problem
+from nxdi.core.host import weight_ops
 from nxdi.core.planning import fused_programs
 from nxdi.core.planning.program_key import ProgramKey
-from nxdi.core.programs import fused_speculation
+from nxdi.core.programs import eagle, eagle_fused, fused_speculation
 from nxdi.core.programs.collectives import SINGLE
 from nxdi.core.programs.fused_speculation import FusedSpec, FusedWeights
 from nxdi.core.programs.inputs import StepInputs
@@ -69,6 +76,9 @@ class FusedEngineModel:
 
     target: engine.EngineModel
     draft: engine.EngineModel
+    eagle: EagleDraft | None = None
+    """The EAGLE draft's checkpoint layout with `enable_eagle_speculation` (the draft is an EAGLE
+    draft, `nxdi.core.programs.eagle_fused`), else None (the draft is an ordinary decoder)."""
 
     @property
     def spec(self) -> NeuronSpec:
@@ -92,7 +102,18 @@ class FusedEngineModel:
         """Both zero caches joined: every cache row of the target (garbage rows too) unless `batch`."""
         rows = self.spec.kv_cache_batch_size + self.spec.kv_cache_padding_size if batch is None else batch
         made = (m.empty_cache(length=length, batch=rows, device=device) for m in (self.target, self.draft))
-        return fused_speculation.join_caches(*made)
+        joined = fused_speculation.join_caches(*made)
+        if self.eagle is None:
+            return joined
+        dtype = weight_ops.torch_dtype(self.target.spec.torch_dtype)
+        width = self.target.model.hidden_size
+        hidden = eagle_fused.hidden_cache(batch=rows, length=length, width=width, dtype=dtype, device=device)
+        return fused_speculation.join_caches(joined, hidden)
+
+    @property
+    def cache_layers(self) -> int:
+        """Layers of the joined cache: the target's, the draft's, and with EAGLE the hidden states'."""
+        return self.target.model.num_layers + self.draft.model.num_layers + (self.eagle is not None)
 
     def weight_names(self, source: FusedSource) -> tuple[str, ...]:
         """The weights every program binds, in order: the target's, then the draft's, prefixed."""
@@ -103,16 +124,23 @@ class FusedEngineModel:
 
     def weights(self, tensors: Mapping[str, Tensor]) -> FusedWeights:
         """Both programs' weights values from prefixed tensors."""
-        return FusedWeights(
-            target=self.target.program.weights(_unprefixed(tensors, TARGET_PREFIX), spec=self.target.model),
-            draft=self.draft.program.weights(_unprefixed(tensors, DRAFT_PREFIX), spec=self.draft.model),
-        )
+        draft = _unprefixed(tensors, DRAFT_PREFIX)
+        if self.eagle is None:
+            value = self.draft.program.weights(draft, spec=self.draft.model)
+        else:
+            slots = self.eagle.table(self.draft.program.table).slots(draft, self.draft.model)
+            value = eagle.weights_from_slots(slots, spec=self.draft.model)
+        target = self.target.program.weights(_unprefixed(tensors, TARGET_PREFIX), spec=self.target.model)
+        return FusedWeights(target=target, draft=value)
 
     def program(self, key: ProgramKey, weights: FusedWeights) -> Program:
         """The pure program of `key`, its weights bound: (cache, x, params, uniforms) -> (outputs, cache)."""
         spec = self.fused_spec()
-        decode, context = fused_speculation.decoder_draft(self.draft.program.forward_outputs, spec.draft, SINGLE)
         forward = self.target.program.forward_outputs
+        if self.eagle is not None:
+            run = eagle_fused.context_step if key.phase is Phase.CONTEXT else eagle_fused.fused_step
+            return functools.partial(run, forward, weights, spec=spec)
+        decode, context = fused_speculation.decoder_draft(self.draft.program.forward_outputs, spec.draft, SINGLE)
         if key.phase is Phase.CONTEXT:
             return functools.partial(fused_speculation.context_step, forward, context, weights, spec=spec)
         return functools.partial(fused_speculation.fused_step, forward, decode, weights, spec=spec)
@@ -178,7 +206,7 @@ class _Flat:
 
     def __call__(self, *flat: Tensor) -> tuple[Tensor, ...]:
         w = len(self.names)
-        c = 2 * (self.model.target.model.num_layers + self.model.draft.model.num_layers)
+        c = 2 * self.model.cache_layers
         weights = self.model.weights(dict(zip(self.names, flat[:w], strict=True)))
         ids, positions, last, params, uniforms = flat[w + c :]
         x = StepInputs(input_ids=ids, position_ids=positions, last_index=last)
@@ -190,6 +218,7 @@ class _Flat:
 def _signature(model: FusedEngineModel, names: Sequence[str], key: ProgramKey) -> Signature:
     layers = [f"layers.{i}" for i in range(model.target.model.num_layers)]
     layers += [f"draft.layers.{i}" for i in range(model.draft.model.num_layers)]
+    layers += ["eagle.hidden"] if model.eagle is not None else []
     cache = tuple(f"{layer}.{kv}" for layer in layers for kv in ("k", "v"))
     return Signature(weights=tuple(names), cache=cache, inputs=engine.INPUTS, outputs=model.outputs(key))
 

@@ -38,6 +38,7 @@ import torch
 from returns.result import Failure, Result
 from torch import Tensor
 
+from nxdi.core import eagle_layout
 from nxdi.core import graph_key as graph_keys
 from nxdi.core import weight_plan as weight_plans
 from nxdi.core.config import fused_checks, neuron_checks
@@ -102,6 +103,8 @@ def check_config(config: InferenceConfig) -> tuple[Problem, ...]:
     # the target's problem, listed once; and the target's runtime settings govern the pair.
     cpu = problems_of(neuron_checks.check_cpu_support(dspec))
     own = [p for p in cpu if getattr(dspec, _top(p.field), None) != getattr(spec, _top(p.field), None)]
+    if spec.enable_eagle_speculation:  # an EAGLE draft runs here, inside its target's programs
+        own = [p for p in own if p.field != "is_eagle_draft"]
     return (*pair, *problems, *(p.prefixed(DRAFT_NEURON) for p in own))
 
 
@@ -141,7 +144,13 @@ class FusedModel:
     # --- the engine ------------------------------------------------------------------------------
     def engine_model(self) -> fused_engine.FusedEngineModel:
         draft = engine.EngineModel(program=self.draft_program, model=self.draft_model, spec=self.draft_spec)
-        return fused_engine.FusedEngineModel(target=self.target._engine_model(), draft=draft)
+        layout = None
+        if self.spec.enable_eagle_speculation:  # check_config made sure the draft is an EAGLE draft
+            layout = eagle_layout.EagleDraft(
+                input_norm=self.draft_spec.enable_eagle_draft_input_norm,
+                fc_bias=bool(getattr(self.draft_config, "fc_bias", False)),
+            )
+        return fused_engine.FusedEngineModel(target=self.target._engine_model(), draft=draft, eagle=layout)
 
     def source(self, checkpoint: str) -> fused_engine.FusedSource:
         """The target's checkpoint at `checkpoint` (its quantized one with quantized=True) and the
@@ -154,8 +163,12 @@ class FusedModel:
         return fused_engine.FusedSource(target=target, draft=draft)
 
     def graph_key(self, target_key: str) -> str:
-        """The target's graph key with the draft's architecture and settings folded in."""
-        draft = graph_keys.graph_key(self.draft_spec, self.draft_model, extra=self.draft_program.record.name)
+        """The target's graph key with the draft's architecture and settings folded in (an EAGLE
+        draft's fc bias too: it is a weight the programs bind)."""
+        name = self.draft_program.record.name
+        if self.spec.enable_eagle_speculation:
+            name += f"/eagle-fc-bias:{bool(getattr(self.draft_config, 'fc_bias', False))}"
+        draft = graph_keys.graph_key(self.draft_spec, self.draft_model, extra=name)
         return graph_keys.graph_key(self.spec, self.target.model_spec, extra=f"{target_key}/fused-draft:{draft}")
 
     def start_runtime(

@@ -1,8 +1,8 @@
 """Fused-speculation models built the documented way, for the end-to-end and XLA tests.
 
-`fused_config(target, draft, **neuron_config)`: the target's NeuronConfig (fused speculation on,
-speculation_length `K`, greedy on-device sampling by default), the draft's a deep copy of it with
-enable_fused_speculation=False (as NxDI's example makes it), and
+`fused_config(target, draft, **neuron_config)` (`eagle_config` with an EAGLE draft): the target's
+NeuronConfig (fused speculation on, speculation_length `K`, greedy on-device sampling by default),
+the draft's a deep copy of it with enable_fused_speculation=False (as NxDI's example makes it), and
 `config.fused_spec_config = FusedSpecNeuronConfig(NeuronLlamaForCausalLM._model_cls, draft_config=...,
 draft_model_path=...)`.
 """
@@ -42,4 +42,13 @@ def fused_config(target: Path, draft: Path, **kwargs: Any) -> Any:
     config.fused_spec_config = FusedSpecNeuronConfig(
         lm._model_cls, draft_config=draft_config, draft_model_path=str(draft)
     )
+    return config
+
+
+def eagle_config(target: Path, draft: Path, **kwargs: Any) -> Any:
+    """`fused_config` for EAGLE, as the feature guide's example makes it: the target's NeuronConfig
+    also sets enable_eagle_speculation=True, and the draft's (its deep copy) is_eagle_draft=True
+    after enable_fused_speculation=False; `draft` is an EAGLE draft folder."""
+    config = fused_config(target, draft, enable_eagle_speculation=True, **kwargs)
+    config.fused_spec_config.draft_config.neuron_config.is_eagle_draft = True
     return config

@@ -284,6 +284,46 @@ def test_fused_speculation_programs_lower_and_give_the_cpu_engines_tokens(
         model.close()
 
 
+def test_eagle_fused_programs_lower_and_give_the_cpu_engines_tokens(
+    tiny_checkpoint: Callable[..., Path], tiny_model: Callable[[str], Any], tmp_path: Path
+) -> None:
+    """enable_eagle_speculation: the context and fused programs with an EAGLE draft (its pairs, the
+    hidden state threaded through the draft's k steps, the re-pair run and the hidden-state cache)
+    lower to HLO; greedy generation and one fused step's outputs equal the CPU engine's."""
+    import nxdi
+    from nxdi.testing import eagle
+    from tests.support.engine_fixtures import padded
+    from tests.support.fused_models import K, eagle_config
+
+    target, hf = tiny_checkpoint("llama"), tiny_model("llama")
+    draft = eagle.save_eagle_draft(eagle.from_target(hf, seed=3), hf.lm_head.weight, tmp_path / "draft")
+    settings = {"batch_size": 4, "output_logits": True}
+    model = nxdi.NeuronLlamaForCausalLM(target, eagle_config(target, draft, **settings), backend="xla")
+    model.compile(tmp_path / "xla", debug=True)
+    model.load(tmp_path / "xla")
+    hlo = sorted(p.name for p in (tmp_path / "xla" / "hlo").iterdir())
+    assert hlo == ["context_encoding_64.hlo.txt", f"fused_speculation_{64 + K}.hlo.txt"]
+    cpu = nxdi.NeuronLlamaForCausalLM(target, eagle_config(target, draft, **settings))
+    cpu.to_cpu()
+    try:
+        tokens = [nxdi_generate(m, PROMPTS, max_new_tokens=12) for m in (model, cpu)]
+        assert torch.equal(tokens[0], tokens[1])
+        ids, mask = padded(PROMPTS, "right")
+        outs = []
+        for m in (model, cpu):
+            m.reset()
+            first = m.forward(ids, attention_mask=mask).fused_outputs
+            outs.append(m.forward(first[1], position_ids=first[3]).fused_outputs)
+        for i in (0, 1, 3):
+            assert torch.equal(outs[0][i], outs[1][i]), i
+        for row in range(4):
+            for i in range(K):
+                assert max_relative_logit_error(outs[1][4][row, i], outs[0][4][row, i]) <= 1e-4, (row, i)
+                assert max_relative_logit_error(outs[1][5][row, i], outs[0][5][row, i]) <= 1e-5, (row, i)
+    finally:
+        model.close()
+
+
 def test_medusa_tree_programs_lower_and_give_the_cpu_engines_tokens(
     tiny_checkpoint: Callable[..., Path], tmp_path: Path
 ) -> None:

@@ -47,7 +47,9 @@ def check_fused_pair(target: NeuronSpec, target_model: ModelSpec, draft: DraftSi
         enable_fused_speculation (its draft would be unused); a missing fused_spec_config, draft
         config or draft_model_path; a draft over another vocabulary; a draft whose batch size,
         max_length or tp_degree differ from the target's; a draft that itself asks for fused
-        speculation, or for a mixture of experts' routing outputs (a fused program returns none).
+        speculation, or for a mixture of experts' routing outputs (a fused program returns none);
+        with EAGLE (`enable_eagle_speculation`) a draft that is not `is_eagle_draft` or whose hidden
+        size differs from the target's, and an `is_eagle_draft` draft of a target without EAGLE.
     """
     if not target.enable_fused_speculation:
         if draft is None:
@@ -87,6 +89,7 @@ def _pair(target: NeuronSpec, target_model: ModelSpec, draft: DraftSide | None) 
         if getattr(d, name) != getattr(t, name):
             why = f"differs from the target's {name}={getattr(t, name)}: the draft runs inside the target's programs"
             yield Problem.of(f"{DRAFT}.neuron_config.{name}", getattr(d, name), why, fix)
+    yield from _eagle(target, target_model, draft)
     if d.enable_fused_speculation:
         why = "must be False on the draft: the target's config fuses the pair"
         yield Problem.of(f"{DRAFT}.neuron_config.enable_fused_speculation", True, why, "set it to False on the draft")
@@ -94,3 +97,26 @@ def _pair(target: NeuronSpec, target_model: ModelSpec, draft: DraftSide | None) 
         if d.moe is not None and getattr(d.moe, name):
             why = "is not returned by a fused program (it returns tokens)"
             yield Problem.of(f"{DRAFT}.neuron_config.{name}", True, why, f"set {name}=False on the draft")
+
+
+def _eagle(target: NeuronSpec, target_model: ModelSpec, draft: DraftSide) -> Iterator[Problem]:
+    """An EAGLE target needs an EAGLE draft of its hidden size (its fc reads the target's hidden
+    states), and an EAGLE draft needs an EAGLE target (nothing else feeds it hidden states)."""
+    assert draft.spec is not None
+    eagle, is_draft = target.enable_eagle_speculation, draft.spec.is_eagle_draft
+    if eagle and not is_draft:
+        why = "must be True with enable_eagle_speculation=True: the fused draft is an EAGLE draft"
+        yield Problem.of(f"{DRAFT}.neuron_config.is_eagle_draft", False, why, "set is_eagle_draft=True on the draft")
+    if is_draft and not eagle:
+        why = (
+            "marks an EAGLE draft, which needs its target's hidden states: the target must set enable_eagle_speculation"
+        )
+        fix = "set enable_eagle_speculation=True on the target, or use an ordinary draft with is_eagle_draft=False"
+        yield Problem.of(f"{DRAFT}.neuron_config.is_eagle_draft", True, why, fix)
+    if eagle and is_draft and draft.model is not None and draft.model.hidden_size != target_model.hidden_size:
+        why = (
+            f"differs from the target's hidden_size={target_model.hidden_size}: the draft's fc reads its hidden states"
+        )
+        yield Problem.of(
+            f"{DRAFT}.hidden_size", draft.model.hidden_size, why, "use the EAGLE draft trained for this target"
+        )

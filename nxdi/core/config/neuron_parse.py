@@ -203,7 +203,8 @@ def _derive(given: Mapping[str, Any], *, env_lnc: int | None, platform: Platform
     for name in ("ctx_batch_size", "tkg_batch_size", "max_batch_size", "spec_batch_size", "pa_num_blocks"):
         g.setdefault(name, batch)
     g.setdefault("overrides_torch_dtype", "torch_dtype" in given)
-    if g.get("enable_eagle_speculation"):
+    if g.get("enable_eagle_speculation") and not g.get("is_eagle_draft"):
+        # EAGLE runs as fused speculation; an EAGLE draft's config (a copy of its target's) is not fused itself.
         g["enable_fused_speculation"] = True
     g.setdefault("local_ranks_size", g.get("tp_degree", 1) * g.get("pp_degree", 1) * g.get("ep_degree", 1))
     target = Platform(g["target"]) if g.get("target") else platform

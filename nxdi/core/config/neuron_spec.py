@@ -387,7 +387,7 @@ class NeuronSpec:
     enable_eagle_speculation: bool = _speculation(
         False,
         "EAGLE speculation: the draft also gets the target's previous hidden state; forces fused speculation.",
-        cpu=OnCpu.REFUSED,
+        cpu_note="EAGLE v1 with a flat draft: the fused_spec_config's draft_config must set is_eagle_draft",
     )
     eagle_rolling_buffer_kernel_enabled: bool = _kernels(False, "Rolling-buffer kernel for EAGLE speculation.")
     is_eagle3: bool = _speculation(False, "The EAGLE draft is an EAGLE-3 model.", cpu=OnCpu.REFUSED)

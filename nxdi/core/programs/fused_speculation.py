@@ -31,7 +31,8 @@ Theory of operation (NxDI's fused speculation, `enable_fused_speculation`):
 EAGLE hook: the draft's decode step is a parameter (`DraftStep`): `(weights, cache, ids [B, 1],
 positions [B, 1], state) -> (logits [B, 1, V], cache, state)`, with `state` threaded through the k
 steps (an EAGLE draft keeps the target's hidden states there). `decoder_draft` builds the
-ordinary one from a decoder forward, whose state is unused.
+ordinary one from a decoder forward, whose state is unused; `nxdi.core.programs.eagle_fused` the
+EAGLE one, with `fused_step(..., hidden=True)` returning the target's hidden states.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nxdi.core.programs import sampling, speculation, step
+from nxdi.core.programs import decoder, sampling, speculation, step
 from nxdi.core.programs.collectives import SINGLE, Collectives
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
@@ -167,6 +168,7 @@ def fused_step(
     spec: FusedSpec,
     coll: Collectives = SINGLE,
     state: Any = None,
+    hidden: bool = False,
 ) -> tuple[StepOutputs, KVCache]:
     """One fused speculation step for every row (see the module docstring).
 
@@ -176,6 +178,8 @@ def fused_step(
         params: [B, 3] (top_k, top_p, temperature), used when the target samples.
         uniforms: [B, k] in [0, 1): column i < k-1 tests d_{i+1}, column k-1 is the final draw.
         state: the draft's initial state (None for a plain draft).
+        hidden: also return the target's final hidden states of its k-token pass as the extra
+            `decoder.HIDDEN` [B, k, E] (what an EAGLE draft reads next; not a program output).
 
     Returns:
         tokens [B, k] int64 (the row's emitted tokens, then -1), `COUNTS` [B] int64 in
@@ -199,14 +203,24 @@ def fused_step(
         last_index=torch.full((cur.shape[0],), k - 1, dtype=torch.int64, device=cur.device),
     )
     target = spec.target
-    target_logits, target_cache, _ = target_forward(
-        weights.target, target_cache, scored, spec=target.model, part=target.partition, coll=coll, all_logits=True
+    asked = {"hidden": True} if hidden else {}  # a program without the option is never passed it
+    target_logits, target_cache, target_extras = target_forward(
+        weights.target,
+        target_cache,
+        scored,
+        spec=target.model,
+        part=target.partition,
+        coll=coll,
+        all_logits=True,
+        **asked,
     )  # [B, k, V]
     tokens, counts = _accept(target_logits, drafted, params, uniforms, spec=target)
     # No emitted token may rest on an input past the cache's max_length positions (the slack).
     counts = torch.minimum(counts, (spec.max_length - at[:, 0]).clamp(min=1))  # [B]
     tokens = torch.where(offsets < counts[:, None], tokens, torch.full_like(tokens, speculation.PAD))
     extras: dict[str, Tensor] = {COUNTS: counts}
+    if hidden:
+        extras[decoder.HIDDEN] = target_extras[decoder.HIDDEN]  # [B, k, E]
     if target.output_logits:
         extras[DRAFT_LOGITS] = torch.stack(draft_logits, dim=1)  # [B, k, V]
     out = StepOutputs(logits=target_logits if target.output_logits else None, tokens=tokens, extras=extras)
