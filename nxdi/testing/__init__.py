@@ -1,2 +1,3 @@
 """Helpers for testing code that uses nxdi: hypothesis strategies (`nxdi.testing.strategies`), tiny
-random Hugging Face checkpoints (`checkpoints`), and brief training for accuracy tests (`training`)."""
+random Hugging Face checkpoints (`checkpoints`), brief training for accuracy tests and trained
+target/draft pairs for speculation (`training`), and a word-level tokenizer (`word_tokenizer`)."""
