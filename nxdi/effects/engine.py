@@ -234,12 +234,15 @@ class EngineModel:
 
     def program_keys(self) -> tuple[ProgramKey, ...]:
         """Every program the model compiles: per context bucket, per (batch bucket, length bucket)
-        of token generation (`program_key.program_keys`), and with `speculation_length` k one
+        of token generation (`program_key.program_keys`; none with trace_tokengen_model=False, a
+        target that decodes only in speculation steps), and with `speculation_length` k one
         speculation program per length bucket scoring k tokens per row."""
         plan = self.block_plan()
         if plan is not None:
             return plan.keys()
         keys = program_keys(*self.tables())
+        if not self.spec.trace_tokengen_model:
+            keys = tuple(key for key in keys if key.phase is not Phase.TOKEN)
         spec = self.speculation_table()
         if spec is None:
             return keys

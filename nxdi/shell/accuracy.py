@@ -2,6 +2,10 @@
 
 - `check_accuracy`: token matching. Both sides decode greedily; the golden side is transformers
   with left-padded prompts, the nxdi side gets the same prompts (it compacts any padding itself).
+- `get_generate_outputs` (and `get_generate_outputs_from_token_ids`): generate from text prompts
+  with a transformers model (`is_hf=True`, prompts padded left) or an nxdi model (padded right,
+  through HuggingFaceGenerationAdapter; with `draft_model`, speculative decoding), returning
+  generate()'s output and the decoded strings.
 - `check_accuracy_logits`: logit matching with the REFERENCE §10 scheme (`nxdi.core.host.logit_validation`):
   per position, shift removed, max-scaled closeness on the expected top-k groups. Every step is fed
   the golden token (teacher forcing), which is what the reference's restart-after-divergence
@@ -11,13 +15,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 import torch
 from torch import Tensor
 from transformers import GenerationConfig
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from nxdi.core.host import logit_validation as accuracy
 from nxdi.shell.causal_lm import NeuronBaseForCausalLM
@@ -201,3 +206,143 @@ def check_accuracy_logits(
             f"logits out of tolerance at {len(bad)} of {len(checked)} positions:\n" + "\n".join(lines), report
         )
     return report
+
+
+def get_generate_outputs_from_token_ids(
+    model: Any,
+    token_ids: Tensor | list[list[int]],
+    tokenizer: Any,
+    attention_mask: Tensor | None = None,
+    is_hf: bool = False,
+    draft_model: NeuronBaseForCausalLM | None = None,
+    input_capture_hook: Any = None,
+    input_start_offsets: Sequence[int] | None = None,
+    **generate_kwargs: Any,
+) -> tuple[Any, list[str]]:
+    """`get_generate_outputs` from token ids: `token_ids` [B, W] with its `attention_mask`, or
+    unpadded rows (a list of id lists, or a tensor without a mask) that `tokenizer.pad` pads, on the
+    left for transformers and on the right for nxdi, masking pad ids. Returns and raises as
+    `get_generate_outputs` does."""
+    if input_capture_hook is not None:
+        raise IncompatibleConfigError(
+            "get_generate_outputs(input_capture_hook=...): capturing the model's inputs is not supported by nxdi; "
+            "pass input_capture_hook=None"
+        )
+    kwargs = dict(generate_kwargs)
+    if not is_hf:
+        kwargs.update(_speculation_kwargs(model, draft_model, kwargs))
+    if attention_mask is None:
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token_id = tokenizer.eos_token_id
+        rows = token_ids.tolist() if isinstance(token_ids, Tensor) else [list(r) for r in token_ids]
+        side = "left" if is_hf else "right"
+        padded = tokenizer.pad({"input_ids": rows}, padding_side=side, return_attention_mask=True, return_tensors="pt")
+        token_ids, attention_mask = padded["input_ids"], padded["attention_mask"]
+        attention_mask[token_ids == tokenizer.pad_token_id] = 0
+    ids = torch.as_tensor(token_ids)
+    mask = torch.as_tensor(attention_mask)
+    if input_start_offsets:
+        ids = _shift_right(ids, input_start_offsets, fill=tokenizer.pad_token_id or 0)
+        mask = _shift_right(mask, input_start_offsets, fill=0)
+    offsets = list(input_start_offsets) if input_start_offsets else None
+    generator = model if is_hf else HuggingFaceGenerationAdapter(model, input_start_offsets=offsets)
+    outputs = generator.generate(ids, attention_mask=mask, **kwargs)
+    if not is_hf:
+        model.reset()
+        if draft_model is not None:
+            draft_model.reset()
+    sequences = outputs.sequences if isinstance(outputs, GenerateDecoderOnlyOutput) else outputs
+    texts = tokenizer.batch_decode(sequences, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return outputs, list(texts)
+
+
+def get_generate_outputs(
+    model: Any,
+    prompts: Sequence[str],
+    tokenizer: Any,
+    is_hf: bool = False,
+    draft_model: NeuronBaseForCausalLM | None = None,
+    generation_config: GenerationConfig | None = None,
+    device: str = "neuron",
+    input_capture_hook: Any = None,
+    input_start_offsets: Sequence[int] | None = None,
+    **generate_kwargs: Any,
+) -> tuple[Any, list[str]]:
+    """Generate from text `prompts` (one per batch row) and decode the result (NxDI's utility).
+
+    Args:
+        model: a transformers causal LM (`is_hf=True`) or a loaded nxdi causal LM, driven through
+            `HuggingFaceGenerationAdapter`.
+        tokenizer: encodes the prompts (padded left for transformers, right for nxdi; a missing
+            pad token becomes the EOS token, as NxDI does) and decodes the outputs.
+        draft_model: a loaded nxdi draft for speculative decoding on `model` (compiled with
+            speculation_length, trace_tokengen_model=False if it decodes only so). Decoding is
+            greedy unless `do_sample` is passed explicitly (NxDI always decodes greedily here;
+            nxdi also samples speculatively). With fused speculation and no draft, generate()
+            gets `prompt_lookup_num_tokens=speculation_length`, as NxDI passes it.
+        generation_config: passed to generate() (None: the model's own).
+        device: accepted for NxDI compatibility ("neuron" or "cpu"); the model runs on the backend
+            it was loaded with.
+        input_capture_hook: must be None (nxdi does not capture inputs).
+        input_start_offsets: shift each row's prompt right by its offset (one value: every row),
+            padding before it, as NxDI does.
+        generate_kwargs: passed to generate() (`max_length`, `max_new_tokens`, ...); they win over
+            `generation_config`, as in transformers.
+
+    Returns:
+        (outputs, output_tokens): what generate() returned (token ids [B, W+N], prompts included,
+        or a GenerateDecoderOnlyOutput with return_dict_in_generate=True), and each row's text
+        decoded with special tokens skipped (prompt included). An nxdi model (and its draft) is
+        reset afterwards.
+
+    Raises:
+        IncompatibleConfigError: an input_capture_hook; a draft that cannot run with `model`
+            (see `HuggingFaceGenerationAdapter.generate`).
+        ValueError: `device` is neither "neuron" nor "cpu".
+    """
+    if device not in ("neuron", "cpu"):
+        raise ValueError(f"get_generate_outputs(device={device!r}): expected 'neuron' or 'cpu'")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token_id = tokenizer.eos_token_id
+    side = "left" if is_hf else "right"
+    inputs = tokenizer(list(prompts), padding=True, padding_side=side, return_tensors="pt")
+    return get_generate_outputs_from_token_ids(
+        model,
+        inputs["input_ids"],
+        tokenizer,
+        attention_mask=inputs["attention_mask"],
+        is_hf=is_hf,
+        draft_model=draft_model,
+        input_capture_hook=input_capture_hook,
+        input_start_offsets=input_start_offsets,
+        **({} if generation_config is None else {"generation_config": generation_config}),
+        **generate_kwargs,
+    )
+
+
+def _speculation_kwargs(model: Any, draft: NeuronBaseForCausalLM | None, given: Mapping[str, Any]) -> dict[str, Any]:
+    """generate() kwargs that select NxDI's speculation for `model`: the draft's adapter as
+    `assistant_model` (greedy unless `do_sample` is given), or prompt lookup for fused speculation."""
+    spec = model.spec
+    if draft is not None:
+        return {"assistant_model": HuggingFaceGenerationAdapter(draft), "do_sample": given.get("do_sample", False)}
+    if spec.enable_fused_speculation:
+        extra: dict[str, Any] = {"prompt_lookup_num_tokens": spec.speculation_length}
+        if not spec.enable_eagle_speculation:
+            extra["do_sample"] = given.get("do_sample", False)
+        return extra
+    return {}
+
+
+def _shift_right(t: Tensor, offsets: Sequence[int], *, fill: int) -> Tensor:
+    """[B, W] -> [B, W + max(offsets)]: row b moved right by offsets[b] (one offset: every row)."""
+    b, w = t.shape
+    per_row = list(offsets) * b if len(offsets) == 1 else list(offsets)
+    if len(per_row) != b:
+        raise IncompatibleConfigError(
+            f"input_start_offsets has {len(offsets)} values for {b} prompts: give one, or one per prompt"
+        )
+    out = torch.full((b, w + max(per_row)), fill, dtype=t.dtype)
+    for row, offset in enumerate(per_row):
+        out[row, offset : offset + w] = t[row]
+    return out

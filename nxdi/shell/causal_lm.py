@@ -156,6 +156,24 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             self._async = None
             raise
 
+    def check_token_generation(self, caller: str) -> None:
+        """Refuse `caller`, which needs a token-generation program, on a model compiled without
+        them (trace_tokengen_model=False: a speculation target decodes only in k-token steps).
+
+        Raises:
+            IncompatibleConfigError: naming trace_tokengen_model and the fixes.
+        """
+        if self.spec.trace_tokengen_model:
+            return
+        k = self.spec.speculation_length
+        raise IncompatibleConfigError(
+            f"{caller} needs a token-generation program, and this model has none: it was built with "
+            f"trace_tokengen_model=False (a speculation target, which decodes only in speculation steps of "
+            f"speculation_length={k} tokens per row). Fix: decode with a draft model "
+            "(generate(..., assistant_model=draft)), pass exactly speculation_length tokens per row, or build "
+            "the model with trace_tokengen_model=True"
+        )
+
     def _limits(self) -> forward_inputs.Limits:
         return forward_inputs.Limits(
             vocab_size=self.model_spec.vocab_size,
@@ -222,7 +240,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                 positions that disagree with the KV cache (see `nxdi.core.host.forward_inputs`), a
                 prompt longer than max_context_length without allow_input_truncation, a position past
                 max_length, bad sampling params, or seq_ids out of range or duplicate (without
-                kv_cache_padding_size) or negative (without it or, for -1, apply_seq_ids_mask).
+                kv_cache_padding_size) or negative (without it or, for -1, apply_seq_ids_mask); or a
+                decode call other than a speculation step on a model built with trace_tokengen_model=False.
 
         Warns:
             UserWarning: a prompt is cut to max_context_length (allow_input_truncation=True).
@@ -303,6 +322,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         elif ids.shape[1] == self.spec.speculation_length > 1:  # NxD's rule: the speculation model
             logits, tokens, extras = self._speculate(runtime, ids, checked.position_ids, rows, params)
         else:
+            self.check_token_generation(f"forward() with {ids.shape[1]} token(s) per row at positions >= 1")
             logits, tokens, extras = self._token(runtime, ids, checked.position_ids, rows, params)
         for row, held in checked.cached_after(self.context_capacity).items():
             self._cached[row] = held

@@ -253,6 +253,8 @@ class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
                 f"positions, more than max_length={model.spec.max_length} (seq_len). Fix: raise seq_len, "
                 "or lower max_new_tokens / max_length"
             )
+        if new_tokens > 1:  # every token after the first comes from a token-generation step
+            model.check_token_generation(f"generate() of {new_tokens} new tokens without assistant_model")
         rows = self._sampling_rows(generation_config, batch, model_kwargs.get("sampling_params"))
         host = self._host_processors(logits_processor, generation_config)
         pad = generation_config._pad_token_tensor

@@ -135,18 +135,22 @@ def test_greedy_speculation_gives_the_targets_greedy_tokens(
         assert rate < 0.5, stats
 
 
-def test_the_last_tokens_before_max_length_come_from_single_steps(
+def test_the_last_tokens_before_max_length_come_from_steps_that_end_there(
     loaded_model: Callable[..., Any], weak_draft: Callable[..., Any], hf_greedy: Callable[..., torch.Tensor]
 ) -> None:
     """A 14-token prompt and 50 new tokens fill all 64 positions: the last rounds have no room for
-    a k-token step and finish with the target's token-generation steps, still its greedy tokens."""
+    a k-token step after the last token, so their steps start at 64 - k (re-reading accepted
+    tokens); no token-generation step runs, and the tokens are still the greedy ones."""
     prompts = PROMPTS[2:3]
     target = loaded_model("llama", batch_size=1, speculation_length=K)
     ids, mask = padded(prompts, "right")
-    out = HuggingFaceGenerationAdapter(target).generate(
-        ids, attention_mask=mask, assistant_model=weak_draft(1), max_new_tokens=50, do_sample=False, pad_token_id=0
-    )
+    with program_calls(target) as calls:
+        out = HuggingFaceGenerationAdapter(target).generate(
+            ids, attention_mask=mask, assistant_model=weak_draft(1), max_new_tokens=50, do_sample=False, pad_token_id=0
+        )
     assert torch.equal(out[:, ids.shape[1] :], hf_greedy("llama", prompts, new_tokens=50))
+    assert {c.phase.value for c in calls} == {"context_encoding", "speculation"}
+    assert max(c.length for c in calls) == 64
 
 
 def test_sampled_speculation_is_repeatable_under_a_seed(

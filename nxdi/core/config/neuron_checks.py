@@ -300,6 +300,7 @@ def check_cpu_support(spec: NeuronSpec) -> Result[NeuronSpec, ConfigError]:
     problems.extend(_fused_programs(spec))
     problems.extend(medusa.cpu_problems(spec))
     problems.extend(_eagle_draft_alone(spec))
+    problems.extend(_token_generation_off(spec))
     return problems_result(spec, problems)
 
 
@@ -331,6 +332,17 @@ def _eagle_draft_alone(spec: NeuronSpec) -> Iterator[Problem]:
         why = "marks an EAGLE draft, which runs only inside EAGLE speculation, fed its target's hidden states"
         fix = "give its config to the target's fused_spec_config as draft_config (enable_eagle_speculation=True)"
         yield Problem.of("is_eagle_draft", True, why, fix)
+
+
+def _token_generation_off(spec: NeuronSpec) -> Iterator[Problem]:
+    """trace_tokengen_model=False drops the token-generation programs of the padded cache layout;
+    the block KV layout's programs and async_mode's decode steps launched ahead have no such form."""
+    if spec.trace_tokengen_model or spec.enable_fused_speculation:
+        return
+    for name, on in (("is_block_kv_layout", spec.is_block_kv_layout), ("async_mode", spec.async_mode)):
+        if on:
+            why = f"does not run with {name}=True on the CPU engine (it needs token-generation programs)"
+            yield Problem.of("trace_tokengen_model", False, why, f"set trace_tokengen_model=True, or {name}=False")
 
 
 def _speculation_programs(spec: NeuronSpec) -> Iterator[Problem]:

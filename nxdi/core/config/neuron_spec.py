@@ -376,8 +376,7 @@ class NeuronSpec:
     )
     trace_tokengen_model: bool = _speculation(
         True,
-        "Compile a token-generation model; set False on a target that uses a separate draft model.",
-        cpu="a token-generation program is always compiled",
+        "Compile token-generation programs; False on a target used with a separate draft: it then decodes only in speculation steps.",
     )
     enable_fused_speculation: bool = _speculation(
         False,

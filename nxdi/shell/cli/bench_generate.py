@@ -3,6 +3,7 @@
     nxdi bench generate [--model-type llama] [--shape small|tiny|toy | --model-path DIR] [--dtype bfloat16]
                         [--batch-size 1 4] [--tp-degree 1 2] [--backend cpu xla] [--prompt-len 128]
                         [--new-tokens 128] [--repeat 3] [--threads 2] [--compare-hf] [--async [--host-ms 0]]
+    nxdi bench generate --speculation draft ...   (see below)
 
 Method (the same for both sides, measured in one process, alternating runs, so machine noise
 hits both): greedy decoding of exactly `--new-tokens` tokens (EOS never stops it) from a random
@@ -33,6 +34,11 @@ forward() call and the host's part, and the share of the host's part that async 
 the step launched ahead ((sync step - async step) / sync host part). Both modes must give the same
 tokens, or the bench fails.
 
+`--speculation draft` measures speculative decoding instead, on a target/draft pair the command
+trains in a temporary folder: nxdi greedy, nxdi speculation, transformers' assisted generation and
+transformers greedy side by side, with acceptance, tokens per target step, TPOT and end-to-end
+time (`nxdi.shell.cli.bench_speculation`; there `--shape small|toy` names the trained pair).
+
 `--model-type` (any family the engine runs: llama, mixtral, qwen3_moe, ...; default llama) and
 `--shape small|tiny|toy` pick a random checkpoint, built once into `--work-dir` (no download):
 `small` is hidden 768, 12 layers, 12 heads, 4 kv heads, vocab 32000 (~125M parameters; a mixture of
@@ -61,6 +67,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from nxdi.shell.cli import bench_spec_methods
+
     p = sub.add_parser(
         "generate",
         help="TTFT / TPOT / throughput of a compiled model, optionally vs transformers",
@@ -71,8 +79,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_model_args(p)
     p.add_argument("--tp-degree", type=int, nargs="+", default=[1], help="tensor-parallel degrees to compare")
     p.add_argument("--backend", nargs="+", default=["cpu"], choices=["cpu", "xla", "neuron"])
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=None, help="default 128 (16 with --speculation)")
+    p.add_argument("--new-tokens", type=int, default=None, help="default 128 (64 with --speculation)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per side (after one warm-up)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compare-hf", action="store_true", help="measure transformers' generate() in the same run")
@@ -82,7 +90,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--host-ms", type=float, default=0.0, help="with --async: host time per decode step, in ms")
     p.add_argument("--work-dir", default=".nxdi-bench", help="random checkpoints and compiled models")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(run=run)
+    p.add_argument(
+        "--speculation",
+        choices=tuple(bench_spec_methods.METHODS),
+        default=None,
+        help="measure speculative decoding on a target/draft pair the command trains (see nxdi.shell.cli.bench_speculation)",
+    )
+    p.add_argument("--speculation-length", type=int, default=5, help="with --speculation: tokens a target step scores")
+    p.set_defaults(run=run, dtype=None)  # --dtype: bfloat16, float32 with --speculation (see run)
 
 
 def compile_for(
@@ -361,6 +376,14 @@ def run(args: argparse.Namespace) -> int:
 
     from nxdi.shell.cli import bench_models
 
+    if args.speculation is not None:
+        from nxdi.shell.cli import bench_speculation
+
+        args.dtype = args.dtype or "float32"  # the trained pair's own dtype: greedy tokens are compared
+        return bench_speculation.run(args)
+    args.dtype = args.dtype or "bfloat16"
+    args.prompt_len = 128 if args.prompt_len is None else args.prompt_len
+    args.new_tokens = 128 if args.new_tokens is None else args.new_tokens
     torch.set_num_threads(args.threads)
     path = bench_models.checkpoint_for(args)
     hf = None
