@@ -186,6 +186,21 @@ def _problems(result: Result[Any, Any], prefix: str) -> list[Problem]:
     return [p.prefixed(prefix) for p in found] if prefix else list(found)
 
 
+def _scan_both(
+    source: FusedSource,
+) -> Result[tuple[tuple[checkpoint_scan.SourceFile, ...], tuple[checkpoint_scan.SourceFile, ...]], CheckpointError]:
+    """Check both checkpoints as compile() does (headers, then NaN/inf unless allowed): their files
+    to pin, target's then draft's, or every problem of either (the draft's prefixed)."""
+    scans = [
+        weight_loader.scan_source(s.path, s.plan, allow_nonfinite=s.allow_nonfinite)
+        for s in (source.target, source.draft)
+    ]
+    failed = [*_problems(scans[0], ""), *_problems(scans[1], DRAFT_PREFIX.rstrip("."))]
+    if failed:
+        return Failure(CheckpointError(problems=tuple(failed)))
+    return Success((scans[0].unwrap().files, scans[1].unwrap().files))
+
+
 def eager_runtime(model: FusedEngineModel, source: FusedSource) -> Result[Runtime, CheckpointError]:
     """The pure fused programs, run eagerly, bound to both models' weights."""
 
@@ -259,15 +274,12 @@ def compile_model(
         Exceptions from tracing propagate; the folder then reads as not compiled.
     """
     folder = Path(root)
-    scans = [
-        weight_loader.scan_source(s.path, s.plan, allow_nonfinite=s.allow_nonfinite)
-        for s in (source.target, source.draft)
-    ]
-    failed = [*_problems(scans[0], ""), *_problems(scans[1], DRAFT_PREFIX.rstrip("."))]
-    if failed:
-        return Failure(CheckpointError(problems=tuple(failed)))
+    scanned = _scan_both(source)
+    if isinstance(scanned, Failure):
+        return scanned
+    target_files, draft_files = scanned.unwrap()
     folder.mkdir(parents=True, exist_ok=True)
-    recorded = [*record, _write_draft_pin(folder, scans[1].unwrap().files)]
+    recorded = [*record, _write_draft_pin(folder, draft_files)]
     if save_weights:
         written = write_shards(folder, model, source, listed=False)
         if isinstance(written, Failure):
@@ -303,7 +315,7 @@ def compile_model(
                 cache_dir=cache_dir,
                 record=recorded,
                 previous=previous,
-                source=scans[0].unwrap().files,
+                source=target_files,
             )
         )
     )
@@ -328,15 +340,12 @@ def repin_source(root: str | os.PathLike[str], source: FusedSource) -> Result[An
     """Accept both checkpoints as they are now (checked as compile() checks them) and pin them:
     the target's in the manifest, the draft's in `draft_source.json` (recorded again)."""
     folder = Path(root)
-    scans = [
-        weight_loader.scan_source(s.path, s.plan, allow_nonfinite=s.allow_nonfinite)
-        for s in (source.target, source.draft)
-    ]
-    failed = [*_problems(scans[0], ""), *_problems(scans[1], DRAFT_PREFIX.rstrip("."))]
-    if failed:
-        return Failure(CheckpointError(problems=tuple(failed)))
-    return artifacts.replace_source(folder, scans[0].unwrap().files).bind(
-        lambda _: artifacts.add_files(folder, [_write_draft_pin(folder, scans[1].unwrap().files)])
+    scanned = _scan_both(source)
+    if isinstance(scanned, Failure):
+        return scanned
+    target_files, draft_files = scanned.unwrap()
+    return artifacts.replace_source(folder, target_files).bind(
+        lambda _: artifacts.add_files(folder, [_write_draft_pin(folder, draft_files)])
     )
 
 
