@@ -9,7 +9,7 @@ hidden states, its configuration and its trainer.
   final norm) for every token, and the same logits as without.
 - Bad draft checkpoints are refused naming the file, the tensor and the fix.
 - `train_eagle_draft` reaches its stated agreement, and the engine's program agrees as often.
-- Greedy EAGLE speculation (`nxdi.core.host.eagle_generate`) gives the target's greedy tokens.
+- Greedy EAGLE speculation (`tests.support.eagle_loop`) gives the target's greedy tokens.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from returns.result import Failure
 from nxdi import NeuronConfig, NeuronLlamaForCausalLM, load_pretrained_config
 from nxdi.core import families
 from nxdi.core.errors import CheckpointError
-from nxdi.core.host import eagle_generate, weight_ops
+from nxdi.core.host import weight_ops
 from nxdi.core.programs import decoder, eagle, inputs, kv_cache, step
 from nxdi.effects import checkpoint
 from nxdi.effects import eagle_checkpoint as eagle_io
@@ -37,6 +37,7 @@ from nxdi.testing import checkpoints
 from nxdi.testing import eagle as reference
 from nxdi.testing.strategies.decoders import plan_of, program_of
 from nxdi.testing.training import progression_batch, train_briefly
+from tests.support import eagle_loop
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -291,12 +292,12 @@ ACCEPTANCE = 0.5
 """What the trained pair's draft tokens are accepted at, k = 4 (measured: 0.78)."""
 
 
-def _pair(model: Any, draft: Any, tmp_path: Path) -> eagle_generate.Pair:
+def _pair(model: Any, draft: Any, tmp_path: Path) -> eagle_loop.Pair:
     """The target's program and the draft's, read from the draft's saved folder."""
     read = eagle_io.read_eagle_draft(reference.save_eagle_draft(draft, model.lm_head.weight, tmp_path / "pair"))
     spec = families.parse_model_spec(model.config.to_dict()).unwrap()
     program = program_of(spec)
-    return eagle_generate.Pair(
+    return eagle_loop.Pair(
         target_forward=program.forward_outputs,
         target_weights=program.weights(_named(model, spec), spec=spec),
         target_spec=spec,
@@ -318,8 +319,8 @@ def test_greedy_eagle_speculation_gives_the_targets_greedy_tokens(
     seq = progression_batch(pair.target_spec.vocab_size, batch=3, length=12, generator=torch.Generator().manual_seed(9))
     prompts = [seq[0, :5].tolist(), seq[1, :12].tolist(), seq[2, :1].tolist()]
     with torch.no_grad():
-        tokens, stats = eagle_generate.generate(pair, prompts, k=k, max_new_tokens=24)
-        assert tokens == eagle_generate.greedy(pair, prompts, max_new_tokens=24)
+        tokens, stats = eagle_loop.generate(pair, prompts, k=k, max_new_tokens=24)
+        assert tokens == eagle_loop.greedy(pair, prompts, max_new_tokens=24)
         for p, row in zip(prompts, tokens, strict=True):
             hf = model.generate(
                 torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0

@@ -19,6 +19,7 @@ from nxdi.core.programs import eagle, kv_cache
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.testing import checkpoints
 from nxdi.testing.strategies.decoders import program_of
+from tests.support import eagle_loop
 
 LAYOUT = EagleDraft(input_norm=True, fc_bias=True)
 
@@ -51,7 +52,7 @@ class _Propose(torch.nn.Module):
 
     def forward(self, logits: Tensor, hidden: Tensor, position: Tensor, *cache: Tensor) -> Any:
         kv = kv_cache.KVCache.from_tensors(cache)
-        tokens, new = eagle.propose(self.w, kv, logits, hidden, position, steps=3, spec=self.spec)
+        tokens, new = eagle_loop.propose(self.w, kv, logits, hidden, position, steps=3, spec=self.spec)
         return tokens, *new.to_tensors()
 
 

@@ -15,7 +15,7 @@ Theory of operation (NxDI's `is_eagle_draft` model and its fused EAGLE speculati
    target's) reads the last layer's output g_q as it is. `forward` returns the logits of every
    token [B, S, V] and g_q [B, S, E]: the draft's own hidden state, its estimate of h_{q+1}.
 4. Later steps. Drafting past what the target has verified, the draft has no h_q yet and feeds its
-   own g_{q-1} instead: (d_{q+1}, g_{q-1}) at position q (`propose`, one token per step).
+   own g_{q-1} instead: (d_{q+1}, g_{q-1}) at position q (the fused step's draft steps, one token per step).
 5. Cache. Slot q of the draft's KV cache holds the keys and values computed from the pair at q. A
    slot written from the draft's own g is provisional: once the target has scored the drafted
    tokens, the caller runs `pair_inputs` over that target step (its hidden states, up to the
@@ -38,7 +38,7 @@ from torch import Tensor
 
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning.partition import Partition
-from nxdi.core.programs import decoder, inputs
+from nxdi.core.programs import decoder
 from nxdi.core.programs.collectives import SINGLE, Collectives
 from nxdi.core.programs.decoder import DecoderWeights
 from nxdi.core.programs.inputs import StepInputs
@@ -134,37 +134,3 @@ def last_of(t: Tensor, index: Tensor) -> Tensor:
     """Row b's entry at `index[b]` of t [B, S, ...] -> [B, ...] (a step's last real pair)."""
     picked = index.reshape(-1, 1, *([1] * (t.dim() - 2))).expand(t.shape[0], 1, *t.shape[2:])
     return t.gather(1, picked).squeeze(1)
-
-
-def propose(
-    w: EagleWeights,
-    cache: KVCache,
-    logits: Tensor,
-    hidden: Tensor,
-    position: Tensor,
-    *,
-    steps: int,
-    spec: ModelSpec,
-    part: Partition | None = None,
-    coll: Collectives = SINGLE,
-) -> tuple[Tensor, KVCache]:
-    """Greedy draft tokens, one per step, each fed back with the draft's own hidden state (rule 4).
-
-    Args:
-        logits: [B, V] the draft's logits at its last pair (position `position`), which give the
-            first proposal; hidden: [B, E] its own hidden state there.
-        position: [B] that pair's position q; the proposals' pairs go to q+1, q+2, ...
-        steps: how many tokens to propose (k - 1 for speculation_length k); the cache view must
-            hold positions up to q + steps - 1.
-
-    Returns:
-        tokens [B, steps] int64 and the cache with the provisional pairs of the first steps-1
-        proposals written (the last proposal is not fed back: the target scores it first).
-    """
-    tokens = [logits.argmax(-1)]  # [B]
-    for i in range(steps - 1):
-        x = inputs.token_inputs(tokens[-1], position + 1 + i)
-        step_logits, g, cache = forward(w, cache, x, hidden[:, None], spec=spec, part=part, coll=coll)
-        tokens.append(step_logits[:, 0].argmax(-1))
-        hidden = g[:, 0]
-    return torch.stack(tokens, dim=1), cache

@@ -2,7 +2,7 @@
 
 The fused programs of `nxdi.core.programs.fused_speculation`, with the EAGLE draft of
 `nxdi.core.programs.eagle` in the draft's place (NxDI's `enable_eagle_speculation`). The pairing
-(draft position q holds (t_{q+1}, h_q)) is the one `nxdi.core.host.eagle_generate` runs on the host.
+(draft position q holds (t_{q+1}, h_q)) is the one the tests' host-driven oracle (tests/support/eagle_loop.py) runs.
 
 1. Hidden-state cache. The draft's first step of a fused call needs h_{p-1}, the target's final
    hidden state at the position before the row's current token: a value of the previous call. The

@@ -1,12 +1,12 @@
-"""Greedy EAGLE speculation, host side: the draft loop over the target and EAGLE draft programs. Pure.
+"""Greedy EAGLE speculation driven from the host: a test oracle for the fused EAGLE programs.
 
-The flat-draft EAGLE round of NxDI's fused speculation, driven from the host with the same
-programs a fused program will hold (see `nxdi.core.programs.eagle` for the pairing):
+The flat-draft EAGLE round of NxDI's fused speculation (`nxdi.core.programs.eagle_fused` runs
+it inside one program), driven step by step from the host with the same programs (see `nxdi.core.programs.eagle` for the pairing):
 
 1. Prefill. The target encodes the prompts and returns its hidden states h; its greedy token `cur`
    follows each prompt. The draft encodes the pairs (t_{q+1}, h_q) of the prompt with `cur` at the
    last one (`eagle.pair_inputs`), so its output there already proposes the token after `cur`.
-2. Draft. From that output, `eagle.propose` drafts k-1 tokens d_1..d_{k-1}, feeding its own hidden
+2. Draft. From that output, `propose` drafts k-1 tokens d_1..d_{k-1}, feeding its own hidden
    states back.
 3. Verify. The target scores [cur, d_1 .. d_{k-1}] at positions L .. L+k-1 in one step (every
    token's logits and hidden states); `speculation.greedy_accept` keeps the prefix its argmax
@@ -29,7 +29,9 @@ import torch
 from torch import Tensor
 
 from nxdi.core.model_spec import ModelSpec
+from nxdi.core.planning.partition import Partition
 from nxdi.core.programs import decoder, eagle, inputs, kv_cache, speculation
+from nxdi.core.programs.collectives import SINGLE, Collectives
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 
@@ -120,7 +122,7 @@ def generate(
     at = pending[2] + 1  # [B]: the position of `cur`
     steps = proposed = accepted = 0
     while any(len(row) < max_new_tokens for row in out):
-        drafted, dcache = eagle.propose(
+        drafted, dcache = propose(
             pair.draft_weights, dcache, pending[0], pending[1], pending[2], steps=k - 1, spec=pair.draft_spec
         )
         positions = at[:, None] + torch.arange(k)  # [B, k]
@@ -163,3 +165,37 @@ def greedy(pair: Pair, prompts: Sequence[Sequence[int]], *, max_new_tokens: int)
         tokens.append(logits[:, 0].argmax(-1))
         at = at + 1
     return torch.stack(tokens, 1).tolist()
+
+
+def propose(
+    w: eagle.EagleWeights,
+    cache: KVCache,
+    logits: Tensor,
+    hidden: Tensor,
+    position: Tensor,
+    *,
+    steps: int,
+    spec: ModelSpec,
+    part: Partition | None = None,
+    coll: Collectives = SINGLE,
+) -> tuple[Tensor, KVCache]:
+    """Greedy draft tokens, one per step, each fed back with the draft's own hidden state (rule 4).
+
+    Args:
+        logits: [B, V] the draft's logits at its last pair (position `position`), which give the
+            first proposal; hidden: [B, E] its own hidden state there.
+        position: [B] that pair's position q; the proposals' pairs go to q+1, q+2, ...
+        steps: how many tokens to propose (k - 1 for speculation_length k); the cache view must
+            hold positions up to q + steps - 1.
+
+    Returns:
+        tokens [B, steps] int64 and the cache with the provisional pairs of the first steps-1
+        proposals written (the last proposal is not fed back: the target scores it first).
+    """
+    tokens = [logits.argmax(-1)]  # [B]
+    for i in range(steps - 1):
+        x = inputs.token_inputs(tokens[-1], position + 1 + i)
+        step_logits, g, cache = eagle.forward(w, cache, x, hidden[:, None], spec=spec, part=part, coll=coll)
+        tokens.append(step_logits[:, 0].argmax(-1))
+        hidden = g[:, 0]
+    return torch.stack(tokens, dim=1), cache
