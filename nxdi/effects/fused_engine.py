@@ -13,7 +13,8 @@ The same three paths as `nxdi.effects.engine` (eager, compile, load), for a `Fus
   per row (`nxdi.core.planning.fused_programs`).
 - Programs (`fused_programs.fused_keys`): context encoding runs
   `fused_speculation.context_step`, a fused step `fused_speculation.fused_step` (with an EAGLE
-  draft: `eagle_fused.context_step` and `eagle_fused.fused_step`); both take the
+  draft: `eagle_fused.context_step` and `eagle_fused.fused_step`, or with `token_tree_config`
+  `eagle_tree.fused_step`); all take the
   engine's inputs (`engine.INPUTS`: a fused step's `uniforms` are [B, k]).
 - A compiled folder pins the target's checkpoint in its manifest, as any model, and the draft's in
   `draft_source.json` (listed in the manifest): loading refuses either checkpoint if it changed
@@ -42,9 +43,10 @@ from nxdi.core.config.neuron_spec import NeuronSpec, Phase
 from nxdi.core.eagle_layout import EagleDraft
 from nxdi.core.errors import ArtifactError, CheckpointError, Problem
 from nxdi.core.host import weight_ops
+from nxdi.core.planning import eagle_tree as eagle_tree_plan
 from nxdi.core.planning import fused_programs
 from nxdi.core.planning.program_key import ProgramKey
-from nxdi.core.programs import eagle, eagle_fused, fused_speculation
+from nxdi.core.programs import eagle, eagle_fused, eagle_tree, fused_speculation
 from nxdi.core.programs.collectives import SINGLE
 from nxdi.core.programs.fused_speculation import FusedSpec, FusedWeights
 from nxdi.core.programs.inputs import StepInputs
@@ -86,11 +88,17 @@ class FusedEngineModel:
         return self.target.spec
 
     def fused_spec(self) -> FusedSpec:
+        tree = None
+        if self.spec.token_tree_config is not None:
+            parsed = eagle_tree_plan.parse_eagle_tree(self.spec.token_tree_config)
+            assert isinstance(parsed, Success), f"a validated spec has a valid token tree: {parsed}"
+            tree = parsed.unwrap()
         return FusedSpec(
             target=self.target.step_spec,
             draft=self.draft.step_spec,
             speculation_length=self.spec.speculation_length,
             max_length=self.spec.max_length,
+            tree=tree,
         )
 
     def program_keys(self) -> tuple[ProgramKey, ...]:
@@ -139,6 +147,8 @@ class FusedEngineModel:
         forward = self.target.program.forward_outputs
         if self.eagle is not None:
             run = eagle_fused.context_step if key.phase is Phase.CONTEXT else eagle_fused.fused_step
+            if spec.tree is not None and key.phase is not Phase.CONTEXT:
+                run = eagle_tree.fused_step  # token_tree_config: the draft proposes a tree
             return functools.partial(run, forward, weights, spec=spec)
         decode, context = fused_speculation.decoder_draft(self.draft.program.forward_outputs, spec.draft, SINGLE)
         if key.phase is Phase.CONTEXT:

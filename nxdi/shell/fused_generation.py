@@ -13,7 +13,8 @@ step. Each call returns every row's accepted tokens (`nxdi.shell.fused_speculati
   past its end is padded with pad_token_id. A finished row keeps being fed what its last step
   returned (so async_mode's predicted call still matches), or, at max_length, its last inputs.
 - `adapter.speculation_stats` counts fused steps (`target_steps`), tokens emitted, draft tokens
-  proposed (k-1 per live row and step) and accepted, as the draft-model path does.
+  proposed (k-1 per live row and step: with a token tree, its nodes below the root) and accepted,
+  as the draft-model path does.
 Other logits processors, stopping criteria, a streamer and output scores are refused.
 """
 

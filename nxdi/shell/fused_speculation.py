@@ -10,7 +10,9 @@ forward() contract (NxDI's `fused_outputs`, what serving clients and the generat
   row's first token. Any other call is a fused step: `input_ids` [B, 1] (each row's last accepted
   token) at `position_ids` [B, 1]; the draft proposes k-1 tokens (k = speculation_length), the
   target verifies them, and each row emits 1..k tokens.
-- `output.fused_outputs` is a list:
+- `output.fused_outputs` is a list (with `token_tree_config`, k below is the tree's depth + 1,
+  the most tokens a tree step emits: its longest accepted path below the root, then the target's
+  next token; the step itself drafts and scores speculation_length tree nodes):
     [0] accepted tokens [B, k] int64, each row's emitted tokens, then -1 (after context
         encoding: the first token, then -1; so `fused_outputs[0][:, 0]` is the first token);
     [1] next input ids [B, 1]: each row's last emitted token (what the next call feeds);
@@ -49,7 +51,7 @@ from nxdi.core.errors import Problem, problems_of
 from nxdi.core.families import parse_model_spec, record_for
 from nxdi.core.host import batching
 from nxdi.core.host.forward_inputs import ForwardInputs
-from nxdi.core.planning import buckets, fused_programs, partition
+from nxdi.core.planning import buckets, eagle_tree, fused_programs, partition
 from nxdi.core.planning.program_key import ProgramKey
 from nxdi.core.programs import catalog, speculation
 from nxdi.core.programs import fused_speculation as program
@@ -132,6 +134,9 @@ class FusedModel:
             self.draft_config
         )
         self.k = model.spec.speculation_length
+        self.width = self.k  # tokens a step emits at most: fused_outputs[0] is [B, width]
+        if model.spec.token_tree_config is not None:  # a tree step emits its accepted path and one more
+            self.width = eagle_tree.emitted_width(unwrap(eagle_tree.parse_eagle_tree(model.spec.token_tree_config)))
 
     @property
     def spec(self) -> NeuronSpec:
@@ -217,7 +222,7 @@ class FusedModel:
         ids, rows = checked.input_ids, checked.cache_rows
         if checked.phase is Phase.CONTEXT:
             outs, lengths = self._context(runtime, ids, checked.attention_mask, rows, params)
-            accepted = torch.full((ids.shape[0], self.k), speculation.PAD, dtype=torch.int64)
+            accepted = torch.full((ids.shape[0], self.width), speculation.PAD, dtype=torch.int64)
             accepted[:, 0] = outs[program.TOKENS]
             counts, next_pos = torch.ones(ids.shape[0], dtype=torch.int64), lengths[:, None]
         else:

@@ -324,6 +324,44 @@ def test_eagle_fused_programs_lower_and_give_the_cpu_engines_tokens(
         model.close()
 
 
+def test_eagle_token_tree_programs_lower_and_give_the_cpu_engines_tokens(
+    tiny_checkpoint: Callable[..., Path], tiny_model: Callable[[str], Any], tmp_path: Path
+) -> None:
+    """token_tree_config: the tree step (the draft's level-by-level expansion with its tree masks,
+    the target's tree pass, in-program acceptance, KV compaction, the re-pair run) lowers to HLO;
+    greedy generation and one tree step's outputs equal the CPU engine's."""
+    import nxdi
+    from nxdi.testing import eagle
+    from tests.support.engine_fixtures import padded
+    from tests.support.fused_models import eagle_config
+
+    target, hf = tiny_checkpoint("llama"), tiny_model("llama")
+    draft = eagle.save_eagle_draft(eagle.from_target(hf, seed=3), hf.lm_head.weight, tmp_path / "draft")
+    tree = {"0": [1, 2], "1": [3, 4], "2": [5], "3": [6]}
+    settings = {"batch_size": 4, "token_tree_config": tree, "speculation_length": 7}
+    model = nxdi.NeuronLlamaForCausalLM(target, eagle_config(target, draft, **settings), backend="xla")
+    model.compile(tmp_path / "xla", debug=True)
+    model.load(tmp_path / "xla")
+    hlo = sorted(p.name for p in (tmp_path / "xla" / "hlo").iterdir())
+    assert hlo == ["context_encoding_64.hlo.txt", f"fused_speculation_{64 + 7}.hlo.txt"]
+    cpu = nxdi.NeuronLlamaForCausalLM(target, eagle_config(target, draft, **settings))
+    cpu.to_cpu()
+    try:
+        tokens = [nxdi_generate(m, PROMPTS, max_new_tokens=12) for m in (model, cpu)]
+        assert torch.equal(tokens[0], tokens[1])
+        ids, mask = padded(PROMPTS, "right")
+        outs = []
+        for m in (model, cpu):
+            m.reset()
+            first = m.forward(ids, attention_mask=mask).fused_outputs
+            outs.append(m.forward(first[1], position_ids=first[3]).fused_outputs)
+        assert outs[0][0].shape == (4, 4)
+        for i in (0, 1, 3):
+            assert torch.equal(outs[0][i], outs[1][i]), i
+    finally:
+        model.close()
+
+
 def test_medusa_tree_programs_lower_and_give_the_cpu_engines_tokens(
     tiny_checkpoint: Callable[..., Path], tmp_path: Path
 ) -> None:

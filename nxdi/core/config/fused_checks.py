@@ -15,10 +15,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import attrs
+from returns.result import Success
 
 from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.errors import Problem
 from nxdi.core.model_spec import ModelSpec
+from nxdi.core.planning import eagle_tree
 
 FIELD = "fused_spec_config"
 DRAFT = f"{FIELD}.draft_config"
@@ -49,7 +51,8 @@ def check_fused_pair(target: NeuronSpec, target_model: ModelSpec, draft: DraftSi
         max_length or tp_degree differ from the target's; a draft that itself asks for fused
         speculation, or for a mixture of experts' routing outputs (a fused program returns none);
         with EAGLE (`enable_eagle_speculation`) a draft that is not `is_eagle_draft` or whose hidden
-        size differs from the target's, and an `is_eagle_draft` draft of a target without EAGLE.
+        size differs from the target's, and an `is_eagle_draft` draft of a target without EAGLE;
+        a token tree with a node of more children than the vocabulary has tokens.
     """
     if not target.enable_fused_speculation:
         if draft is None:
@@ -113,6 +116,10 @@ def _eagle(target: NeuronSpec, target_model: ModelSpec, draft: DraftSide) -> Ite
         )
         fix = "set enable_eagle_speculation=True on the target, or use an ordinary draft with is_eagle_draft=False"
         yield Problem.of(f"{DRAFT}.neuron_config.is_eagle_draft", True, why, fix)
+    tree = eagle_tree.parse_eagle_tree(target.token_tree_config) if target.token_tree_config is not None else None
+    if isinstance(tree, Success) and tree.unwrap().top_k > target_model.vocab_size:
+        why = f"gives a node {tree.unwrap().top_k} children, more than the vocabulary ({target_model.vocab_size})"
+        yield Problem.of(eagle_tree.FIELD, "set", why, "give each node at most vocab_size children")
     if eagle and is_draft and draft.model is not None and draft.model.hidden_size != target_model.hidden_size:
         why = (
             f"differs from the target's hidden_size={target_model.hidden_size}: the draft's fc reads its hidden states"

@@ -19,7 +19,7 @@ from returns.result import Result, Success
 from nxdi.core.config.fields import OnCpu, infos, sub_spec_fields
 from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.errors import ConfigError, Problem, problems_result
-from nxdi.core.planning import block_programs, buckets, medusa
+from nxdi.core.planning import block_programs, buckets, eagle_tree, medusa
 
 Rule = Callable[[NeuronSpec], Iterator[Problem]]
 
@@ -265,7 +265,15 @@ def _kernels(s: NeuronSpec) -> Iterator[Problem]:
             yield Problem.of("activation_quantization_type", "static", "is incompatible with fused_qkv=True")
 
 
-RULES: tuple[Rule, ...] = (_lengths, _buckets, _features, _parallel, _kernels, medusa.rule_problems)
+RULES: tuple[Rule, ...] = (
+    _lengths,
+    _buckets,
+    _features,
+    _parallel,
+    _kernels,
+    medusa.rule_problems,
+    eagle_tree.rule_problems,
+)
 
 
 def check_neuron_spec(spec: NeuronSpec) -> Result[NeuronSpec, ConfigError]:

@@ -402,8 +402,8 @@ class NeuronSpec:
     )
     token_tree_config: JsonMap | None = _speculation(
         None,
-        "Token-tree speculation settings (JSON object); setting it enables token-tree speculation.",
-        cpu=OnCpu.REFUSED,
+        "EAGLE token tree: {node id: [child ids]}, root 0, leaves implicit; speculation_length = its node count.",
+        cpu_note="greedy EAGLE fused speculation over the tree; each step emits up to depth + 1 tokens",
     )
     is_medusa: bool = _speculation(
         False,

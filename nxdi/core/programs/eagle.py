@@ -44,6 +44,7 @@ from nxdi.core.programs.decoder import DecoderWeights
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 from nxdi.core.programs.linear import Weight, linear
+from nxdi.core.programs.token_tree import TreeInputs
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
@@ -78,8 +79,10 @@ def forward(
     spec: ModelSpec,
     part: Partition | None = None,
     coll: Collectives = SINGLE,
+    tree: TreeInputs | None = None,
 ) -> tuple[Tensor, Tensor, KVCache]:
-    """One draft step over S pairs (a context bucket, a re-run over a verified step, or one token).
+    """One draft step over S pairs (a context bucket, a re-run over a verified step, one token, or
+    one level of a token tree).
 
     Args:
         w: the draft's weights.
@@ -90,6 +93,8 @@ def forward(
             draft's own from its previous step.
         spec: the draft's architecture (a Llama config with its own num_hidden_layers).
         part, coll: one rank's share and the collectives, as for `decoder.forward_outputs`.
+        tree: with a token tree (`nxdi.core.programs.eagle_tree`), the pairs' rotary positions and
+            the tree mask they attend by, as for `decoder.forward_outputs`.
 
     Returns:
         logits [B, S, V] fp32 of every pair (row b's prediction of t_{q+2} at index s), the draft's
@@ -100,7 +105,7 @@ def forward(
     joined = torch.cat((embeds, prev_hidden.to(embeds.dtype)), dim=-1)  # [B, S, 2E]
     h = linear(joined, w.fc, w.fc_bias)  # [B, S, E]
     logits, cache, extras = decoder.forward_outputs(
-        w.decoder, cache, x, spec=spec, part=part, coll=coll, all_logits=True, inputs_embeds=h, hidden=True
+        w.decoder, cache, x, spec=spec, part=part, coll=coll, all_logits=True, inputs_embeds=h, hidden=True, tree=tree
     )
     return logits, extras[decoder.HIDDEN], cache
 

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nxdi.core.planning.token_tree import TokenTree
 from nxdi.core.programs import decoder, sampling, speculation, step
 from nxdi.core.programs.collectives import SINGLE, Collectives
 from nxdi.core.programs.inputs import StepInputs
@@ -87,6 +88,9 @@ class FusedSpec:
     """k: draft steps per fused step, and tokens the target scores (>= 1)."""
     max_length: int
     """Positions 0..max_length-1 hold tokens; the k slots after them are slack (see the module docstring)."""
+    tree: TokenTree | None = None
+    """With an EAGLE token tree (`token_tree_config`): its k nodes, the tree step of
+    `nxdi.core.programs.eagle_tree` (which emits depth + 1 tokens at most); None: a flat draft."""
 
     @property
     def target_layers(self) -> int:

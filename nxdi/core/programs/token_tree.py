@@ -44,7 +44,13 @@ class TreeInputs:
     positions: Tensor
     """[B, S] int64 rotary position of each token: the row's first slot plus the node's depth."""
     mask: Tensor
-    """[B, S, S] bool: token s attends to token j of the step (itself and its ancestors)."""
+    """[B, S, M] bool: token s attends to the tree's node j, at slot `origin + j` (itself and its
+    ancestors). M = S when the step scores the whole tree."""
+    origin: Tensor | None = None
+    """[B] the slot of the mask's node 0, when the step runs part of a tree (one level of an EAGLE
+    draft's expansion); default the step's first slot. Slots before it are the cached prefix."""
+    key_positions: Tensor | None = None
+    """[B, M] rotary positions of the tree's nodes (sliding windows compare them); default `positions`."""
 
 
 def depths(tree: TokenTree, device: torch.device | None = None) -> Tensor:
@@ -67,19 +73,23 @@ def tree_inputs(slots: Tensor, tree: TokenTree) -> TreeInputs:
 def visible(slots: Tensor, tree: TreeInputs, length: int, *, window: int | None = None) -> Tensor:
     """Which cache slots each token of a tree step may attend to: bool [B, 1, S, T].
 
-    The step's tokens hold the contiguous slots `slots[:, 0] + 0..S-1`. Slot t < slots[:, 0] holds
-    the cached prefix (position t), visible to every token; a slot of the step is visible as
-    `tree.mask` says. With a sliding window, query position p sees a key at position q only when
+    The tree's M nodes hold the contiguous slots `origin + 0..M-1` (`tree.origin`, default
+    `slots[:, 0]`: the step is the whole tree). Slot t < origin holds the cached prefix (position
+    t), visible to every token; a slot of the tree is visible as `tree.mask` says; slots after the
+    tree are not. With a sliding window, query position p sees a key at position q only when
     p - q < window (positions, not slots: siblings share a position). Each token sees itself.
     """
     b, s = slots.shape
+    m = tree.mask.shape[2]
+    origin = slots[:, 0] if tree.origin is None else tree.origin  # [B]
     t = torch.arange(length, device=slots.device)[None, :]  # [1, T]
-    rel = t - slots[:, :1]  # [B, T]: index within the step (negative: the prefix)
-    inside = (rel >= 0) & (rel < s)
-    index = rel.clamp(0, s - 1)[:, None, :].expand(b, s, length)  # [B, S, T]
+    rel = t - origin[:, None]  # [B, T]: node index within the tree (negative: the prefix)
+    inside = (rel >= 0) & (rel < m)
+    index = rel.clamp(0, m - 1)[:, None, :].expand(b, s, length)  # [B, S, T]
     seen = (rel < 0)[:, None, :] | (inside[:, None, :] & tree.mask.gather(2, index))
     if window is not None:
-        keys = torch.where(inside, tree.positions.gather(1, rel.clamp(0, s - 1)), t)  # [B, T] key positions
+        nodes = tree.positions if tree.key_positions is None else tree.key_positions  # [B, M]
+        keys = torch.where(inside, nodes.gather(1, rel.clamp(0, m - 1)), t)  # [B, T] key positions
         seen = seen & (tree.positions[:, :, None] - keys[:, None, :] < window)
     return seen[:, None]
 
