@@ -91,6 +91,15 @@ class NeuronApplicationBase:
         self._fused = fused_speculation.FusedModel(self) if self.spec.enable_fused_speculation else None
         """With enable_fused_speculation: the draft fused with this model, whose compile, load and
         weights go through it (`nxdi.shell.fused_speculation`)."""
+        if self.spec.speculation_length > 0 and self.spec.async_mode and self._fused is None:
+            # Said of a model, not of a config: a fused pair's draft config (a copy of its target's
+            # with enable_fused_speculation=False) never runs on its own.
+            warnings.warn(
+                "async_mode launches only single-token decode steps ahead (nxdi.core.host.async_steps); this "
+                "model's speculation steps (k tokens per row) run synchronously. Fused speculation "
+                "(enable_fused_speculation=True) launches whole speculation steps ahead",
+                stacklevel=2,
+            )
         inert = self.neuron_config._without_effect_on_cpu()
         if inert:
             warnings.warn(

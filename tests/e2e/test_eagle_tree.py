@@ -204,3 +204,20 @@ def test_a_compiled_tree_model_loads_in_a_fresh_object(pairs: Any, tmp_path: Pat
     fresh.load(folder)
     tokens, _ = generate(fresh, PROMPTS)
     assert torch.equal(tokens, hf_generate(hf, PROMPTS, max_new_tokens=NEW_TOKENS))
+
+
+def test_async_mode_gives_the_same_tokens_and_runs_steps_ahead(
+    tree_model: Callable[..., Any], pairs: Callable[[str], tuple[Path, Path, Any]]
+) -> None:
+    """async_mode launches each tree step ahead from the previous step's fused_outputs (next ids and
+    positions); the tokens stay transformers' greedy ones and launched steps are used."""
+    target, draft, hf = pairs("trained")
+    settings = {"token_tree_config": TREE, "speculation_length": NODES, "batch_size": 4, "async_mode": True}
+    ahead = LM(target, eagle_config(target, draft, **settings))
+    ahead.to_cpu()
+    try:
+        tokens, _ = generate(ahead, PROMPTS)
+        assert torch.equal(tokens, hf_generate(hf, PROMPTS, max_new_tokens=NEW_TOKENS))
+        assert ahead.async_stats.used > 0, ahead.async_stats
+    finally:
+        ahead.close()

@@ -297,8 +297,6 @@ def parse_neuron_spec(
             problems.extend(p for p in err.problems if p.field not in seen)
     if problems:
         return Failure(ConfigError(problems=tuple(problems)))
-    if spec.speculation_length > 0 and spec.async_mode and not spec.enable_fused_speculation:
-        notes.append("async_mode with speculation works best with enable_fused_speculation=True")
     return Success(ParsedNeuronSpec(spec=spec, notes=tuple(notes)))
 
 
