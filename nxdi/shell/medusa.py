@@ -69,7 +69,9 @@ def generate(
     pad_token_id: int,
 ) -> tuple[Tensor, dict[str, int]]:
     """Up to `max_new_tokens` greedy tokens per row [B, N] (a row past its EOS padded with
-    `pad_token_id`), and counts: tree steps, single-token steps, tokens emitted, candidates accepted.
+    `pad_token_id`), and counts (`adapter.speculation_stats`): `tree_steps`, single-token
+    `decode_steps`, tokens `emitted`, candidates `proposed` (the tree's depth per live row and tree
+    step: the most a step can accept) and `accepted` (so accepted / proposed is the acceptance rate).
 
     Raises:
         IncompatibleConfigError: the prompts plus the new tokens do not fit max_length.
@@ -91,7 +93,7 @@ def generate(
     candidates = first[medusa.MEDUSA_TOKENS]  # [B, H, K]
     out = [[int(t)] for t in cur]
     at = lengths.clone()  # [B]: the position of `cur`, the next root
-    stats = {"tree_steps": 0, "decode_steps": 0, "emitted": batch, "accepted": 0}
+    stats = {"tree_steps": 0, "decode_steps": 0, "emitted": batch, "proposed": 0, "accepted": 0}
     while any(_room(row, max_new_tokens, eos_token_id) for row in out):
         room = torch.tensor([_room(row, max_new_tokens, eos_token_id) for row in out])
         if int(at.max()) + plan.nodes > model.spec.max_length:
@@ -165,6 +167,7 @@ def _keep(
             emitted = emitted[: emitted.index(eos) + 1]
         out[row].extend(emitted)
         stats["emitted"] += len(emitted)
+        stats["proposed"] += tokens.shape[1] - 1  # the tree's depth D: tokens is [B, D+1]
         stats["accepted"] += min(len(emitted), n - 1)
         left = int(room[row]) - len(emitted)
         going[row] = len(emitted) == n and left > 0 and (eos is None or eos not in emitted)

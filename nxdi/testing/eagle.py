@@ -172,11 +172,14 @@ def train_eagle_draft(
     seed: int = 0,
     lr: float = 3e-3,
     length: int = 33,
+    batch: int = 32,
 ) -> EagleTraining:
     """Train an EAGLE draft of `target` (frozen) on progressions, as EAGLE trains: the draft's hidden
     state regressed on the target's next one (smooth L1) plus cross-entropy of its logits against
     the target's distribution there. With the tiny test configurations and a target trained by
-    `train_briefly`, 200 steps take a few seconds on 2 cores."""
+    `train_briefly`, 200 steps take a few seconds on 2 cores. Each step draws `batch` fresh sequences
+    of `length` tokens; most of its time is the target's forward pass over them, so a larger target
+    trains its draft faster at a smaller `batch`."""
     target.eval()
     draft = from_target(target, layers=layers, input_norm=input_norm, fc_bias=fc_bias, seed=seed)
     generator = torch.Generator().manual_seed(seed)
@@ -185,7 +188,7 @@ def train_eagle_draft(
     draft.train()
     loss = torch.tensor(float("nan"))
     for _ in range(steps):
-        seq = progression_batch(vocab, batch=32, length=length, generator=generator)
+        seq = progression_batch(vocab, batch=batch, length=length, generator=generator)
         h, logits = _target_states(target, seq)
         proposed, own = draft(seq[:, 1:], h[:, :-1])  # pair (t_{q+1}, h_q) predicts h_{q+1} and t_{q+2}
         regression = nn.functional.smooth_l1_loss(own, h[:, 1:])

@@ -100,10 +100,13 @@ def train_medusa_heads(
     seed: int = 0,
     lr: float = 3e-3,
     length: int = 48,
+    batch: int = 32,
 ) -> tuple[MedusaHeads, float]:
-    """Heads trained on the frozen `target` for `steps` AdamW steps: head i at position t learns the
-    token at t + 2 + i of progression sequences (`progression_batch`). Returns the heads and the
-    last loss (mean over the heads). The target is left unchanged (its parameters stay frozen)."""
+    """Heads trained on the frozen `target` for `steps` AdamW steps, each on `batch` fresh sequences of
+    `length` tokens: head i at position t learns the token at t + 2 + i of progression sequences
+    (`progression_batch`). Returns the heads and the last loss (mean over the heads). The target is
+    left unchanged (its parameters stay frozen). Most of a step's time is the target's forward
+    pass over the batch, so a larger target trains its heads faster at a smaller `batch`."""
     generator = torch.Generator().manual_seed(seed)
     config = target.config
     heads = random_medusa_heads(config, num_heads, seed=seed)
@@ -112,7 +115,7 @@ def train_medusa_heads(
     target.eval()
     loss = torch.tensor(float("nan"))
     for _ in range(steps):
-        seq = progression_batch(vocab, batch=32, length=length, generator=generator)
+        seq = progression_batch(vocab, batch=batch, length=length, generator=generator)
         with torch.no_grad():
             hidden = final_hidden(target, seq)  # [B, S, E]
         logits = heads(hidden)  # [B, S, H, V]

@@ -207,11 +207,27 @@ def train_pair(
         KeyError: `recipe` names no entry of `PAIRS`.
     """
     chosen = PAIRS[recipe] if isinstance(recipe, str) else recipe
-    schedules = [chosen.target_schedule, chosen.draft_schedule]
-    if length is not None:
-        schedules = [attrs.evolve(s, length=length) for s in schedules]
-    target = train_checkpoint(target_dir, variant=variant, schedule=schedules[0], seed=seed, **chosen.target)
-    vocab = target.model.config.vocab_size
-    overrides = {**chosen.draft, "vocab_size": vocab}
-    draft = train_checkpoint(draft_dir, variant=variant, schedule=schedules[1], seed=seed + 1, **overrides)
+    target = train_target(target_dir, recipe=chosen, length=length, variant=variant, seed=seed)
+    schedule = chosen.draft_schedule if length is None else attrs.evolve(chosen.draft_schedule, length=length)
+    overrides = {**chosen.draft, "vocab_size": target.model.config.vocab_size}
+    draft = train_checkpoint(draft_dir, variant=variant, schedule=schedule, seed=seed + 1, **overrides)
     return target, draft
+
+
+def train_target(
+    directory: str | os.PathLike[str],
+    *,
+    recipe: PairRecipe | str = "toy",
+    length: int | None = None,
+    variant: str = "llama",
+    seed: int = 0,
+) -> TrainedModel:
+    """The target of `recipe` alone, trained and saved as `train_pair` trains and saves it (the same
+    weights under the same arguments): for drafts trained from the target (Medusa heads, an EAGLE draft).
+
+    Raises:
+        KeyError: `recipe` names no entry of `PAIRS`.
+    """
+    chosen = PAIRS[recipe] if isinstance(recipe, str) else recipe
+    schedule = chosen.target_schedule if length is None else attrs.evolve(chosen.target_schedule, length=length)
+    return train_checkpoint(directory, variant=variant, schedule=schedule, seed=seed, **chosen.target)

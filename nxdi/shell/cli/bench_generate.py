@@ -3,7 +3,7 @@
     nxdi bench generate [--model-type llama] [--shape small|tiny|toy | --model-path DIR] [--dtype bfloat16]
                         [--batch-size 1 4] [--tp-degree 1 2] [--backend cpu xla] [--prompt-len 128]
                         [--new-tokens 128] [--repeat 3] [--threads 2] [--compare-hf] [--async [--host-ms 0]]
-    nxdi bench generate --speculation draft ...   (see below)
+    nxdi bench generate --speculation draft|fused|medusa|eagle ...   (see below)
 
 Method (the same for both sides, measured in one process, alternating runs, so machine noise
 hits both): greedy decoding of exactly `--new-tokens` tokens (EOS never stops it) from a random
@@ -34,10 +34,13 @@ forward() call and the host's part, and the share of the host's part that async 
 the step launched ahead ((sync step - async step) / sync host part). Both modes must give the same
 tokens, or the bench fails.
 
-`--speculation draft` measures speculative decoding instead, on a target/draft pair the command
-trains in a temporary folder: nxdi greedy, nxdi speculation, transformers' assisted generation and
-transformers greedy side by side, with acceptance, tokens per target step, TPOT and end-to-end
-time (`nxdi.shell.cli.bench_speculation`; there `--shape small|toy` names the trained pair).
+`--speculation METHOD` measures speculative decoding instead, on a target and draft the command
+trains in a temporary folder: nxdi greedy, nxdi speculation, transformers' counterpart (assisted
+generation, for `draft` and `fused`) and transformers greedy side by side, with acceptance, tokens
+per target step, TPOT and end-to-end time (`nxdi.shell.cli.bench_speculation`; there `--shape
+small|toy` names the trained pair). METHOD: `draft` (a separate draft model), `fused` (the same
+draft fused into the target's programs), `medusa` (Medusa heads trained on the target), `eagle`
+(an EAGLE draft trained on the target, fused).
 
 `--model-type` (any family the engine runs: llama, mixtral, qwen3_moe, ...; default llama) and
 `--shape small|tiny|toy` pick a random checkpoint, built once into `--work-dir` (no download):
@@ -96,7 +99,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=None,
         help="measure speculative decoding on a target/draft pair the command trains (see nxdi.shell.cli.bench_speculation)",
     )
-    p.add_argument("--speculation-length", type=int, default=5, help="with --speculation: tokens a target step scores")
+    p.add_argument(
+        "--speculation-length",
+        type=int,
+        default=None,
+        help="with --speculation: tokens a target step scores (default 5; not with medusa, whose tree sets them)",
+    )
     p.set_defaults(run=run, dtype=None)  # --dtype: bfloat16, float32 with --speculation (see run)
 
 

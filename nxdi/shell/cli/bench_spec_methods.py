@@ -1,17 +1,22 @@
 """The methods `nxdi bench generate --speculation METHOD` measures, and the sides they run.
 
-A method is a builder `(Workspace) -> Sides`: from the trained pair it builds nxdi's speculative
-decoder (b) and, when transformers has one, transformers' own counterpart (c); the command adds
-the plain decoders (a) nxdi greedy and (d) transformers greedy (`nxdi_plain`, `hf_plain`) and
-measures them all alike (`nxdi.shell.cli.bench_speculation`). Adding a method (fused, Medusa,
-EAGLE) is one builder and one entry in `METHODS`; its name becomes a `--speculation` choice.
-Heavy libraries are imported inside the functions: this module is imported whenever the `nxdi`
-parser is built.
+A method is a builder `(Workspace) -> Sides`: from the trained target and draft it builds nxdi's
+speculative decoder (b) and, when transformers has one, transformers' own counterpart (c); the
+command adds the plain decoders (a) nxdi greedy and (d) transformers greedy (`nxdi_plain`,
+`hf_plain`) and measures them all alike (`nxdi.shell.cli.bench_speculation`). The draft is the
+trained pair's draft model, or, for a method with a `trainer`, what that trains from the target
+once per run (`nxdi.shell.cli.bench_spec_trainers`: Medusa heads, an EAGLE draft). Adding a
+method is one builder and one entry in `METHODS`; its name becomes a `--speculation` choice.
+The methods: `draft` (a separate draft model), `fused` (the same draft inside the target's fused
+programs), `medusa` (heads on the target, a token tree per step) and `eagle` (an EAGLE draft,
+fused). Heavy libraries are imported inside the functions: this module is imported whenever the
+`nxdi` parser is built.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -19,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+
+from nxdi.shell.cli import bench_spec_trainers
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -48,7 +55,8 @@ class Workspace:
     target: Any
     """`nxdi.testing.training.TrainedModel` of the target (path, transformers model)."""
     draft: Any
-    """The trained draft (`TrainedModel`)."""
+    """The trained draft (`TrainedModel`): the pair's draft model, or what the method's `trainer`
+    trained (for `medusa` its path is the target's checkpoint with the heads)."""
     folder: Path
     """Where to compile (a temporary folder)."""
 
@@ -62,6 +70,8 @@ class Sides:
     transformers: Side | None
     compiled: Mapping[str, Mapping[str, float]]
     close: Callable[[], None]
+    no_counterpart: str = "transformers' assisted generation runs batch 1 only"
+    """Why `transformers` is None (reported as "not measured")."""
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -70,28 +80,48 @@ class Method:
 
     summary: str
     build: Callable[[Workspace], Sides]
+    trainer: Callable[[Any, Path, argparse.Namespace], Any] | None = None
+    """`(trained target, folder, options) -> TrainedModel`: the draft the method trains from the
+    target; None: the trained pair's draft model."""
+    draft_name: str = "draft"
+    """What the report calls the draft."""
+    uses_k: bool = True
+    """Whether `--speculation-length` (k) applies (Medusa's tree sets its own step)."""
 
 
 # --- nxdi models ------------------------------------------------------------------------------
 
 
-def load_nxdi(path: Path, folder: Path, args: argparse.Namespace, **neuron: Any) -> tuple[Any, dict[str, float]]:
-    """The checkpoint at `path` compiled into `folder` (CPU backend) with `neuron` settings and
-    loaded, and its compile report (programs, compile seconds)."""
+def load_nxdi(
+    path: Path,
+    folder: Path,
+    args: argparse.Namespace,
+    *,
+    fused_draft: Path | None = None,
+    eagle: bool = False,
+    **neuron: Any,
+) -> tuple[Any, dict[str, float]]:
+    """The checkpoint at `path` compiled into `folder` (CPU backend) with `neuron` settings (over
+    the bench's context length, seq_len and dtype) and loaded, and its compile report (programs,
+    compile seconds). With `fused_draft`, the documented fused speculation: the draft at that path
+    (an EAGLE draft folder with `eagle`) under a copy of the target's NeuronConfig with
+    enable_fused_speculation=False (and is_eagle_draft=True), given as `fused_spec_config`."""
     from nxdi.shell.config import NeuronConfig
-    from nxdi.shell.inference_config import load_pretrained_config
+    from nxdi.shell.inference_config import FusedSpecNeuronConfig, load_pretrained_config
     from nxdi.shell.models import MODEL_TYPES
 
     cls = MODEL_TYPES["llama"]["causal-lm"]
-    config = cls.get_config_cls()(
-        NeuronConfig(
-            max_context_length=args.prompt_len,
-            seq_len=args.prompt_len + args.new_tokens,
-            torch_dtype=args.dtype,
-            **neuron,
-        ),
-        load_config=load_pretrained_config(path),
-    )
+    settings = {"max_context_length": args.prompt_len, "seq_len": args.prompt_len + args.new_tokens}
+    neuron_config = NeuronConfig(**{**settings, "torch_dtype": args.dtype, **neuron})
+    config = cls.get_config_cls()(neuron_config, load_config=load_pretrained_config(path))
+    if fused_draft is not None:
+        draft_neuron_config = copy.deepcopy(neuron_config)
+        draft_neuron_config.enable_fused_speculation = False
+        draft_neuron_config.is_eagle_draft = eagle
+        draft_config = cls.get_config_cls()(draft_neuron_config, load_config=load_pretrained_config(fused_draft))
+        config.fused_spec_config = FusedSpecNeuronConfig(
+            cls._model_cls, draft_config=draft_config, draft_model_path=str(fused_draft)
+        )
     model = cls(path, config, backend="cpu")
     start = time.perf_counter()
     model.compile(folder)
@@ -215,10 +245,110 @@ def _hf_assisted(ws: Workspace, k: int) -> Side:
     return Side(label=f"transformers assisted (k={k})", generate=generate)
 
 
+def _fused_side(ws: Workspace, name: str, *, eagle: bool) -> tuple[Side, Any, dict[str, float]]:
+    """nxdi's fused speculation (b) with `ws.draft` inside the target's programs: the side, the
+    model and its compile report. Counts from `adapter.speculation_stats` (the fused loop's)."""
+    k = ws.args.speculation_length
+    model, report = load_nxdi(
+        ws.target.path,
+        ws.folder / f"target-{name}",
+        ws.args,
+        fused_draft=ws.draft.path,
+        eagle=eagle,
+        batch_size=ws.batch,
+        speculation_length=k,
+        enable_fused_speculation=True,
+        enable_eagle_speculation=eagle,
+        on_device_sampling_config={"top_k": 1},  # fused programs pick their tokens on device
+    )
+
+    def generate(ids: Any, new_tokens: int) -> Run:
+        tokens, adapter = _adapter_run(model, ids, new_tokens)
+        s = adapter.speculation_stats  # target_steps: fused steps after the context-encoding call
+        return Run(tokens=tokens, target_calls=1 + s["target_steps"], proposed=s["proposed"], accepted=s["accepted"])
+
+    return Side(label=f"nxdi speculation ({name}, k={k})", generate=generate), model, report
+
+
+def _fused_method(ws: Workspace) -> Sides:
+    """`fused`: the pair's draft model inside the target's fused programs (`generate()` without an
+    assistant); transformers' counterpart is assisted generation with the same pair."""
+    side, model, report = _fused_side(ws, "fused", eagle=False)
+    theirs = _hf_assisted(ws, ws.args.speculation_length) if ws.batch == 1 else None
+    return Sides(nxdi=side, transformers=theirs, compiled={"target + draft (fused)": report}, close=model.close)
+
+
+def _eagle_method(ws: Workspace) -> Sides:
+    """`eagle`: the EAGLE draft trained on the target, fused (flat draft)."""
+    side, model, report = _fused_side(ws, "eagle", eagle=True)
+    why = (
+        "transformers has no EAGLE decoding: its assisted generation takes a separate draft model, "
+        "not a draft fed the target's hidden states"
+    )
+    return Sides(
+        nxdi=side,
+        transformers=None,
+        compiled={"target + EAGLE draft (fused)": report},
+        close=model.close,
+        no_counterpart=why,
+    )
+
+
+def _medusa_method(ws: Workspace) -> Sides:
+    """`medusa`: the target with the trained heads (`ws.draft.path`: the target's checkpoint with
+    medusa_heads.pt) and `nxdi.testing.medusa.DEFAULT_TREE`, `generate(assistant_model=model)`.
+    Compiled with seq_len longer by the tree's nodes: a tree step needs that many free slots, and
+    without them the last rows' tokens would come one per step."""
+    from nxdi.testing.medusa import DEFAULT_TREE
+
+    nodes = len(DEFAULT_TREE) + 1  # the paths and the root
+    model, report = load_nxdi(
+        ws.draft.path,
+        ws.folder / "target-medusa",
+        ws.args,
+        batch_size=ws.batch,
+        seq_len=ws.args.prompt_len + ws.args.new_tokens + nodes,
+        is_medusa=True,
+        medusa_speculation_length=nodes,
+        num_medusa_heads=bench_spec_trainers.MEDUSA_HEADS,
+        medusa_tree=[list(p) for p in DEFAULT_TREE],
+    )
+
+    def generate(ids: Any, new_tokens: int) -> Run:
+        tokens, adapter = _adapter_run(model, ids, new_tokens, assistant_model=model)
+        s = adapter.speculation_stats
+        calls = 1 + s["tree_steps"] + s["decode_steps"]
+        return Run(tokens=tokens, target_calls=calls, proposed=s["proposed"], accepted=s["accepted"])
+
+    label = f"nxdi speculation (medusa, {bench_spec_trainers.MEDUSA_HEADS} heads, {nodes} nodes)"
+    why = "transformers has no Medusa decoding: its generate() runs no Medusa heads or token tree"
+    return Sides(
+        nxdi=Side(label=label, generate=generate),
+        transformers=None,
+        compiled={"target + heads (medusa)": report},
+        close=model.close,
+        no_counterpart=why,
+    )
+
+
 METHODS: Mapping[str, Method] = {
     "draft": Method(summary="a separate draft model (speculation_length k on the target)", build=_draft_method),
+    "fused": Method(summary="the same draft model fused into the target's programs", build=_fused_method),
+    "medusa": Method(
+        summary="Medusa heads trained on the target, a 10-path tree",
+        build=_medusa_method,
+        trainer=bench_spec_trainers.medusa_heads,
+        draft_name="Medusa heads",
+        uses_k=False,
+    ),
+    "eagle": Method(
+        summary="an EAGLE draft trained on the target, fused (flat draft)",
+        build=_eagle_method,
+        trainer=bench_spec_trainers.eagle_draft,
+        draft_name="EAGLE draft",
+    ),
 }
-"""`--speculation` name -> method. Others (fused, medusa, eagle) are one entry each."""
+"""`--speculation` name -> method."""
 
 
 def hf_model(path: Path, dtype: str) -> Any:
