@@ -13,8 +13,8 @@ step. Each call returns every row's accepted tokens (`nxdi.shell.fused_speculati
   past its end is padded with pad_token_id. A finished row keeps being fed what its last step
   returned (so async_mode's predicted call still matches), or, at max_length, its last inputs.
 - `adapter.speculation_stats` counts fused steps (`target_steps`), tokens emitted, draft tokens
-  proposed (k-1 per live row and step: with a token tree, its nodes below the root) and accepted,
-  as the draft-model path does.
+  proposed (the most a step can accept per live row: k-1, with a token tree its depth, as Medusa's
+  count) and accepted, as the draft-model path does (accepted / proposed is the acceptance rate).
 Other logits processors, stopping criteria, a streamer and output scores are refused.
 """
 
@@ -92,7 +92,7 @@ def generate(
         IncompatibleConfigError: the prompts plus the new tokens need more than max_length positions.
     """
     spec = model.spec
-    k, limit = spec.speculation_length, spec.max_length
+    limit = spec.max_length
     lengths = attention_mask.to(torch.int64).sum(-1).clamp(max=model.context_capacity)
     longest = int(lengths.max())
     if longest + max_new_tokens - 1 > limit:
@@ -114,7 +114,7 @@ def generate(
         fused = model.forward(ids, position_ids=at, sampling_params=params).fused_outputs
         accepted, counts = fused[0], (fused[3] - at)[:, 0]
         stats["target_steps"] += 1
-        stats["proposed"] += int(live.sum()) * (k - 1)
+        stats["proposed"] += int(live.sum()) * (accepted.shape[1] - 1)  # [B, k] flat, [B, depth + 1] a tree
         stats["accepted"] += int((counts - 1)[live].sum())
         for row in live.nonzero()[:, 0].tolist():
             emitted = accepted[row, : min(int(counts[row]), int(room[row]))].tolist()

@@ -93,6 +93,7 @@ def test_fused_speculation_reports_the_fused_loops_counts(capsys: pytest.Capture
     [
         ("medusa", "Medusa heads", "transformers has no Medusa decoding"),
         ("eagle", "EAGLE draft", "transformers has no EAGLE decoding"),
+        ("eagle-tree", "EAGLE draft", "transformers has no EAGLE decoding"),
     ],
 )
 def test_medusa_and_eagle_are_measured_without_a_transformers_side(
@@ -100,16 +101,20 @@ def test_medusa_and_eagle_are_measured_without_a_transformers_side(
 ) -> None:
     """`medusa` and `eagle` at batch 2: heads / a draft trained on the target in the run, tokens
     equal nxdi greedy, and transformers' side reported as not measured, with the reason."""
-    assert main(_argv("--batch-size", "2", method=method, k=method != "medusa")) == 0
+    tree = method in ("medusa", "eagle-tree")
+    assert main(_argv("--batch-size", "2", method=method, k=not tree)) == 0
     doc = _doc(capsys)
     p = doc["pair"]
     assert (doc["method"], p["draft"]) == (method, draft) and p["draft_train_s"] > 0 and p["draft_parameters"] > 0
-    assert doc["speculation_length"] == (None if method == "medusa" else 4)
+    assert doc["speculation_length"] == (None if tree else 4)
     r, spec = _spec_side(doc, 2)
     assert set(r["sides"]) == set(SIDES) - {"transformers_assisted"}
     assert why in r["not_measured"]["transformers_assisted"]
     if method == "medusa":
         assert spec["proposed"] % 4 == 0 and spec["tokens_per_target_step"] > 2.5  # 4-deep tree, trained heads
+    if method == "eagle-tree":
+        assert spec["proposed"] % 4 == 0 and 0 < spec["acceptance"] <= 1  # EAGLE_TREE is 4 deep
+        assert "(eagle-tree, 9 nodes)" in r["labels"]["nxdi_speculation"]
     text = bench_speculation.render(doc)
     assert f"(c) transformers_assisted: not measured ({why}" in text and f"(b) nxdi speculation ({method}" in text
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -245,10 +246,14 @@ def _hf_assisted(ws: Workspace, k: int) -> Side:
     return Side(label=f"transformers assisted (k={k})", generate=generate)
 
 
-def _fused_side(ws: Workspace, name: str, *, eagle: bool) -> tuple[Side, Any, dict[str, float]]:
+def _fused_side(
+    ws: Workspace, name: str, *, eagle: bool, tree: Mapping[str, list[int]] | None = None
+) -> tuple[Side, Any, dict[str, float]]:
     """nxdi's fused speculation (b) with `ws.draft` inside the target's programs: the side, the
-    model and its compile report. Counts from `adapter.speculation_stats` (the fused loop's)."""
-    k = ws.args.speculation_length
+    model and its compile report. Counts from `adapter.speculation_stats` (the fused loop's). With
+    `tree` (EAGLE only) the draft proposes that token tree and k is its node count."""
+    k = ws.args.speculation_length if tree is None else 1 + sum(len(c) for c in tree.values())
+    extra = {} if tree is None else {"token_tree_config": dict(tree)}
     model, report = load_nxdi(
         ws.target.path,
         ws.folder / f"target-{name}",
@@ -260,6 +265,7 @@ def _fused_side(ws: Workspace, name: str, *, eagle: bool) -> tuple[Side, Any, di
         enable_fused_speculation=True,
         enable_eagle_speculation=eagle,
         on_device_sampling_config={"top_k": 1},  # fused programs pick their tokens on device
+        **extra,
     )
 
     def generate(ids: Any, new_tokens: int) -> Run:
@@ -267,7 +273,8 @@ def _fused_side(ws: Workspace, name: str, *, eagle: bool) -> tuple[Side, Any, di
         s = adapter.speculation_stats  # target_steps: fused steps after the context-encoding call
         return Run(tokens=tokens, target_calls=1 + s["target_steps"], proposed=s["proposed"], accepted=s["accepted"])
 
-    return Side(label=f"nxdi speculation ({name}, k={k})", generate=generate), model, report
+    label = f"nxdi speculation ({name}, k={k})" if tree is None else f"nxdi speculation ({name}, {k} nodes)"
+    return Side(label=label, generate=generate), model, report
 
 
 def _fused_method(ws: Workspace) -> Sides:
@@ -278,9 +285,15 @@ def _fused_method(ws: Workspace) -> Sides:
     return Sides(nxdi=side, transformers=theirs, compiled={"target + draft (fused)": report}, close=model.close)
 
 
-def _eagle_method(ws: Workspace) -> Sides:
-    """`eagle`: the EAGLE draft trained on the target, fused (flat draft)."""
-    side, model, report = _fused_side(ws, "eagle", eagle=True)
+EAGLE_TREE: Mapping[str, list[int]] = {"0": [1, 2], "1": [3, 4], "3": [5, 6], "5": [7, 8]}
+"""`eagle-tree`'s token tree: 9 nodes, 4 deep (up to 5 tokens a step, as the flat draft at k = 5),
+the draft's top 2 at each node of its best path."""
+
+
+def _eagle_method(ws: Workspace, tree: Mapping[str, list[int]] | None = None) -> Sides:
+    """`eagle`: the EAGLE draft trained on the target, fused (flat draft); `eagle-tree`: the same
+    draft proposing `EAGLE_TREE` (token_tree_config)."""
+    side, model, report = _fused_side(ws, "eagle" if tree is None else "eagle-tree", eagle=True, tree=tree)
     why = (
         "transformers has no EAGLE decoding: its assisted generation takes a separate draft model, "
         "not a draft fed the target's hidden states"
@@ -346,6 +359,13 @@ METHODS: Mapping[str, Method] = {
         build=_eagle_method,
         trainer=bench_spec_trainers.eagle_draft,
         draft_name="EAGLE draft",
+    ),
+    "eagle-tree": Method(
+        summary="the same EAGLE draft proposing a 9-node token tree (token_tree_config)",
+        build=functools.partial(_eagle_method, tree=EAGLE_TREE),
+        trainer=bench_spec_trainers.eagle_draft,
+        draft_name="EAGLE draft",
+        uses_k=False,
     ),
 }
 """`--speculation` name -> method."""

@@ -1,6 +1,6 @@
 """`nxdi bench generate --speculation METHOD`: speculative decoding against plain greedy decoding.
 
-    nxdi bench generate --speculation draft|fused|medusa|eagle [--shape small|toy]
+    nxdi bench generate --speculation draft|fused|medusa|eagle|eagle-tree [--shape small|toy]
                         [--speculation-length 5] [--prompt-len 16] [--new-tokens 64]
                         [--batch-size 1] [--repeat 3] [--threads 2] [--dtype float32] [--json]
 
@@ -25,6 +25,8 @@ exactly `--new-tokens` tokens (no EOS) by:
       paths, 11 nodes, 4 deep), `generate(assistant_model=model)`; compiled with seq_len longer
       by the 11 nodes a tree step needs free (k does not apply: `--speculation-length` is refused);
       `eagle`: the EAGLE draft fused (enable_eagle_speculation, is_eagle_draft, flat draft);
+      `eagle-tree`: the same draft proposing a 9-node, 4-deep token tree (token_tree_config,
+      `bench_spec_methods.EAGLE_TREE`; `--speculation-length` is refused, the tree sets k = 9);
   (c) transformers' own counterpart of METHOD, when it has one (`draft` and `fused`: assisted
       generation, `hf_target.generate(assistant_model=hf_draft)` with the same pair, k-1
       proposals per round, a constant schedule and no confidence cut-off; batch 1 only, as
@@ -75,7 +77,7 @@ def check_args(args: argparse.Namespace) -> None:
     args.new_tokens = DEFAULT_NEW_TOKENS if args.new_tokens is None else args.new_tokens
     problems = []
     if not METHODS[args.speculation].uses_k and args.speculation_length is not None:
-        why = "Medusa's tree sets the tokens a step scores; drop --speculation-length"
+        why = "its token tree sets the tokens a step scores; drop --speculation-length"
         problems.append(f"--speculation-length {args.speculation_length}: not used by {args.speculation} ({why})")
     if args.speculation_length is None:
         args.speculation_length = DEFAULT_SPECULATION_LENGTH
