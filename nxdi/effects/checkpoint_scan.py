@@ -226,6 +226,16 @@ def scan_checkpoint(ckpt: checkpoint.Checkpoint, keys: Collection[str]) -> Scan:
     return Scan(files=tuple(records), nonfinite=tuple(found.items()))
 
 
+def pin_file(files: checkpoint.CheckpointFiles, path: Path) -> SourceFile:
+    """The record of one more file a model reads beside the checkpoint `files` (a Medusa model's
+    heads), its path relative to the checkpoint's directory, so `check_pinned` checks it too.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    return _record(files, path, *_hash_file(path))
+
+
 # --- the pin --------------------------------------------------------------------------------------
 
 

@@ -16,6 +16,12 @@ plan, so a rank reads only its slices. From it:
   and returns a ready `Runtime`, warmed up when asked. Every expected failure is a Result.
 - `eager_runtime(model, source)` runs the pure programs eagerly (`to_cpu()`).
 
+The three paths (and `write_shards`, `repin_source`) take any `Deployable`: an `EngineModel`
+with its `CheckpointSource`, or a fused model (`nxdi.effects.fused_engine`: a target and its
+draft in one program per bucket) with both checkpoints. The model says which checkpoints its
+weights come from and where each is pinned (`source_pins`), how its weights are read, written
+and bound, how each program is traced, and how its runtime is built and warmed up.
+
 Every program, eager or compiled, is called the same way, with its weights already bound:
 `program(cache, inputs, params, uniforms) -> (StepOutputs, cache)`: logits, tokens and any extra
 outputs (a mixture of experts' routing, `StepSpec.extras`), which a compiled program returns as
@@ -32,11 +38,13 @@ rank, each on its KV heads of every block: `EngineModel.empty_cache`).
 
 With `is_medusa` every program also runs the Medusa heads (`EngineModel.forward_outputs`,
 `nxdi.core.programs.medusa`), bound as further weights after the model's own, read from its
-heads file (`CheckpointSource.medusa_heads`, `nxdi.effects.medusa_heads`); its speculation
+heads file (`CheckpointSource.medusa_heads`, `nxdi.effects.medusa_heads`, pinned in the manifest
+with the checkpoint's files); its speculation
 programs are the tree steps (`medusa_speculation_length` tokens per row).
 
 (Over 400 lines: the three paths share the weight reading, flat-step and binding definitions
-here, and splitting them would put one calling convention in several rooms. The block-KV
+here, and splitting them would put one calling convention in several rooms; the fused model's
+paths are these same functions, through `Deployable`. The block-KV
 variants of those definitions are branches of them for the same reason; the next kind of step
 should move the flat step, example and binding into their own module.)
 """
@@ -48,7 +56,7 @@ import functools
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -59,12 +67,12 @@ from nxdi.core.config.neuron_spec import NeuronSpec, Phase
 from nxdi.core.errors import ArtifactError, CheckpointError, Problem
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.planning import block_programs, buckets, sharding
+from nxdi.core.planning import block_programs, model_programs, sharding
 from nxdi.core.planning import medusa as medusa_plan
 from nxdi.core.planning.block_programs import BlockPlan
 from nxdi.core.planning.medusa import MedusaPlan
 from nxdi.core.planning.partition import Partition, check_partition, program_shard_plan
-from nxdi.core.planning.program_key import ProgramKey, program_keys
+from nxdi.core.planning.program_key import ProgramKey
 from nxdi.core.planning.rank_weights import rank_plan
 from nxdi.core.programs import block_kv, catalog, kv_cache, medusa
 from nxdi.core.programs.block_kv import BlockInputs
@@ -73,11 +81,12 @@ from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 from nxdi.core.programs.step import StepOutputs, StepSpec, example_inputs, step
 from nxdi.core.weight_plan import Combine, WeightPlan
-from nxdi.effects import artifacts, checkpoint, checkpoint_scan, medusa_heads, weight_loader
+from nxdi.effects import artifacts, checkpoint, medusa_heads, source_pins, weight_loader
 from nxdi.effects.artifacts import CompileResult, ProgramRequest
 from nxdi.effects.backends.base import Backend, LoadedProgram, Signature, WeightSet
 from nxdi.effects.distributed import ops
 from nxdi.effects.runtime import Program, Runtime
+from nxdi.effects.source_pins import CheckpointSource, Pinned
 
 INPUTS = ("input_ids", "position_ids", "last_index", "sampling_params", "uniforms")
 BLOCK_INPUTS = ("input_ids", "position_ids", *block_kv.NAMES, "sampling_params", "uniforms")
@@ -87,21 +96,6 @@ BLOCK_INPUTS = ("input_ids", "position_ids", *block_kv.NAMES, "sampling_params",
 def sharded_weights(rank: int) -> str:
     """Where rank `rank`'s weights go in a compiled-model folder (NxDI's file name)."""
     return f"weights/tp{rank}_sharded_checkpoint.safetensors"
-
-
-@attrs.frozen(kw_only=True)
-class CheckpointSource:
-    """Where a model's weights come from: the original checkpoint, and how it converts."""
-
-    path: str
-    """The original Hugging Face checkpoint (a folder or a file)."""
-    plan: WeightPlan
-    """How it converts into the programs' weights (the whole model; each rank derives its share)."""
-    allow_nonfinite: bool = False
-    """Accept NaN and inf weights (NXDI_ALLOW_NONFINITE_WEIGHTS=1); otherwise compile() and
-    to_cpu() refuse them, naming each tensor."""
-    medusa_heads: str | None = None
-    """A Medusa model's heads file (`medusa_heads.pt`, `nxdi.effects.medusa_heads`); None otherwise."""
 
 
 @attrs.frozen(kw_only=True)
@@ -214,41 +208,11 @@ class EngineModel:
             return value
         return medusa.MedusaWeights(decoder=value, heads=medusa.heads_from_tensors(tensors, plan.num_heads))
 
-    def tables(self) -> tuple[buckets.BucketTable, buckets.BucketTable]:
-        """The context-encoding and token-generation bucket tables (a parsed spec has valid ones)."""
-        context, token = buckets.context_table_for(self.spec), buckets.token_table_for(self.spec)
-        assert isinstance(context, Success), f"a validated spec has valid bucket tables: {context}"
-        assert isinstance(token, Success), f"a validated spec has valid bucket tables: {token}"
-        return context.unwrap(), token.unwrap()
-
-    def speculation_table(self) -> buckets.BucketTable | None:
-        """The speculation programs' table (`speculation_length` > 0; Medusa's tree steps), else None."""
-        if self.spec.is_medusa:
-            table = medusa_plan.tree_table_for(self.spec)
-        elif self.spec.speculation_length <= 0:
-            return None
-        else:
-            table = buckets.speculation_table_for(self.spec)
-        assert isinstance(table, Success), f"a validated spec has valid bucket tables: {table}"
-        return table.unwrap()
-
     def program_keys(self) -> tuple[ProgramKey, ...]:
-        """Every program the model compiles: per context bucket, per (batch bucket, length bucket)
-        of token generation (`program_key.program_keys`; none with trace_tokengen_model=False, a
-        target that decodes only in speculation steps), and with `speculation_length` k one
-        speculation program per length bucket scoring k tokens per row."""
-        plan = self.block_plan()
-        if plan is not None:
-            return plan.keys()
-        keys = program_keys(*self.tables())
-        if not self.spec.trace_tokengen_model:
-            keys = tuple(key for key in keys if key.phase is not Phase.TOKEN)
-        spec = self.speculation_table()
-        if spec is None:
-            return keys
-        k = self.spec.medusa_speculation_length if self.spec.is_medusa else self.spec.speculation_length
-        more = [ProgramKey.speculation(length, batch, k) for batch in spec.batch_sizes for length in spec.lengths]
-        return tuple(sorted({*keys, *more}))
+        """Every program the model compiles (`model_programs.plain_keys`: what `nxdi plan` counts)."""
+        keys = model_programs.plain_keys(self.spec)
+        assert isinstance(keys, Success), f"a validated spec has valid bucket tables: {keys}"
+        return keys.unwrap()
 
     def weight_names(self, plan: WeightPlan) -> tuple[str, ...]:
         """The weights a program binds, in order: the rank plan's own tensors (an alias is bound
@@ -281,6 +245,64 @@ class EngineModel:
         return kv_cache.empty_cache(
             self.model, batch=rows, length=slots, dtype=dtype, heads=part.kv_heads, device=device
         )
+
+    # --- what the three paths need (`Deployable`) ---
+
+    def bound_names(self, source: CheckpointSource) -> tuple[str, ...]:
+        return self.weight_names(source.plan)
+
+    def checkpoints(self, source: CheckpointSource) -> tuple[Pinned, ...]:
+        return (Pinned(source=source),)
+
+    def read(
+        self, source: CheckpointSource, *, check_values: bool = False
+    ) -> Result[dict[str, Tensor], CheckpointError]:
+        return read_weights(self, source, check_values=check_values)
+
+    def example_weights(self, source: CheckpointSource) -> Result[list[Tensor], CheckpointError]:
+        """Zeros of this rank's weights from the checkpoint's headers, then of a Medusa model's
+        heads (read, so a bad heads file is refused before tracing)."""
+        own = weight_loader.example_weights(self.weight_plan(source.plan), source.path)
+        if not self.spec.is_medusa:
+            return own
+        return own.bind(
+            lambda example: read_heads(self, source).map(
+                lambda heads: [*example, *(torch.zeros_like(t) for t in heads.values())]
+            )
+        )
+
+    def write_shards(self, folder: Path, source: CheckpointSource) -> Result[tuple[str, ...], CheckpointError]:
+        """Every rank's weights, one rank at a time (memory holds one rank's shard at most)."""
+        for rank in range(self.tp):
+            written = write_weights(folder, attrs.evolve(self, rank=rank), source)
+            if isinstance(written, Failure):
+                return Failure(written.failure())
+        return Success(tuple(sharded_weights(rank) for rank in range(self.tp)))
+
+    def request(
+        self, names: Sequence[str], key: ProgramKey, example: Sequence[Tensor], backend: Backend
+    ) -> ProgramRequest:
+        m = attrs.evolve(self, lowering=backend)  # its collectives, when the backend lowers them itself
+        return ProgramRequest(
+            key=key,
+            fn=_FlatStep(m, names, m.step_spec_for(key)),
+            signature=_signature(m, names, key),
+            example=functools.partial(_example, m, example, key),
+        )
+
+    def eager(self, tensors: Mapping[str, Tensor]) -> Runtime:
+        value, coll = self.weights_value(tensors), self.collectives()
+        programs: dict[ProgramKey, Program] = {
+            key: functools.partial(step, self.forward_outputs, value, spec=self.step_spec_for(key), coll=coll)
+            for key in self.program_keys()
+        }
+        return runtime_for(self, programs, value)
+
+    def runtime(self, bound: Mapping[ProgramKey, Program], tensors: Mapping[str, Tensor], backend: Backend) -> Runtime:
+        return runtime_for(self, bound, self.program.weights(tensors, spec=self.model), backend)
+
+    def warm_up(self, runtime: Runtime) -> None:
+        warm_up(runtime, self)
 
 
 # --- weights --------------------------------------------------------------------------------------
@@ -441,25 +463,63 @@ def warm_up(runtime: Runtime, model: EngineModel) -> None:
 # --- the three paths ----------------------------------------------------------------------------
 
 
-def eager_runtime(model: EngineModel, source: CheckpointSource) -> Result[Runtime, CheckpointError]:
-    """This rank's pure step programs, run eagerly, bound to its weights from `source`."""
+class Deployable(Protocol):
+    """What the three paths need of a model: an `EngineModel`, or a fused model (a target and its
+    draft in one program per bucket: `nxdi.effects.fused_engine.FusedEngineModel`). `source` is the
+    model's own kind of weight source (`CheckpointSource`, `FusedSource`)."""
 
-    def build(tensors: Mapping[str, Tensor]) -> Runtime:
-        value = model.weights_value(tensors)
-        coll = model.collectives()
-        programs: dict[ProgramKey, Program] = {
-            key: functools.partial(step, model.forward_outputs, value, spec=model.step_spec_for(key), coll=coll)
-            for key in model.program_keys()
-        }
-        return runtime_for(model, programs, value)
+    @property
+    def rank(self) -> int: ...
 
-    return read_weights(model, source, check_values=True).map(build)
+    def program_keys(self) -> tuple[ProgramKey, ...]: ...
+
+    def bound_names(self, source: Any) -> tuple[str, ...]:
+        """The weights every program binds, in order (an alias once)."""
+        ...
+
+    def checkpoints(self, source: Any) -> tuple[Pinned, ...]:
+        """Every checkpoint the weights come from, the one pinned in the manifest's `source` first."""
+        ...
+
+    def read(self, source: Any, *, check_values: bool = False) -> Result[dict[str, Tensor], CheckpointError]:
+        """This rank's converted weights by bound name (NaN and inf refused with `check_values`)."""
+        ...
+
+    def example_weights(self, source: Any) -> Result[list[Tensor], CheckpointError]:
+        """Zeros of the bound weights' shapes, in order, from the checkpoints' headers (tracing)."""
+        ...
+
+    def write_shards(self, folder: Path, source: Any) -> Result[tuple[str, ...], CheckpointError]:
+        """Write the weights into `folder`'s shard files (every rank's); their paths in the folder."""
+        ...
+
+    def request(self, names: Sequence[str], key: ProgramKey, example: Sequence[Tensor], backend: Backend) -> Any:
+        """The `artifacts.ProgramRequest` compiling `key`'s program for `backend`."""
+        ...
+
+    def eager(self, tensors: Mapping[str, Tensor]) -> Runtime:
+        """The runtime of the pure programs, run eagerly, bound to `tensors`."""
+        ...
+
+    def runtime(self, bound: Mapping[ProgramKey, Program], tensors: Mapping[str, Tensor], backend: Backend) -> Runtime:
+        """The runtime of the compiled programs `bound`, its cache on the backend's device."""
+        ...
+
+    def warm_up(self, runtime: Runtime) -> None:
+        """Run every program once on example inputs, then clear the cache."""
+        ...
+
+
+def eager_runtime(model: Deployable, source: Any) -> Result[Runtime, CheckpointError]:
+    """This rank's pure step programs, run eagerly, bound to its weights from `source` (NaN and
+    inf refused unless the source allows them)."""
+    return model.read(source, check_values=True).map(model.eager)
 
 
 def compile_model(
     root: str | os.PathLike[str],
-    model: EngineModel,
-    source: CheckpointSource,
+    model: Deployable,
+    source: Any,
     *,
     backend: Backend,
     graph_key: str,
@@ -472,52 +532,39 @@ def compile_model(
     `previous`: the compiled folder a build folder `root` will replace, whose unchanged programs
     are reused).
 
-    The checkpoint is first checked from its headers (keys, shapes, floating dtypes) and then read
-    once, file by file (`weight_loader.scan_source`): NaN and inf weights are refused unless
-    `source.allow_nonfinite`, and every file's size, mtime and sha256 are pinned in the manifest.
-    The programs are traced from the checkpoint's headers alone, once for every rank (all ranks
-    hold the same shapes). With `save_weights` every rank's weights are written, one rank at a
-    time, so loading needs no checkpoint (and memory holds one rank's shard at most).
+    Every checkpoint is first checked from its headers (keys, shapes, floating dtypes) and then read
+    once, file by file (`source_pins.scan`): NaN and inf weights are refused unless the source allows
+    them, and every file's size, mtime and sha256 are pinned (in the manifest; a fused draft's in
+    its own file, `Pinned.side`). The programs are traced from the checkpoints' headers alone,
+    once for every rank (all ranks hold the same shapes). With `save_weights` every rank's weights
+    are written, one rank at a time, so loading needs no checkpoint (and memory holds one rank's
+    shard at most).
 
     Returns:
-        The compile result, or a CheckpointError when the checkpoint does not fit the model or
-        holds NaN or inf (every problem listed).
+        The compile result, or a CheckpointError when a checkpoint does not fit the model or
+        holds NaN or inf (every problem of every checkpoint listed).
 
     Raises:
         Exceptions from tracing propagate; the folder then reads as not compiled.
     """
     folder = Path(root)
-    scanned = weight_loader.scan_source(source.path, source.plan, allow_nonfinite=source.allow_nonfinite)
+    scanned = source_pins.scan(model.checkpoints(source))
     if isinstance(scanned, Failure):
         return Failure(scanned.failure())
-    heads = read_heads(model, source) if model.spec.is_medusa else Success({})
-    if isinstance(heads, Failure):
-        return Failure(heads.failure())
     folder.mkdir(parents=True, exist_ok=True)
-    files = list(record)
+    files = [*record, *source_pins.write_side_pins(folder, scanned.unwrap())]
     if save_weights:
-        for rank in range(model.tp):
-            written = write_weights(folder, attrs.evolve(model, rank=rank), source)
-            if isinstance(written, Failure):
-                return Failure(written.failure())
-            files.append(sharded_weights(rank))
-    names = model.weight_names(source.plan)
-    model = attrs.evolve(model, lowering=backend)  # its collectives, when it lowers them itself
+        written = model.write_shards(folder, source)
+        if isinstance(written, Failure):
+            return Failure(written.failure())
+        files.extend(written.unwrap())
+    names = model.bound_names(source)
     ops.register()  # otherwise collectives trace as nxdi:: ops
 
     def requests(example: Sequence[Tensor]) -> list[ProgramRequest]:
-        example = [*example, *(torch.zeros_like(t) for t in heads.unwrap().values())]
-        return [
-            ProgramRequest(
-                key=key,
-                fn=_FlatStep(model, names, model.step_spec_for(key)),
-                signature=_signature(model, names, key),
-                example=functools.partial(_example, model, example, key),
-            )
-            for key in model.program_keys()
-        ]
+        return [model.request(names, key, example, backend) for key in model.program_keys()]
 
-    return weight_loader.example_weights(model.weight_plan(source.plan), source.path).map(
+    return model.example_weights(source).map(
         lambda example: artifacts.compile_programs(
             folder,
             requests(example),
@@ -526,79 +573,79 @@ def compile_model(
             cache_dir=cache_dir,
             record=files,
             previous=previous,
-            source=scanned.unwrap().files,
+            source=source_pins.manifest_source(scanned.unwrap()),
         )
     )
 
 
-def rank_weights(root: Path, model: EngineModel, source: CheckpointSource) -> Result[dict[str, Tensor], Any]:
+def rank_weights(root: Path, model: Deployable, source: Any) -> Result[dict[str, Tensor], Any]:
     """This rank's weights for the compiled folder `root`: its shard file there when the manifest
-    lists it (written by this compile, or by `write_shards` since), else its slices of the original
-    checkpoint, which must be the one pinned at compile (an ArtifactError when neither exists, or
-    when the checkpoint changed since: see `checkpoint_scan.check_pinned`). A shard the manifest
-    does not list (left by an earlier compile) is never read: nothing says which weights it holds."""
+    lists it (written by this compile, or by `write_shards` since), else read from the original
+    checkpoints, which must be the ones pinned at compile (an ArtifactError when one is gone, or
+    changed since: see `checkpoint_scan.check_pinned`). A shard the manifest does not list (left
+    by an earlier compile) is never read: nothing says which weights it holds."""
     return artifacts.read_manifest(root).bind(lambda manifest: _rank_weights(root, manifest, model, source))
 
 
 def _rank_weights(
-    root: Path, manifest: artifacts.Manifest, model: EngineModel, source: CheckpointSource
+    root: Path, manifest: artifacts.Manifest, model: Deployable, source: Any
 ) -> Result[dict[str, Tensor], Any]:
     rel = sharded_weights(model.rank)
     if rel in {f.path for f in manifest.files}:
-        shard = root / rel
-        try:
-            with checkpoint.open_checkpoint(shard) as ckpt:
-                tensors = dict(ckpt.iter_tensors())
-        except (checkpoint.CheckpointReadError, OSError) as e:  # it matched the manifest, yet is unreadable
-            why = f"cannot be read as weights ({type(e).__name__}: {e})"
-            fix = "compile again with save_sharded_checkpoint=True (or write it again with shard_weights())"
-            return Failure(ArtifactError(problems=(Problem.of(str(shard), "<unreadable>", why, fix),)))
-        missing = [n for n in model.weight_names(source.plan) if n not in tensors]
-        if missing:
-            why = f"lacks the weights {missing}"
-            return Failure(ArtifactError(problems=(Problem.of(str(shard), len(tensors), why),)))
-        return Success(tensors)
+        return _read_shard(root / rel, model.bound_names(source))
+    # The programs were traced, and the values checked, for the checkpoints as they were at compile.
+    checked = source_pins.check(root, manifest.source, model.checkpoints(source))
+    return checked.bind(lambda _: model.read(source))
+
+
+def _read_shard(shard: Path, names: Sequence[str]) -> Result[dict[str, Tensor], ArtifactError]:
+    """A shard file the manifest lists, holding every weight of `names`."""
     try:
-        found = checkpoint.find_checkpoint(source.path)
-    except FileNotFoundError:
-        why = (
-            "holds no checkpoint: the folder was compiled without save_sharded_checkpoint, so its weights come from it"
-        )
-        fix = "restore the checkpoint, or compile with save_sharded_checkpoint=True"
-        return Failure(ArtifactError(problems=(Problem.of(source.path, "<missing>", why, fix),), not_found=True))
-    # The programs were traced, and the values checked, for the checkpoint as it was at compile.
-    return checkpoint_scan.check_pinned(manifest.source, found).bind(lambda _: read_weights(model, source))
+        with checkpoint.open_checkpoint(shard) as ckpt:
+            tensors = dict(ckpt.iter_tensors())
+    except (checkpoint.CheckpointReadError, OSError) as e:  # it matched the manifest, yet is unreadable
+        why = f"cannot be read as weights ({type(e).__name__}: {e})"
+        fix = "compile again with save_sharded_checkpoint=True (or write it again with shard_weights())"
+        return Failure(ArtifactError(problems=(Problem.of(str(shard), "<unreadable>", why, fix),)))
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        return Failure(ArtifactError(problems=(Problem.of(str(shard), len(tensors), f"lacks the weights {missing}"),)))
+    return Success(tensors)
 
 
-def write_shards(root: str | os.PathLike[str], model: EngineModel, source: CheckpointSource) -> Result[Path, Any]:
-    """Write every rank's weights into the folder `root`, one rank at a time, and, when `root` is
-    compiled, list them in its manifest so that loading uses them (see `rank_weights`). The
+def write_shards(root: str | os.PathLike[str], model: Deployable, source: Any) -> Result[Path, Any]:
+    """Write every rank's weights into the folder `root` (`Deployable.write_shards`) and, when `root`
+    is compiled, list them in its manifest so that loading uses them (see `rank_weights`). The
     caller holds the folder's lock exclusively.
 
     Returns:
         The folder, or the CheckpointError of reading the weights.
     """
     folder = Path(root)
-    for rank in range(model.tp):
-        written = write_weights(folder, attrs.evolve(model, rank=rank), source)
-        if isinstance(written, Failure):
-            return written
-    if not (folder / artifacts.MANIFEST).is_file():
-        return Success(folder)  # not compiled yet: compile() writes its own weights, or none
-    return artifacts.add_files(folder, [sharded_weights(r) for r in range(model.tp)]).map(lambda _: folder)
+    written = model.write_shards(folder, source)
+    if isinstance(written, Failure) or not (folder / artifacts.MANIFEST).is_file():
+        return written.map(lambda _: folder)  # not compiled yet: compile() writes its own weights, or none
+    return written.bind(lambda rels: artifacts.add_files(folder, rels)).map(lambda _: folder)
 
 
-def repin_source(root: str | os.PathLike[str], source: CheckpointSource) -> Result[artifacts.Manifest, Any]:
-    """Accept the original checkpoint as it is now for the compiled folder `root`: check it as
-    compile() does (headers, then every value, `weight_loader.scan_source`) and pin its files in the
-    manifest (`artifacts.replace_source`). The caller holds the folder's lock exclusively.
+def repin_source(root: str | os.PathLike[str], model: Deployable, source: Any) -> Result[artifacts.Manifest, Any]:
+    """Accept the original checkpoints as they are now for the compiled folder `root`: check them as
+    compile() does (`source_pins.scan`) and pin their files: in the manifest (`artifacts.replace_source`),
+    with a Medusa model's heads file (checked when loading reads it), and a fused draft's in its own
+    file (recorded again). The caller holds the folder's lock exclusively.
 
     Returns:
-        The new manifest, or a CheckpointError (the checkpoint does not fit the model, or holds
-        NaN or inf) or the ArtifactError of reading the manifest.
+        The new manifest, or a CheckpointError (a checkpoint does not fit the model, or holds NaN
+        or inf; the heads file is missing) or the ArtifactError of reading the manifest.
     """
-    scanned = weight_loader.scan_source(source.path, source.plan, allow_nonfinite=source.allow_nonfinite)
-    return scanned.bind(lambda scan: artifacts.replace_source(root, scan.files))
+    folder = Path(root)
+
+    def pin(scanned: source_pins.Scanned) -> Result[artifacts.Manifest, Any]:
+        replaced = artifacts.replace_source(folder, source_pins.manifest_source(scanned))
+        sides = source_pins.write_side_pins(folder, scanned) if isinstance(replaced, Success) else []
+        return replaced.bind(lambda m: artifacts.add_files(folder, sides) if sides else Success(m))
+
+    return source_pins.scan(model.checkpoints(source)).bind(pin)
 
 
 def bind_programs(
@@ -628,15 +675,15 @@ def bind_programs(
 
 def load_model(
     root: str | os.PathLike[str],
-    model: EngineModel,
-    source: CheckpointSource,
+    model: Deployable,
+    source: Any,
     *,
     backend: Backend,
     graph_key: str,
     warmup: bool = True,
 ) -> Result[Runtime, ArtifactError | CheckpointError]:
     """This rank's runtime from the compiled folder `root`: programs read back (no tracing), bound to
-    its weights.
+    its weights (`rank_weights`).
 
     Returns:
         `Success(Runtime)` (warmed up when `warmup`), or a Failure: `ArtifactError` when nothing is
@@ -647,19 +694,19 @@ def load_model(
     """
     folder = Path(root)
     ops.register()  # before reading programs that call nxdi:: collectives
-    names = model.weight_names(source.plan)
+    names = model.bound_names(source)
     loaded: Result[Runtime, ArtifactError | CheckpointError] = artifacts.load_programs(
         folder, backend, graph_key=graph_key
     ).bind(
         lambda programs: rank_weights(folder, model, source).bind(
             lambda tensors: bind_programs(backend, programs, model.rank, names, tensors).map(
-                lambda bound: runtime_for(model, bound, model.program.weights(tensors, spec=model.model), backend)
+                lambda bound: model.runtime(bound, tensors, backend)
             )
         )
     )
     match loaded:
         case Success(runtime) if warmup:
-            warm_up(runtime, model)
+            model.warm_up(runtime)
     return loaded
 
 

@@ -1,13 +1,15 @@
 """A fused-speculation model on the engine: a draft model and its target in one program per bucket.
-Effects: reads both checkpoints, traces and writes the programs, reads them back, allocates the
-joined KV cache, runs warm-up steps.
+Effects: reads both checkpoints, traces the programs, allocates the joined KV cache, runs warm-up steps.
 
-The same three paths as `nxdi.effects.engine` (eager, compile, load), for a `FusedEngineModel`
-(the target's and the draft's `EngineModel`, one rank) and a `FusedSource` (both checkpoints):
+A `FusedEngineModel` (the target's and the draft's `EngineModel`, one rank) with a `FusedSource`
+(both checkpoints) goes through the engine's own three paths (`engine.eager_runtime`,
+`engine.compile_model`, `engine.load_model`, and `write_shards`, `repin_source`): it is an
+`engine.Deployable`. What is fused-specific lives here:
 
 - Weights: every program binds the target's weights under `target_model.` and the draft's under
   `draft_model.` (NxDI's prefixes for a fused model), each converted by its own weight plan from
-  its own checkpoint (the draft's: `draft_model_path`).
+  its own checkpoint (the draft's: `draft_model_path`); `save_sharded_checkpoint` writes both
+  models' weights to one shard file.
 - Cache: one `KVCache`, the target's layers then the draft's (then, with EAGLE, the target's
   hidden-state cache, `nxdi.core.programs.eagle_fused`), `max_length + speculation_length` slots
   per row (`nxdi.core.planning.fused_programs`).
@@ -16,21 +18,15 @@ The same three paths as `nxdi.effects.engine` (eager, compile, load), for a `Fus
   draft: `eagle_fused.context_step` and `eagle_fused.fused_step`, or with `token_tree_config`
   `eagle_tree.fused_step`); all take the
   engine's inputs (`engine.INPUTS`: a fused step's `uniforms` are [B, k]).
-- A compiled folder pins the target's checkpoint in its manifest, as any model, and the draft's in
-  `draft_source.json` (listed in the manifest): loading refuses either checkpoint if it changed
-  since compile, unless the folder holds the weights (`save_sharded_checkpoint`: one shard file
-  with both models' weights).
-
-(Over 400 lines: the three paths of one fused model, kept with the model value they share, as
-`nxdi.effects.engine` keeps its own.)
+- Pins (`checkpoints`): a compiled folder pins the target's checkpoint in its manifest, as any
+  model, and the draft's in `draft_source.json` (listed in the manifest): loading refuses either
+  checkpoint if it changed since compile, unless the folder holds the weights.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +37,7 @@ from torch import Tensor
 
 from nxdi.core.config.neuron_spec import NeuronSpec, Phase
 from nxdi.core.eagle_layout import EagleDraft
-from nxdi.core.errors import ArtifactError, CheckpointError, Problem
+from nxdi.core.errors import CheckpointError, Problem
 from nxdi.core.host import weight_ops
 from nxdi.core.planning import eagle_tree as eagle_tree_plan
 from nxdi.core.planning import fused_programs
@@ -52,10 +48,9 @@ from nxdi.core.programs.fused_speculation import FusedSpec, FusedWeights
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 from nxdi.core.programs.step import example_inputs
-from nxdi.effects import artifacts, checkpoint, checkpoint_scan, engine, files, weight_loader
-from nxdi.effects.artifacts import CompileResult, ProgramRequest
+from nxdi.effects import checkpoint, engine, weight_loader
+from nxdi.effects.artifacts import ProgramRequest
 from nxdi.effects.backends.base import Backend, Signature
-from nxdi.effects.distributed import ops
 from nxdi.effects.runtime import Program, Runtime
 
 TARGET_PREFIX = "target_model."
@@ -165,6 +160,61 @@ class FusedEngineModel:
             return x, params, uniforms
         return x, params, torch.full((key.batch, self.spec.speculation_length), 0.5)
 
+    # --- what the engine's three paths need (`engine.Deployable`) ---
+
+    @property
+    def rank(self) -> int:
+        """The one rank the fused programs run on."""
+        return self.target.rank
+
+    def bound_names(self, source: FusedSource) -> tuple[str, ...]:
+        return self.weight_names(source)
+
+    def checkpoints(self, source: FusedSource) -> tuple[engine.Pinned, ...]:
+        """The target's checkpoint (pinned in the manifest), then the draft's (in `draft_source.json`)."""
+        draft = engine.Pinned(source=source.draft, side=DRAFT_SOURCE, prefix=DRAFT_PREFIX.rstrip("."))
+        return (engine.Pinned(source=source.target), draft)
+
+    def read(self, source: FusedSource, *, check_values: bool = False) -> Result[dict[str, Tensor], CheckpointError]:
+        return read_weights(self, source, check_values=check_values)
+
+    def example_weights(self, source: FusedSource) -> Result[list[Tensor], CheckpointError]:
+        target, draft = (
+            weight_loader.example_weights(m.weight_plan(s.plan), s.path)
+            for m, s in ((self.target, source.target), (self.draft, source.draft))
+        )
+        return target.bind(lambda t: draft.map(lambda d: [*t, *d]))
+
+    def write_shards(self, folder: Path, source: FusedSource) -> Result[tuple[str, ...], CheckpointError]:
+        """Both models' weights (prefixed, an alias once) in one shard file."""
+        names, rel = self.weight_names(source), engine.sharded_weights(0)
+        return read_weights(self, source).map(
+            lambda t: (checkpoint.write_safetensors(folder / rel, {n: t[n] for n in names}), (rel,))[1]
+        )
+
+    def request(
+        self, names: Sequence[str], key: ProgramKey, example: Sequence[Tensor], backend: Backend
+    ) -> ProgramRequest:
+        return ProgramRequest(
+            key=key,
+            fn=_Flat(self, names, key),
+            signature=_signature(self, names, key),
+            example=functools.partial(_example, self, example, key),
+        )
+
+    def eager(self, tensors: Mapping[str, Tensor]) -> Runtime:
+        value = self.weights(tensors)
+        programs = {key: self.program(key, value) for key in self.program_keys()}
+        cache = self.empty_cache(length=fused_programs.cache_length(self.spec))
+        return engine.runtime_for(self.target, programs, value, cache=cache)
+
+    def runtime(self, bound: Mapping[ProgramKey, Program], tensors: Mapping[str, Tensor], backend: Backend) -> Runtime:
+        cache = self.empty_cache(length=fused_programs.cache_length(self.spec), device=backend.device)
+        return engine.runtime_for(self.target, bound, self.weights(tensors), backend, cache=cache)
+
+    def warm_up(self, runtime: Runtime) -> None:
+        warm_up(runtime, self)
+
 
 def _unprefixed(tensors: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
     return {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)}
@@ -196,33 +246,6 @@ def _problems(result: Result[Any, Any], prefix: str) -> list[Problem]:
     return [p.prefixed(prefix) for p in found] if prefix else list(found)
 
 
-def _scan_both(
-    source: FusedSource,
-) -> Result[tuple[tuple[checkpoint_scan.SourceFile, ...], tuple[checkpoint_scan.SourceFile, ...]], CheckpointError]:
-    """Check both checkpoints as compile() does (headers, then NaN/inf unless allowed): their files
-    to pin, target's then draft's, or every problem of either (the draft's prefixed)."""
-    scans = [
-        weight_loader.scan_source(s.path, s.plan, allow_nonfinite=s.allow_nonfinite)
-        for s in (source.target, source.draft)
-    ]
-    failed = [*_problems(scans[0], ""), *_problems(scans[1], DRAFT_PREFIX.rstrip("."))]
-    if failed:
-        return Failure(CheckpointError(problems=tuple(failed)))
-    return Success((scans[0].unwrap().files, scans[1].unwrap().files))
-
-
-def eager_runtime(model: FusedEngineModel, source: FusedSource) -> Result[Runtime, CheckpointError]:
-    """The pure fused programs, run eagerly, bound to both models' weights."""
-
-    def build(tensors: Mapping[str, Tensor]) -> Runtime:
-        value = model.weights(tensors)
-        programs = {key: model.program(key, value) for key in model.program_keys()}
-        cache = model.empty_cache(length=fused_programs.cache_length(model.spec))
-        return engine.runtime_for(model.target, programs, value, cache=cache)
-
-    return read_weights(model, source, check_values=True).map(build)
-
-
 class _Flat:
     """A fused program as `fn(*weights, *cache, *inputs) -> (*outputs, *cache)` (what a backend traces)."""
 
@@ -252,193 +275,6 @@ def _example(model: FusedEngineModel, weights: Sequence[Tensor], key: ProgramKey
     x, params, uniforms = model.example(key)
     cache = model.empty_cache(length=key.length, batch=key.batch)
     return [*weights, *cache.to_tensors(), *x.to_tensors(), params, uniforms]
-
-
-def _write_draft_pin(folder: Path, pinned: Iterable[checkpoint_scan.SourceFile]) -> str:
-    """Write the draft checkpoint's files into `draft_source.json` (atomically); its name."""
-    doc = {"files": [f.to_json() for f in pinned]}
-    files.write_text_atomic(folder / DRAFT_SOURCE, json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    return DRAFT_SOURCE
-
-
-def compile_model(
-    root: str | os.PathLike[str],
-    model: FusedEngineModel,
-    source: FusedSource,
-    *,
-    backend: Backend,
-    graph_key: str,
-    save_weights: bool = False,
-    cache_dir: str | os.PathLike[str] | None = None,
-    record: Iterable[str] = (),
-    previous: str | os.PathLike[str] | None = None,
-) -> Result[CompileResult, CheckpointError]:
-    """Compile every fused program into the folder `root` (as `engine.compile_model`): both
-    checkpoints are checked from their headers, then read once (NaN and inf refused unless allowed)
-    and pinned; with `save_weights` both models' weights go to one shard file.
-
-    Returns:
-        The compile result, or a CheckpointError naming every problem of either checkpoint.
-
-    Raises:
-        Exceptions from tracing propagate; the folder then reads as not compiled.
-    """
-    folder = Path(root)
-    scanned = _scan_both(source)
-    if isinstance(scanned, Failure):
-        return scanned
-    target_files, draft_files = scanned.unwrap()
-    folder.mkdir(parents=True, exist_ok=True)
-    recorded = [*record, _write_draft_pin(folder, draft_files)]
-    if save_weights:
-        written = write_shards(folder, model, source, listed=False)
-        if isinstance(written, Failure):
-            return Failure(written.failure())
-        recorded.append(engine.sharded_weights(0))
-    names = model.weight_names(source)
-    examples = [
-        weight_loader.example_weights(m.weight_plan(s.plan), s.path)
-        for m, s in ((model.target, source.target), (model.draft, source.draft))
-    ]
-    ops.register()
-
-    def requests(weights: Sequence[Tensor]) -> list[ProgramRequest]:
-        return [
-            ProgramRequest(
-                key=key,
-                fn=_Flat(model, names, key),
-                signature=_signature(model, names, key),
-                example=functools.partial(_example, model, weights, key),
-            )
-            for key in model.program_keys()
-        ]
-
-    return (
-        examples[0]
-        .bind(lambda t: examples[1].map(lambda d: [*t, *d]))
-        .map(
-            lambda weights: artifacts.compile_programs(
-                folder,
-                requests(weights),
-                graph_key=graph_key,
-                backend=backend,
-                cache_dir=cache_dir,
-                record=recorded,
-                previous=previous,
-                source=target_files,
-            )
-        )
-    )
-
-
-def write_shards(
-    root: str | os.PathLike[str], model: FusedEngineModel, source: FusedSource, *, listed: bool = True
-) -> Result[Path, Any]:
-    """Write both models' weights (prefixed, an alias once) to the folder's shard file; with `listed`
-    and a compiled `root`, list it in the manifest so loading reads it (as `engine.write_shards`)."""
-    folder = Path(root)
-    names = model.weight_names(source)
-    written = read_weights(model, source).map(
-        lambda t: checkpoint.write_safetensors(folder / engine.sharded_weights(0), {n: t[n] for n in names})
-    )
-    if isinstance(written, Failure) or not listed or not (folder / artifacts.MANIFEST).is_file():
-        return written.map(lambda _: folder)
-    return artifacts.add_files(folder, [engine.sharded_weights(0)]).map(lambda _: folder)
-
-
-def repin_source(root: str | os.PathLike[str], source: FusedSource) -> Result[Any, Any]:
-    """Accept both checkpoints as they are now (checked as compile() checks them) and pin them:
-    the target's in the manifest, the draft's in `draft_source.json` (recorded again)."""
-    folder = Path(root)
-    scanned = _scan_both(source)
-    if isinstance(scanned, Failure):
-        return scanned
-    target_files, draft_files = scanned.unwrap()
-    return artifacts.replace_source(folder, target_files).bind(
-        lambda _: artifacts.add_files(folder, [_write_draft_pin(folder, draft_files)])
-    )
-
-
-def _weights(root: Path, model: FusedEngineModel, source: FusedSource) -> Result[dict[str, Tensor], Any]:
-    """Both models' weights for the compiled folder `root`: its shard file when the manifest lists
-    it, else each original checkpoint, which must be the one pinned at compile (see `engine.rank_weights`)."""
-    manifest = artifacts.read_manifest(root)
-    if isinstance(manifest, Failure):
-        return manifest
-    rel = engine.sharded_weights(0)
-    if rel in {f.path for f in manifest.unwrap().files}:
-        shard = root / rel
-        try:
-            with checkpoint.open_checkpoint(shard) as ckpt:
-                tensors = dict(ckpt.iter_tensors())
-        except (checkpoint.CheckpointReadError, OSError) as e:
-            why = f"cannot be read as weights ({type(e).__name__}: {e})"
-            fix = "compile again with save_sharded_checkpoint=True (or write it again with shard_weights())"
-            return Failure(ArtifactError(problems=(Problem.of(str(shard), "<unreadable>", why, fix),)))
-        missing = [n for n in model.weight_names(source) if n not in tensors]
-        if missing:
-            return Failure(
-                ArtifactError(problems=(Problem.of(str(shard), len(tensors), f"lacks the weights {missing}"),))
-            )
-        return Success(tensors)
-    pins = [(source.target, manifest.unwrap().source), (source.draft, _read_draft_pin(root))]
-    problems: list[Problem] = []
-    missing = False
-    for src, pinned in pins:
-        try:
-            found = checkpoint.find_checkpoint(src.path)
-        except FileNotFoundError:
-            why = (
-                "holds no checkpoint: the folder was compiled without save_sharded_checkpoint, so weights come from it"
-            )
-            fix = "restore the checkpoint, or compile with save_sharded_checkpoint=True"
-            problems.append(Problem.of(src.path, "<missing>", why, fix))
-            missing = True
-            continue
-        problems.extend(_problems(checkpoint_scan.check_pinned(pinned, found), ""))
-    if problems:  # a gone checkpoint reads as weights gone (FileNotFoundError), as for any model
-        return Failure(ArtifactError(problems=tuple(problems), not_found=missing))
-    return read_weights(model, source)
-
-
-def _read_draft_pin(root: Path) -> tuple[checkpoint_scan.SourceFile, ...]:
-    """The draft checkpoint's files as compiled (none when the folder holds no record: nothing pinned)."""
-    path = root / DRAFT_SOURCE
-    if not path.is_file():
-        return ()
-    raw = json.loads(path.read_text(encoding="utf-8"))
-    return tuple(checkpoint_scan.SourceFile.from_json(f) for f in raw.get("files", ()))
-
-
-def load_model(
-    root: str | os.PathLike[str],
-    model: FusedEngineModel,
-    source: FusedSource,
-    *,
-    backend: Backend,
-    graph_key: str,
-    warmup: bool = True,
-) -> Result[Runtime, ArtifactError | CheckpointError]:
-    """The fused runtime from the compiled folder `root`: programs read back (no tracing), bound to
-    both models' weights (see `engine.load_model` for the failures)."""
-    folder = Path(root)
-    ops.register()
-    names = model.weight_names(source)
-
-    def runtime(programs: Mapping[ProgramKey, Any], tensors: Mapping[str, Tensor]) -> Result[Runtime, Any]:
-        cache = model.empty_cache(length=fused_programs.cache_length(model.spec), device=backend.device)
-        value = model.weights(tensors)
-        return engine.bind_programs(backend, programs, 0, names, tensors).map(
-            lambda bound: engine.runtime_for(model.target, bound, value, backend, cache=cache)
-        )
-
-    loaded: Result[Runtime, Any] = artifacts.load_programs(folder, backend, graph_key=graph_key).bind(
-        lambda programs: _weights(folder, model, source).bind(lambda tensors: runtime(programs, tensors))
-    )
-    match loaded:
-        case Success(rt) if warmup:
-            warm_up(rt, model)
-    return loaded
 
 
 def warm_up(runtime: Runtime, model: FusedEngineModel) -> None:

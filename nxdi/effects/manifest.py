@@ -89,7 +89,8 @@ class Manifest:
     files: tuple[FileRecord, ...] = attrs.field(converter=_files)
     source: tuple[SourceFile, ...] = attrs.field(default=(), converter=_sources)
     """The original checkpoint's files when compiled (names relative to it, sizes, mtimes,
-    sha256): load() refuses a changed checkpoint when it reads the weights from it."""
+    sha256), and a Medusa model's heads file (`medusa_heads.pt`, named relative to the checkpoint):
+    load() refuses a changed checkpoint or heads file when it reads the weights from them."""
     format: int = FORMAT
 
     def to_json(self) -> dict[str, Any]:
@@ -195,6 +196,28 @@ def replace_source(directory: str | os.PathLike[str], source: Iterable[SourceFil
         return new
 
     return read_manifest(root).map(write)
+
+
+def write_side_pin(directory: str | os.PathLike[str], name: str, pinned: Iterable[SourceFile]) -> str:
+    """Pin one more checkpoint the folder reads (a fused draft's) in its own file `name` beside the
+    manifest (written atomically), `{"files": [...]}` as the manifest's `source`; returns `name`,
+    for the caller to record in the manifest."""
+    doc = {"files": [f.to_json() for f in pinned]}
+    files.write_text_atomic(Path(directory) / name, json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    return name
+
+
+def read_side_pin(directory: str | os.PathLike[str], name: str) -> tuple[SourceFile, ...]:
+    """The files `write_side_pin` pinned in `name` (none when the folder has no such file: nothing pinned).
+
+    Raises:
+        ValueError, KeyError, TypeError: a malformed file (the manifest records it, so `verify` finds it changed first).
+    """
+    path = Path(directory) / name
+    if not path.is_file():
+        return ()
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    return tuple(SourceFile.from_json(f) for f in raw.get("files", ()))
 
 
 def add_files(directory: str | os.PathLike[str], rels: Iterable[str]) -> Result[Manifest, ArtifactError]:

@@ -6,6 +6,11 @@ it against the layout `nxdi.core.planning.medusa.head_shapes` gives (every key p
 shape right, floating point, finite), and casts the heads to the model's dtype. Keys of heads
 beyond `num_medusa_heads` are ignored (a model may use fewer heads than were trained). Every
 problem is reported at once, each naming the file and the key.
+
+A compiled folder pins the heads file in its manifest with the checkpoint's files (`pin`), so a
+load that reads its weights from the original checkpoint (no `save_sharded_checkpoint`) refuses
+heads changed since compile, naming the file (the fix: compile again, or re-pin with
+`load(..., repin_checkpoint=True)`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import re
 import zipfile
 from pathlib import Path
 
+import attrs
 import torch
 from returns.result import Failure, Result, Success
 from torch import Tensor
@@ -27,6 +33,7 @@ from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import medusa as medusa_plan
 from nxdi.effects import checkpoint, checkpoint_scan
+from nxdi.effects.checkpoint_scan import SourceFile
 
 _READ_ERRORS = (
     OSError,
@@ -50,14 +57,38 @@ def heads_path(model_path: str | os.PathLike[str]) -> Path:
     return (path.parent if path.is_file() else path) / medusa_plan.HEADS_FILE
 
 
-def _load(path: Path) -> Result[dict[str, Tensor], CheckpointError]:
-    """The file's name -> tensor dict, read with weights_only=True."""
+def _absent(path: Path) -> CheckpointError | None:
+    """The error of a heads file that is missing or not a regular file, else None."""
     if not os.path.lexists(path):
         why = "is missing: a Medusa model (is_medusa=True) reads its heads from it"
-        return Failure(CheckpointError.of(str(path), "<missing>", why, _FIX))
+        return CheckpointError.of(str(path), "<missing>", why, _FIX)
     odd = checkpoint.irregular(path)
     if odd is not None:
-        return Failure(CheckpointError.of(str(path), "<not a file>", f"is {odd}", "replace it with the heads' file"))
+        return CheckpointError.of(str(path), "<not a file>", f"is {odd}", "replace it with the heads' file")
+    return None
+
+
+def pin(path: str | os.PathLike[str], files: checkpoint.CheckpointFiles) -> Result[SourceFile, CheckpointError]:
+    """The heads file's record for a compiled folder's manifest, beside the checkpoint `files`' own
+    (`checkpoint_scan.pin_file`): load() then refuses heads changed since compile, as it refuses a
+    changed checkpoint. A CheckpointError when the file is missing or not a regular file."""
+    where = Path(path)
+    absent = _absent(where)
+    return Failure(absent) if absent is not None else Success(checkpoint_scan.pin_file(files, where))
+
+
+def pinned_files(files: checkpoint.CheckpointFiles, path: str | os.PathLike[str]) -> checkpoint.CheckpointFiles:
+    """The checkpoint `files` with the heads file `path` among them (when it exists), as load()
+    compares them with the manifest's pins (a gone heads file then reads as gone since compile)."""
+    where = Path(path)
+    return attrs.evolve(files, shards=(*files.shards, where)) if os.path.lexists(where) else files
+
+
+def _load(path: Path) -> Result[dict[str, Tensor], CheckpointError]:
+    """The file's name -> tensor dict, read with weights_only=True."""
+    absent = _absent(path)
+    if absent is not None:
+        return Failure(absent)
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except _READ_ERRORS as e:

@@ -495,7 +495,7 @@ class NeuronApplicationBase:
                 if self._fused is not None:
                     self._fused.repin(folder, self.checkpoint_path)
                     return
-                unwrap(engine.repin_source(folder, source))
+                unwrap(engine.repin_source(folder, self._engine_model(), source))
 
         launch.once(self._engine_model(), env_mod.read_env(), write)
 

@@ -182,16 +182,16 @@ class FusedModel:
         """Both models' weights and the fused programs: eager when `root` is None, else loaded."""
         model, source = self.engine_model(), self.source(checkpoint)
         if root is None:
-            return unwrap(fused_engine.eager_runtime(model, source))
+            return unwrap(engine.eager_runtime(model, source))
         assert backend is not None
-        loaded = fused_engine.load_model(root, model, source, backend=backend, graph_key=graph_key, warmup=warmup)
+        loaded = engine.load_model(root, model, source, backend=backend, graph_key=graph_key, warmup=warmup)
         return unwrap(loaded)
 
     def compile_into(
         self, folder: Any, *, backend: Backend, graph_key: str, **kwargs: Any
     ) -> Result[CompileResult, Any]:
         """Compile the fused programs into `folder` (compile()'s build folder; `kwargs`: record, previous)."""
-        return fused_engine.compile_model(
+        return engine.compile_model(
             folder,
             self.engine_model(),
             self.source(self.target.model_path),
@@ -204,10 +204,10 @@ class FusedModel:
 
     def write_shards(self, folder: Any) -> None:
         """Both models' weights into the folder (`shard_weights()`), read from their checkpoints."""
-        unwrap(fused_engine.write_shards(folder, self.engine_model(), self.source(self.target.checkpoint_path)))
+        unwrap(engine.write_shards(folder, self.engine_model(), self.source(self.target.checkpoint_path)))
 
     def repin(self, folder: Any, checkpoint: str) -> None:
-        unwrap(fused_engine.repin_source(folder, self.source(checkpoint)))
+        unwrap(engine.repin_source(folder, self.engine_model(), self.source(checkpoint)))
 
     # --- forward -----------------------------------------------------------------------------------
     def forward(

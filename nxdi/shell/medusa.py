@@ -97,14 +97,18 @@ def generate(
     while any(_room(row, max_new_tokens, eos_token_id) for row in out):
         room = torch.tensor([_room(row, max_new_tokens, eos_token_id) for row in out])
         if int(at.max()) + plan.nodes > model.spec.max_length:
-            # No room for a tree step: finish with single-token steps (finished rows rewrite their own slot).
-            decoded = model.forward(cur[:, None], position_ids=at[:, None], sampling_params=greedy)
-            nxt, going = _greedy(decoded), room > 0
-            for row in going.nonzero()[:, 0].tolist():
-                out[row].append(int(nxt[row]))
-            cur, at = torch.where(going, nxt, cur), at + going.long()
+            # No room for a tree step: finish with single-token steps of the rows that go on (a
+            # finished row may sit at max_length, where no step can run, so it is left out).
+            rows = (room > 0).nonzero()[:, 0]
+            decoded = model.forward(
+                cur[rows, None], position_ids=at[rows, None], seq_ids=rows, sampling_params=greedy[rows]
+            )
+            nxt = _greedy(decoded)
+            for i, row in enumerate(rows.tolist()):
+                out[row].append(int(nxt[i]))
+            cur, at = cur.index_put((rows,), nxt), at.index_add(0, rows, torch.ones_like(rows))
             stats["decode_steps"] += 1
-            stats["emitted"] += int(going.sum())
+            stats["emitted"] += len(rows)
             continue
         step = tree_step(model, token_tree.candidate_tokens(cur, candidates, plan.tree), at)
         stats["tree_steps"] += 1

@@ -9,6 +9,7 @@ Drafts of the tiny llama: `random` (random EAGLE layers and fc: almost nothing a
 
 - greedy tokens equal transformers' greedy tokens at batch 1 and 4, with acceptance below / above
   stated bounds, through the context and fused programs only;
+- rows at different positions cross token-generation buckets up to the last position of seq_len;
 - compile() + load() in a fresh object gives the same tokens;
 - sampling keeps the target's distribution (chi-square, stated false-failure rate);
 - a wrong pairing of target and draft is refused naming every problem.
@@ -109,6 +110,22 @@ def test_greedy_eagle_gives_the_targets_greedy_tokens(
     rate = stats["accepted"] / stats["proposed"]
     assert (rate < RANDOM_ACCEPTANCE) if pair == "random" else (rate > TRAINED_ACCEPTANCE), stats
     assert stats["emitted"] == batch * NEW_TOKENS and stats["target_steps"] == len(calls) - 1
+
+
+def test_rows_cross_token_generation_buckets_to_the_last_position(
+    eagle: Callable[..., Any], pairs: Callable[[str], tuple[Path, Path, Any]]
+) -> None:
+    """Four rows of different prompt lengths (at different positions, accepting different counts)
+    generate to the last position of seq_len through four token-generation buckets (three
+    boundaries crossed, the hidden-state cache read across each): the target's greedy tokens."""
+    buckets = {"enable_bucketing": True, "token_generation_buckets": [16, 32, 48, 64]}
+    new = SEQ_LEN + 1 - max(len(p) for p in PROMPTS)
+    model = eagle("trained", batch_size=4, context_encoding_buckets=[16, 64], **buckets)
+    with program_calls(model) as calls:
+        tokens, stats = generate(model, PROMPTS, max_new_tokens=new)
+    assert torch.equal(tokens, hf_generate(pairs("trained")[2], PROMPTS, max_new_tokens=new))
+    assert {c.length for c in calls if c.phase.value == "fused_speculation"} == {b + K for b in (16, 32, 48, 64)}
+    assert 0 < stats["accepted"] < stats["proposed"], stats
 
 
 def test_fused_outputs_hold_the_draft_and_target_logits(eagle: Callable[..., Any], pairs: Any) -> None:

@@ -12,7 +12,9 @@ draft both briefly trained on the same data: high acceptance).
   programs, with acceptance below / above stated bounds; only the fused programs run;
 - forward()'s fused_outputs as NxDI's clients read them, and their logits against the plain models;
 - after rejections both caches hold exactly the accepted tokens (as a prefill of them would);
-- at the end of seq_len a step emits only what fits, and the next call is refused;
+- at the end of seq_len a step emits only what fits, and the next call is refused; rows at
+  different positions cross token-generation buckets up to the last position (greedy, and seeded
+  on-device sampling reproducible);
 - sampling keeps the target's distribution (chi-square, stated false-failure rate);
 - save / load: a fresh object loads the compiled folder (the draft's checkpoint pinned, or its
   weights in the folder) and gives the same tokens;
@@ -307,6 +309,33 @@ def test_the_last_positions_before_max_length(fused: Callable[..., Any], pairs: 
     assert torch.equal(tokens, hf_generate(hf, prompts, max_new_tokens=SEQ_LEN + 1 - len(prompts[0])))
     with pytest.raises(IncompatibleConfigError, match="more than max_length"):
         generate(model, prompts, max_new_tokens=SEQ_LEN + 2 - len(prompts[0]))
+
+
+BUCKETS = {"enable_bucketing": True, "token_generation_buckets": [16, 32, 48, 64], "context_encoding_buckets": [16, 64]}
+"""Four token-generation buckets: generation to the end of seq_len crosses three boundaries."""
+
+
+def test_rows_cross_token_generation_buckets_to_the_last_position(fused: Callable[..., Any], pairs: Any) -> None:
+    """Four rows of different prompt lengths (so at different positions, accepting different counts)
+    generate to the last position of seq_len through every token-generation bucket: each fused step
+    runs the smallest program holding its rows, and the tokens are the target's greedy tokens.
+    On-device sampling with a seed gives the same tokens on every run, and at top_k=1 the greedy ones."""
+    new = SEQ_LEN + 1 - max(len(p) for p in TRAINED_PROMPTS)
+    expected = hf_generate(pairs("trained")[2], TRAINED_PROMPTS, max_new_tokens=new)
+    model = fused("trained", batch_size=4, **BUCKETS)
+    with program_calls(model) as calls:
+        tokens, stats = generate(model, TRAINED_PROMPTS, max_new_tokens=new)
+    assert torch.equal(tokens, expected)
+    assert {c.length for c in calls if c.phase.value == "fused_speculation"} == {b + K for b in (16, 32, 48, 64)}
+    assert 0 < stats["accepted"] < stats["proposed"], stats
+    sampled = fused("trained", batch_size=4, on_device_sampling_config={"do_sample": True}, **BUCKETS)
+    runs = []
+    for _ in range(2):
+        sampled.set_seed(5)
+        runs.append(generate(sampled, TRAINED_PROMPTS, max_new_tokens=new, do_sample=True, top_k=8)[0])
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], expected)
+    sampled.set_seed(5)
+    assert torch.equal(generate(sampled, TRAINED_PROMPTS, max_new_tokens=new, do_sample=True, top_k=1)[0], expected)
 
 
 # --- sampling ------------------------------------------------------------------------------------------

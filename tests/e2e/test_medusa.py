@@ -7,7 +7,8 @@ assistant_model=<the model or its adapter>).
   at different positions; after it, a row's cache holds exactly its emitted tokens.
 - Greedy Medusa tokens equal transformers' greedy tokens, at batch 1 and 4, with random heads (few
   candidates accepted) and with trained heads (most accepted: a stated bound on tokens per step),
-  eagerly and compiled; with an EOS token and up to the end of the cache.
+  eagerly and compiled; with an EOS token and up to the end of the cache, rows at different
+  positions crossing token-generation buckets.
 - What Medusa cannot run with is refused, every problem named; so are bad heads files.
 
 (Just over 400 lines: the fixtures of the two targets serve every test here, so the feature's
@@ -32,7 +33,7 @@ from nxdi.shell.exceptions import CheckpointValidationError, IncompatibleConfigE
 from nxdi.shell.generation import HuggingFaceGenerationAdapter
 from nxdi.testing import checkpoints, training
 from nxdi.testing import medusa as testing_medusa
-from tests.support.engine_fixtures import PROMPTS, hf_generate, load_model, padded
+from tests.support.engine_fixtures import PROMPTS, hf_generate, load_model, padded, program_calls
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -264,6 +265,21 @@ def test_the_last_tokens_before_max_length_come_from_single_steps(trained_target
     assert stats["decode_steps"] > 0 and stats["tree_steps"] > 0, stats
     with pytest.raises(IncompatibleConfigError, match="more than max_length=64"):
         medusa_generate(trained_target.model(1), prompts, max_new_tokens=52)
+
+
+def test_rows_cross_token_generation_buckets_to_the_last_position(trained_target: Target) -> None:
+    """Four rows of different prompt lengths (at different positions, accepting different counts)
+    generate to the last position of seq_len through four token-generation buckets: tree steps of
+    several buckets, then single steps where no tree fits; the target's greedy tokens."""
+    buckets = {"enable_bucketing": True, "token_generation_buckets": [16, 32, 48, 64]}
+    prompts = progressions(4)
+    new = 64 + 1 - max(len(p) for p in prompts)
+    model = trained_target.model(4, context_encoding_buckets=[16, 64], **buckets)
+    with program_calls(model) as calls:
+        tokens, stats = medusa_generate(model, prompts, max_new_tokens=new)
+    assert torch.equal(tokens, hf_generate(trained_target.hf, prompts, max_new_tokens=new))
+    assert len({c.length for c in calls if c.phase.value == "speculation"}) >= 3, stats
+    assert stats["decode_steps"] > 0 and stats["tree_steps"] > 0, stats
 
 
 # --- refusals --------------------------------------------------------------------------------------

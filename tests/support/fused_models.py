@@ -19,6 +19,22 @@ K = 4
 """speculation_length of the fused models."""
 
 
+def speculating_checkpoints(root: Path, *, medusa_heads: int = 3) -> tuple[Path, Path, Path]:
+    """Random tiny checkpoints under `root`: the tiny llama (with `medusa_heads` Medusa heads beside
+    it), a one-layer llama draft, and an EAGLE draft of the llama: (target, draft, EAGLE draft)."""
+    from nxdi.testing import checkpoints
+    from nxdi.testing import eagle as reference
+    from nxdi.testing import medusa as testing_medusa
+
+    fmt = checkpoints.SaveFormat.SAFETENSORS
+    hf = checkpoints.build_model("llama", seed=0)
+    target = checkpoints.save_checkpoint(hf, root / "target", fmt)
+    testing_medusa.save_medusa_heads(testing_medusa.random_medusa_heads(hf.config, medusa_heads, seed=1), target)
+    draft, _ = checkpoints.build_checkpoint(root / "draft", "llama", fmt, seed=7, num_hidden_layers=1)
+    eagle = reference.save_eagle_draft(reference.from_target(hf, seed=3), hf.lm_head.weight, root / "eagle")
+    return target, draft, eagle
+
+
 def fused_config(target: Path, draft: Path, **kwargs: Any) -> Any:
     """A LlamaInferenceConfig of the target at `target` fused with the draft at `draft`."""
     import nxdi

@@ -282,3 +282,44 @@ def test_mixtral_hybrid_sharding_reports_both_expert_layouts(
     status, _, err = _plan(capsys, models["mixtral"], "--tp-degree", "32", *hybrid, "--moe-tkg-ep-degree", "4")
     assert status == 2 and "hybrid_sharding_config.moe_tkg_tp_degree=4: x moe_tkg_ep_degree=4 must equal" in err
     assert "set moe_tkg_tp_degree=8" in err
+
+
+FUSED = ("--seq-len", "2048", "--speculation-length", "5", "--enable-fused-speculation")
+
+
+def test_a_fused_draft_is_counted_from_its_config_or_said_not_to_be(
+    models: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """llama-70b with llama-8b as its fused draft: the draft's weights and KV cache per core are
+    llama-8b's own plan at the same settings, every cache row holds seq_len + k slots, and only
+    context-encoding and fused programs compile. Without --draft-model-path the plan says the draft
+    is not counted; with it but without fused speculation the flag is refused."""
+    draft = ("--draft-model-path", str(models["llama-8b"]))
+    status, doc = _plan_json(capsys, models["llama-70b"], *L8_TRN1, *FUSED, *draft)
+    _, alone = _plan_json(capsys, models["llama-8b"], *L8_TRN1, "--seq-len", "2053")
+    assert status == 0, doc["problems"]
+    m = doc["memory"]
+    assert m["draft_weights_bytes_per_core"] == alone["memory"]["weights_bytes_per_core"] > 0
+    assert m["draft_kv_cache_bytes_per_core"] == alone["memory"]["kv_cache_bytes_per_core"]
+    assert m["speculation_bytes_per_core"] == m["draft_weights_bytes_per_core"] + m["draft_kv_cache_bytes_per_core"]
+    assert doc["kv_cache"]["shape_per_rank"][2] == 2048 + 5
+    assert doc["programs"] == {"total": 2, "by_phase": {"context_encoding": 1, "fused_speculation": 1}}
+    assert not any("not counted" in w for w in doc["warnings"])
+
+    status, out, _ = _plan(capsys, models["llama-70b"], *L8_TRN1, *FUSED)
+    assert status == 0 and "the draft model's weights and KV cache are not counted" in out
+    assert "Programs   2 compiled: 1 context_encoding, 1 fused_speculation" in out
+    status, _, err = _plan(capsys, models["llama-70b"], *L8_TRN1, "--seq-len", "2048", *draft)
+    assert status == 2 and "--draft-model-path=" in err and "enable_fused_speculation is off" in err
+
+
+def test_trace_tokengen_model_false_counts_no_token_generation_programs(
+    models: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = ("--seq-len", "2048", "--enable-bucketing", "--speculation-length", "4")
+    _, traced = _plan_json(capsys, models["llama-8b"], *L8_TRN1, *flags)
+    _, untraced = _plan_json(capsys, models["llama-8b"], *L8_TRN1, *flags, "--no-trace-tokengen-model")
+    assert traced["programs"]["by_phase"]["token_generation"] == 5
+    assert "token_generation" not in untraced["programs"]["by_phase"]
+    assert untraced["programs"]["total"] == traced["programs"]["total"] - 5
+    assert any("trace_tokengen_model=False" in w for w in untraced["warnings"])

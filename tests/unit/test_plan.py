@@ -109,3 +109,23 @@ def test_lnc_mismatch_is_a_warning() -> None:
     trn2_spec = _spec(Platform.TRN2, tp_degree=32)
     p2 = plan.plan_for(spec(LLAMA_3_8B), trn2_spec, instance="trn2.48xlarge").unwrap()
     assert p2.warnings == () and p2.memory.hbm_per_core_bytes == 24 << 30
+
+
+def test_medusa_heads_and_eagle_hidden_states_are_counted_per_core() -> None:
+    """Medusa: every head's ResBlock [E, E] + [E] and projection [V, E] in the dtype, whole on every
+    core; EAGLE: the hidden-state cache layer [rows, max_length + k, E] and the k slack slots."""
+    model = spec(LLAMA_3_8B)
+    e, v = model.hidden_size, model.vocab_size
+    tree = [[0], [0, 0], [1], [0, 0, 0]]
+    medusa = _spec(
+        tp_degree=8, seq_len=1024, is_medusa=True, num_medusa_heads=3, medusa_speculation_length=5, medusa_tree=tree
+    )
+    plain = plan.plan_for(model, _spec(tp_degree=8, seq_len=1024)).unwrap().memory
+    m = plan.plan_for(model, medusa).unwrap().memory
+    assert m.medusa_heads_bytes_per_core == 3 * (e * e + e + v * e) * 2
+    assert m.per_core_bytes == plain.per_core_bytes + m.medusa_heads_bytes_per_core
+    eagle = _spec(tp_degree=8, seq_len=1024, batch_size=2, speculation_length=4, enable_eagle_speculation=True)
+    p = plan.plan_for(model, eagle).unwrap()
+    assert p.memory.hidden_cache_bytes_per_core == 2 * (1024 + 4) * e * 2
+    assert p.kv_cache.shape_per_rank[2] == 1024 + 4 and p.memory.kv_cache_bytes_per_core == p.kv_cache.bytes_per_rank
+    assert p.speculation is not None and p.speculation.kind.value == "fused_speculation"

@@ -319,11 +319,15 @@ def _fused_programs(spec: NeuronSpec) -> Iterator[Problem]:
     (acceptance runs inside the program, so the program picks the tokens, as NxDI requires)."""
     if not spec.enable_fused_speculation:
         return
-    why = "does not run with enable_fused_speculation=True on the CPU engine yet"
+    # EAGLE runs as fused speculation: name the setting the user gave
+    setting = "enable_eagle_speculation=True" if spec.enable_eagle_speculation else "enable_fused_speculation=True"
+    why = f"does not run with {setting} on the CPU engine yet"
     if spec.is_block_kv_layout:
         yield Problem.of("is_block_kv_layout", True, why, "set is_block_kv_layout=False (the contiguous KV cache)")
     if spec.tp_degree > 1:
-        yield Problem.of("tp_degree", spec.tp_degree, why, "set tp_degree=1, or use a separate draft model")
+        why_tp = f"{why}: its programs run the target and the draft on one rank"
+        fix = "set tp_degree=1" + ("" if spec.enable_eagle_speculation else ", or use a separate draft model")
+        yield Problem.of("tp_degree", spec.tp_degree, why_tp, fix)
     for name in ("return_router_logits", "return_expert_index"):
         if spec.moe is not None and getattr(spec.moe, name):
             yield Problem.of(name, True, f"{why}: a fused step returns tokens, not routing", f"set {name}=False")

@@ -5,7 +5,8 @@ Rules (NxD Inference's KV cache manager):
   kv_cache_padding_size` (the padding rows are the garbage rows that continuous batching and attention
   data parallelism send out-of-range seq_ids to), K = `kv' / tp` KV heads (after GQA replication),
   T = cache positions, D = head_dim.
-- T is `max_length`, or the sliding window when every layer has it and it is smaller. With flash
+- T is `max_length` (plus `speculation_length` slack slots with fused speculation:
+  `speculation_memory.cache_slots`), or the sliding window when every layer has it and it is smaller. With flash
   decoding each core of a group of g holds a 1/g share of the sequence: `max_length` is rounded up
   to a multiple of g, divided by g, and 128 reserved positions are added.
 - dtype is `attention_dtype or torch_dtype`, or the quantized dtype (`float8_e4m3fn` unless a
@@ -20,7 +21,7 @@ from returns.result import Failure, Result, Success
 from nxdi.core.config.neuron_spec import DTYPE_BYTES, NeuronSpec
 from nxdi.core.errors import ConfigError, Problem, problems_of
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.planning import gqa
+from nxdi.core.planning import gqa, speculation_memory
 
 FLASH_DECODING_RESERVED = 128
 """Extra positions per core with flash decoding (the reference's EXTRA_RESERVED_SPACE)."""
@@ -172,7 +173,7 @@ def kv_layout_for(model: ModelSpec, spec: NeuronSpec) -> Result[KVLayout, Config
                 head_dim=model.head_dim,
                 kv_cache_batch_size=spec.kv_cache_batch_size,
                 kv_cache_padding_size=spec.kv_cache_padding_size,
-                max_length=spec.max_length,
+                max_length=speculation_memory.cache_slots(spec),  # fused speculation's slack slots too
                 dtype=spec.attention_dtype or spec.torch_dtype,
                 kv_cache_quant=spec.kv_cache_quant or quant is not None,
                 quant_dtype=quant.quant_dtype if quant is not None else KV_QUANT_DTYPE,

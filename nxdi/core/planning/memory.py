@@ -9,6 +9,9 @@ Theory of operation (all figures per logical core; every rank holds the same amo
   embeddings and norms keep the dtype.
 - KV cache: `kv_layout.KVLayout.bytes_per_rank`.
 - LoRA: `max_loras` adapters at `lora.bytes_per_core` each.
+- Speculation (`speculation_memory`): a fused draft's weights and KV cache, Medusa heads, EAGLE's
+  hidden-state cache; with fused speculation every KV cache row (the target's and the draft's)
+  holds `max_length + speculation_length` slots (`MemoryRequest.max_length` is that length).
 - Activations: an estimate of the largest live tensors of one layer while encoding the largest
   context bucket: 4 hidden-state buffers `[B, S, E]`, the rank's q/k/v `[B, S, (H_r + 2 K_r) * D]` and
   MLP intermediate `[B, S, 2 F_r]` in the compute dtype, fp32 attention scores over query tiles of at
@@ -25,7 +28,8 @@ from returns.result import Result, Success
 from nxdi.core.config.neuron_spec import DTYPE_BYTES, NeuronSpec
 from nxdi.core.errors import ConfigError
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.planning import gqa, kv_layout, lora, sharding
+from nxdi.core.planning import gqa, kv_layout, lora, sharding, speculation_memory
+from nxdi.core.planning.speculation_memory import SpeculationLoad
 from nxdi.core.platform import PLATFORMS, Platform
 from nxdi.core.weight_plan import kept_in_float
 
@@ -74,6 +78,8 @@ class MemoryRequest:
     """Hybrid sharding: token generation's expert groups, a second copy of the experts per rank
     (None: token generation uses the one layout)."""
     lora: LoraLoad | None = None
+    speculation: SpeculationLoad | None = None
+    """What speculation adds (a draft, Medusa heads, EAGLE's hidden states); None without it."""
     platform: Platform = Platform.TRN1
     logical_nc_config: int | None = None
     """None means the platform default."""
@@ -94,6 +100,13 @@ class MemoryPlan:
     lora_bytes_per_core: int
     activation_bytes_per_core: int
     hbm_per_core_bytes: int
+    draft_weights_bytes_per_core: int = 0
+    """A fused draft's weights (`speculation_memory`)."""
+    draft_kv_cache_bytes_per_core: int = 0
+    """A fused draft's KV cache."""
+    medusa_heads_bytes_per_core: int = 0
+    hidden_cache_bytes_per_core: int = 0
+    """EAGLE's hidden-state cache layer."""
     min_tp_degree: int | None
     """Smallest valid TP degree whose plan fits; None when none does."""
 
@@ -104,6 +117,17 @@ class MemoryPlan:
             + self.kv_cache_bytes_per_core
             + self.lora_bytes_per_core
             + self.activation_bytes_per_core
+            + self.speculation_bytes_per_core
+        )
+
+    @property
+    def speculation_bytes_per_core(self) -> int:
+        """What speculation adds per core: a fused draft, Medusa heads, EAGLE's hidden states."""
+        return (
+            self.draft_weights_bytes_per_core
+            + self.draft_kv_cache_bytes_per_core
+            + self.medusa_heads_bytes_per_core
+            + self.hidden_cache_bytes_per_core
         )
 
     @property
@@ -191,7 +215,41 @@ def _per_core(model: ModelSpec, req: MemoryRequest) -> Result[MemoryPlan, Config
         moe_ep=req.moe_ep_degree if model.is_moe else 1,
         tkg_ep=req.moe_tkg_ep_degree if model.is_moe else None,
     )
-    return plan.bind(lambda p: layout_for(model, p.counts, req).map(lambda kv: _compose(model, p, kv, req)))
+    composed = plan.bind(lambda p: layout_for(model, p.counts, req).map(lambda kv: _compose(model, p, kv, req)))
+    return composed.bind(lambda p: _with_speculation(p, req))
+
+
+def _with_speculation(plan: MemoryPlan, req: MemoryRequest) -> Result[MemoryPlan, ConfigError]:
+    """`plan` with what `req.speculation` adds at its tp degree (a fused draft: its own weights and
+    its KV cache over the target's cache rows and slots, in its own dtypes)."""
+    load = req.speculation
+    if load is None:
+        return Success(plan)
+    plan = attrs.evolve(
+        plan, medusa_heads_bytes_per_core=load.medusa_heads_bytes, hidden_cache_bytes_per_core=load.hidden_cache_bytes
+    )
+    if load.draft is None:
+        return Success(plan)
+    draft = load.draft
+    own = memory_request_for(draft.model, attrs.evolve(draft.spec, lora_config=None), platform=req.platform)
+
+    def at_target(r: MemoryRequest) -> MemoryRequest:  # the target's tp, cache rows and slots
+        return attrs.evolve(
+            r,
+            tp_degree=req.tp_degree,
+            max_length=req.max_length,
+            kv_cache_batch_size=req.kv_cache_batch_size,
+            kv_cache_padding_size=req.kv_cache_padding_size,
+            speculation=None,
+        )
+
+    return own.bind(lambda r: _per_core(draft.model, at_target(r))).map(
+        lambda d: attrs.evolve(
+            plan,
+            draft_weights_bytes_per_core=d.weights_bytes_per_core + speculation_memory.eagle_weights_delta(draft),
+            draft_kv_cache_bytes_per_core=d.kv_cache_bytes_per_core,
+        )
+    )
 
 
 def _compose(model: ModelSpec, plan: sharding.ShardPlan, kv: kv_layout.KVLayout, req: MemoryRequest) -> MemoryPlan:
@@ -230,9 +288,15 @@ def memory_plan(model: ModelSpec, req: MemoryRequest) -> Result[MemoryPlan, Conf
 
 
 def memory_request_for(
-    model: ModelSpec, spec: NeuronSpec, *, platform: Platform = Platform.TRN1, instance: str | None = None
+    model: ModelSpec,
+    spec: NeuronSpec,
+    *,
+    platform: Platform = Platform.TRN1,
+    instance: str | None = None,
+    draft: speculation_memory.Draft | None = None,
 ) -> Result[MemoryRequest, ConfigError]:
-    """The memory request `spec` implies, LoRA adapters (`lora_config`) included.
+    """The memory request `spec` implies, LoRA adapters (`lora_config`) and speculation (a fused
+    `draft` when given) included.
 
     Returns:
         `Failure` when the LoRA adapter size cannot be computed (unknown target modules, ...).
@@ -251,7 +315,7 @@ def memory_request_for(
             tp_degree=spec.tp_degree,
             batch_size=spec.ctx_batch_size,
             max_context_length=spec.max_context_length,
-            max_length=spec.max_length,
+            max_length=speculation_memory.cache_slots(spec),
             kv_cache_batch_size=spec.kv_cache_batch_size,
             kv_cache_padding_size=spec.kv_cache_padding_size,
             torch_dtype=spec.torch_dtype,
@@ -269,6 +333,7 @@ def memory_request_for(
             if spec.moe is not None and spec.moe.hybrid
             else None,
             lora=lora_load,
+            speculation=speculation_memory.load_for(model, spec, draft),
             platform=platform,
             logical_nc_config=spec.logical_nc_config,
             instance=instance,
@@ -277,9 +342,14 @@ def memory_request_for(
 
 
 def memory_plan_for(
-    model: ModelSpec, spec: NeuronSpec, *, platform: Platform = Platform.TRN1, instance: str | None = None
+    model: ModelSpec,
+    spec: NeuronSpec,
+    *,
+    platform: Platform = Platform.TRN1,
+    instance: str | None = None,
+    draft: speculation_memory.Draft | None = None,
 ) -> Result[MemoryPlan, ConfigError]:
-    """`memory_plan` for the settings of `spec` on `platform` (or `instance`)."""
-    return memory_request_for(model, spec, platform=platform, instance=instance).bind(
+    """`memory_plan` for the settings of `spec` on `platform` (or `instance`), a fused `draft` counted when given."""
+    return memory_request_for(model, spec, platform=platform, instance=instance, draft=draft).bind(
         lambda req: memory_plan(model, req)
     )

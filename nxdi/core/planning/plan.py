@@ -15,10 +15,22 @@ from typing import Any
 import attrs
 from returns.result import Failure, Result, Success
 
-from nxdi.core.config.neuron_spec import NeuronSpec
+from nxdi.core.config.neuron_spec import NeuronSpec, Phase
 from nxdi.core.errors import ConfigError, Problem, problems_of
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.planning import block_buckets, buckets, kv_layout, lora, memory, sharding
+from nxdi.core.planning import (
+    block_buckets,
+    buckets,
+    fused_programs,
+    kv_layout,
+    lora,
+    memory,
+    model_programs,
+    sharding,
+    speculation_memory,
+)
+from nxdi.core.planning import medusa as medusa_plan
+from nxdi.core.planning.program_key import ProgramKey
 from nxdi.core.platform import INSTANCES, PLATFORMS, Platform
 
 
@@ -45,6 +57,8 @@ class Plan:
     context_encoding: buckets.BucketTable
     token_generation: buckets.BucketTable
     speculation: buckets.BucketTable | None
+    """The speculation programs' table: fused programs' (`enable_fused_speculation`), Medusa's tree
+    programs', or plain speculation programs'; None without speculation."""
     sharding: sharding.ShardPlan
     kv_cache: kv_layout.KVLayout
     memory: memory.MemoryPlan
@@ -52,6 +66,8 @@ class Plan:
     block: block_buckets.BlockTables | None = None
     """Prefix-caching / chunked-prefill tables, compiled instead of the plain CTE (and, with prefix
     caching, TKG) tables; None without those features."""
+    programs: tuple[ProgramKey, ...] = ()
+    """Every program the engine compiles (`model_programs.keys_for`)."""
     problems: tuple[Problem, ...] = ()
     """Why this configuration will not run as asked (empty when it will)."""
     warnings: tuple[str, ...] = ()
@@ -67,6 +83,7 @@ class Plan:
             "kv_cache": _kv_dict(self.kv_cache),
             "memory": _memory_dict(self.memory),
             "lora": _lora_dict(self.lora),
+            "programs": _programs_dict(self.programs),
             "problems": [attrs.asdict(p) for p in self.problems],
             "warnings": list(self.warnings),
         }
@@ -94,6 +111,12 @@ def _buckets_dict(p: Plan) -> dict[str, Any]:
     if p.speculation is not None:
         out["speculation"], axes["speculation"] = _table(p.speculation), ["seq"]
     return {**out, "axes": axes}
+
+
+def _programs_dict(keys: tuple[ProgramKey, ...]) -> dict[str, Any]:
+    """How many programs compile, in all and per phase (phases with none left out)."""
+    by_phase = {phase.value: sum(k.phase is phase for k in keys) for phase in Phase}
+    return {"total": len(keys), "by_phase": {name: n for name, n in by_phase.items() if n}}
 
 
 def _sharding_dict(s: sharding.ShardPlan) -> dict[str, Any]:
@@ -138,6 +161,11 @@ def _memory_dict(m: memory.MemoryPlan) -> dict[str, Any]:
         "kv_cache_bytes_per_core": m.kv_cache_bytes_per_core,
         "lora_bytes_per_core": m.lora_bytes_per_core,
         "activation_bytes_per_core": m.activation_bytes_per_core,
+        "speculation_bytes_per_core": m.speculation_bytes_per_core,
+        "draft_weights_bytes_per_core": m.draft_weights_bytes_per_core,
+        "draft_kv_cache_bytes_per_core": m.draft_kv_cache_bytes_per_core,
+        "medusa_heads_bytes_per_core": m.medusa_heads_bytes_per_core,
+        "hidden_cache_bytes_per_core": m.hidden_cache_bytes_per_core,
         "hbm_per_core_bytes": m.hbm_per_core_bytes,
         "fits": m.fits,
         "min_tp_degree": m.min_tp_degree,
@@ -234,6 +262,26 @@ def _verdict(spec: NeuronSpec, p: Plan) -> tuple[Problem, ...]:
     return tuple(found)
 
 
+def _speculation_table(spec: NeuronSpec) -> Result[buckets.BucketTable | None, ConfigError]:
+    """The table of the speculation programs `spec` compiles (fused, Medusa tree or plain), else None."""
+    if spec.enable_fused_speculation:
+        return fused_programs.fused_table_for(spec)
+    if spec.is_medusa:
+        return medusa_plan.tree_table_for(spec)
+    return buckets.speculation_table_for(spec) if spec.speculation_length > 0 else Success(None)
+
+
+def _speculation_notes(spec: NeuronSpec, draft: speculation_memory.Draft | None) -> tuple[str, ...]:
+    notes = []
+    if spec.enable_fused_speculation and draft is None:
+        notes.append(speculation_memory.NOT_COUNTED)
+    if not spec.trace_tokengen_model and not spec.enable_fused_speculation:
+        notes.append(
+            "trace_tokengen_model=False: no token-generation programs are compiled (decoding runs in speculation steps)"
+        )
+    return tuple(notes)
+
+
 def plan_for(
     model: ModelSpec,
     spec: NeuronSpec,
@@ -241,8 +289,10 @@ def plan_for(
     platform: Platform | None = None,
     instance: str | None = None,
     lora_request: LoraRequest | None = None,
+    draft: speculation_memory.Draft | None = None,
 ) -> Result[Plan, ConfigError]:
-    """Plan `model` under `spec` on `instance` (or `platform`, or `spec.target`, or trn1).
+    """Plan `model` under `spec` on `instance` (or `platform`, or `spec.target`, or trn1), with a
+    fused-speculation `draft` counted when given (else the plan warns that it is not counted).
 
     Returns:
         `Success(Plan)` whose `problems` list what will not run as asked, or `Failure` listing every
@@ -250,13 +300,24 @@ def plan_for(
     """
     where = _platform(spec, platform, instance)
     ctx, tkg = buckets.context_table_for(spec), buckets.token_table_for(spec)
-    spec_table = buckets.speculation_table_for(spec) if spec.speculation_length > 0 else Success(None)
+    spec_table = _speculation_table(spec)
     block = block_buckets.block_tables_for(spec)
     shard, kv = sharding.shard_plan_for(model, spec), kv_layout.kv_layout_for(model, spec)
-    mem = memory.memory_plan_for(model, spec, platform=where, instance=instance)
+    mem = memory.memory_plan_for(model, spec, platform=where, instance=instance, draft=draft)
     capacity = mem.bind(lambda m: _lora_capacity(model, spec, m, lora_request))
-    match ctx, tkg, spec_table, block, shard, kv, mem, capacity:
-        case Success(c), Success(t), Success(s), Success(bl), Success(sh), Success(k), Success(m), Success(cap):
+    keys = model_programs.keys_for(spec)
+    match ctx, tkg, spec_table, block, shard, kv, mem, capacity, keys:
+        case (
+            Success(c),
+            Success(t),
+            Success(s),
+            Success(bl),
+            Success(sh),
+            Success(k),
+            Success(m),
+            Success(cap),
+            Success(programs),
+        ):
             plan = Plan(
                 platform=where,
                 instance=instance,
@@ -269,8 +330,9 @@ def plan_for(
                 kv_cache=k,
                 memory=m,
                 lora=cap,
-                warnings=(*sh.notes, *_lnc_note(spec, where)),
+                programs=programs,
+                warnings=(*sh.notes, *_lnc_note(spec, where), *_speculation_notes(spec, draft)),
             )
             return Success(attrs.evolve(plan, problems=_verdict(spec, plan)))
-    problems = dict.fromkeys(problems_of(ctx, tkg, spec_table, block, shard, kv, mem, capacity))
+    problems = dict.fromkeys(problems_of(ctx, tkg, spec_table, block, shard, kv, mem, capacity, keys))
     return Failure(ConfigError(problems=tuple(problems)))

@@ -26,11 +26,11 @@ from returns.result import Failure, Result, Success
 from nxdi.core.config import codec
 from nxdi.core.config.fields import did_you_mean
 from nxdi.core.config.neuron_parse import parse_neuron_spec
-from nxdi.core.config.neuron_spec import DTYPE_BYTES
+from nxdi.core.config.neuron_spec import DTYPE_BYTES, NeuronSpec
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.families import parse_model_spec
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.planning import plan, sharding
+from nxdi.core.planning import plan, sharding, speculation_memory
 from nxdi.core.platform import INSTANCES, Platform, resolve_lnc
 from nxdi.shell.cli import plan_report
 from nxdi.shell.cli.flags import add_neuron_config_flags, neuron_config_kwargs
@@ -72,6 +72,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--model-path", required=True, help="model folder holding config.json, or the config.json file")
     p.add_argument("--instance", help=f"EC2 instance type ({', '.join(INSTANCES)})")
     p.add_argument("--json", action="store_true", help="print the plan as a JSON document")
+    p.add_argument(
+        "--draft-model-path",
+        help="with --enable-fused-speculation: the draft's model folder (or config.json), so its weights and "
+        "KV cache are counted (in the target's settings); without it they are not, and the plan says so",
+    )
     _add_lora_flags(p)
     _add_chunked_prefill_flags(p)
     add_neuron_config_flags(p)
@@ -171,19 +176,19 @@ def config_file(model_path: str) -> str:
     return str(path / "config.json") if path.is_dir() else model_path
 
 
-def read_hf_config(model_path: str) -> Result[dict[str, Any], ConfigError]:
+def read_hf_config(model_path: str, flag: str = "--model-path") -> Result[dict[str, Any], ConfigError]:
     """The `config.json` of a model folder (or the file itself), as a dict.
 
     Returns:
-        `Failure` naming `--model-path` when there is no such file, or the file when it is not a JSON object.
+        `Failure` naming `flag` when there is no such file, or the file when it is not a JSON object.
     """
     file = Path(config_file(model_path))
     if not file.is_file():
-        return Failure(ConfigError.of("--model-path", model_path, "has no config.json", "give a model folder or file"))
+        return Failure(ConfigError.of(flag, model_path, "has no config.json", "give a model folder or file"))
     try:
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        return Failure(ConfigError.of("--model-path", str(file), f"cannot be read ({exc})"))
+        return Failure(ConfigError.of(flag, str(file), f"cannot be read ({exc})"))
     return codec.loads(text, source=str(file))
 
 
@@ -254,6 +259,35 @@ def _placement_problems(
     return _failures(sharding.check_tp_degree(tp, platform=target, lnc=lnc, instance=known), heads)
 
 
+def _draft(args: argparse.Namespace, fused: bool) -> Result[tuple[ModelSpec, bool] | None, ConfigError]:
+    """The fused draft's architecture from --draft-model-path, and whether an EAGLE draft's fc has a
+    bias (its `fc_bias`); None when not given. Refused without fused speculation, where no draft runs."""
+    if args.draft_model_path is None:
+        return Success(None)
+    if not fused:
+        why = "names a fused-speculation draft, but enable_fused_speculation is off: no draft would run"
+        fix = "add --enable-fused-speculation (with --speculation-length), or drop --draft-model-path"
+        return Failure(ConfigError.of("--draft-model-path", args.draft_model_path, why, fix))
+    return read_hf_config(args.draft_model_path, "--draft-model-path").bind(
+        lambda d: (
+            parse_model_spec(d)
+            .alt(lambda e: e.prefixed("draft config.json"))
+            .map(lambda m: (m, bool(d.get("fc_bias", False))))
+        )
+    )
+
+
+def _counted_draft(found: tuple[ModelSpec, bool] | None, spec: NeuronSpec) -> speculation_memory.Draft | None:
+    """The draft to count: it runs with the target's settings (fused_spec_config's draft_config is a
+    copy of the target's NeuronConfig), as an EAGLE draft under enable_eagle_speculation."""
+    if found is None:
+        return None
+    model, fc_bias = found
+    eagle = spec.enable_eagle_speculation
+    own = attrs.evolve(spec, enable_fused_speculation=False, enable_eagle_speculation=False, is_eagle_draft=eagle)
+    return speculation_memory.Draft(model=model, spec=own, fc_bias=fc_bias)
+
+
 def make_plan(args: argparse.Namespace) -> Result[plan_report.PlanRun, ConfigError]:
     """Parse the model and the flags, then plan.
 
@@ -268,14 +302,16 @@ def make_plan(args: argparse.Namespace) -> Result[plan_report.PlanRun, ConfigErr
     model = hf_result.bind(lambda d: parse_model_spec(d).alt(lambda e: e.prefixed("config.json")))
     kwargs, dtype_source = _neuron_kwargs(args, hf_result.value_or({}))
     parsed = parse_neuron_spec(kwargs, platform=where, moe=model.map(lambda m: m.is_moe).value_or(False))
-    found += _failures(model, parsed)
-    if found and (isinstance(model, Failure) or isinstance(parsed, Failure)):
+    draft = _draft(args, parsed.map(lambda r: r.spec.enable_fused_speculation).value_or(True))
+    found += _failures(model, parsed, draft)
+    if found and any(isinstance(r, Failure) for r in (model, parsed, draft)):
         found += _placement_problems(kwargs, where, args.instance, model)
         return Failure(ConfigError(problems=tuple(dict.fromkeys(found))))
     m, p = model.unwrap(), parsed.unwrap()
     instance = args.instance if args.instance in INSTANCES else None
     request = None if lora_found else _lora_request(args)
-    outcome = plan.plan_for(m, p.spec, platform=where, instance=instance, lora_request=request)
+    counted = _counted_draft(draft.unwrap(), p.spec)
+    outcome = plan.plan_for(m, p.spec, platform=where, instance=instance, lora_request=request, draft=counted)
     found += _failures(outcome)
     if found:
         return Failure(ConfigError(problems=tuple(dict.fromkeys(found))))

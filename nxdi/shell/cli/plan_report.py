@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from nxdi.core.config.neuron_spec import NeuronSpec
+from nxdi.core.config.neuron_spec import NeuronSpec, Phase
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import block_buckets, buckets
 from nxdi.core.planning.plan import Plan
@@ -163,6 +163,13 @@ def _memory_lines(p: Plan) -> list[str]:
         ("LoRA adapters", m.lora_bytes_per_core),
         ("activations (estimate)", m.activation_bytes_per_core),
     )
+    speculation = (
+        ("draft weights", m.draft_weights_bytes_per_core),
+        ("draft KV cache", m.draft_kv_cache_bytes_per_core),
+        ("Medusa heads", m.medusa_heads_bytes_per_core),
+        ("EAGLE hidden states", m.hidden_cache_bytes_per_core),
+    )
+    rows += tuple((name, n) for name, n in speculation if n)  # only what this configuration holds
     lines = ["Memory per core (GiB)"]
     lines += [f"  {name:<24}{_gib(n):>9}" for name, n in rows]
     share = 100 * m.per_core_bytes / m.hbm_per_core_bytes
@@ -218,8 +225,17 @@ def _bucket_lines(p: Plan) -> list[str]:
             *_table_lines("token generation", p.token_generation),
         ]
     if p.speculation is not None:
-        lines += _table_lines(f"speculation (+{p.speculation.extra_tokens})", p.speculation)
+        fused = p.speculation.kind is Phase.FUSED_SPECULATION
+        name = "fused speculation" if fused else f"speculation (+{p.speculation.extra_tokens})"
+        lines += _table_lines(name, p.speculation)
     return ["Buckets", *lines]
+
+
+def _program_lines(p: Plan) -> list[str]:
+    """How many programs compile, per phase."""
+    counts = {phase: sum(k.phase is phase for k in p.programs) for phase in Phase}
+    shown = ", ".join(f"{n} {phase.value}" for phase, n in counts.items() if n)
+    return [f"Programs   {len(p.programs)} compiled: {shown}"]
 
 
 def _lora_lines(p: Plan, *, memory_given: bool) -> list[str]:
@@ -238,7 +254,7 @@ def render_plan(r: PlanRun) -> str:
     """The plan as text: model, target, sharding, KV cache, memory verdict, buckets, LoRA, warnings, problems."""
     p = r.plan
     lines = [*_model_lines(r), _target_line(p), "", *_sharding_lines(p), *_experts_lines(r.model, p), *_kv_lines(p), ""]
-    lines += [*_memory_lines(p), "", *_bucket_lines(p)]
+    lines += [*_memory_lines(p), "", *_bucket_lines(p), *_program_lines(p)]
     lora = _lora_lines(p, memory_given=r.lora_memory_given)
     if lora:
         lines += ["", *lora]
