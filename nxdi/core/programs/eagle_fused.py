@@ -185,17 +185,32 @@ def fused_step(
     hidden = extras.pop(decoder.HIDDEN)  # [B, k, E] h_p .. h_{p+k-1}
     counts, tokens = extras[fused_speculation.COUNTS], out.tokens
     assert tokens is not None, "a fused step returns its tokens"
-    k = spec.speculation_length
-    positions = at + torch.arange(k, device=at.device)[None, :]  # [B, k]
-    repair = StepInputs(
-        input_ids=torch.where(tokens == speculation.PAD, torch.zeros_like(tokens), tokens),  # [B, k] t_{p+1+s}
-        position_ids=positions,
-        last_index=counts - 1,
+    positions = at + torch.arange(spec.speculation_length, device=at.device)[None, :]  # [B, k]
+    draft_cache, hidden_cache_ = catch_up(
+        weights.draft, draft_cache, hidden_cache_, tokens, hidden, positions, counts, spec=spec.draft, coll=coll
     )
-    d = spec.draft
-    _, _, draft_cache = eagle.forward(
-        weights.draft, draft_cache, repair, hidden, spec=d.model, part=d.partition, coll=coll
-    )
-    hidden_cache_ = write_hidden(hidden_cache_, hidden, positions)
     outs = StepOutputs(logits=out.logits, tokens=tokens, extras=extras)
     return outs, join(target_cache, draft_cache, hidden_cache_)
+
+
+def catch_up(
+    w: Any,
+    draft_cache: KVCache,
+    hidden_cache: KVCache,
+    emitted: Tensor,
+    hidden: Tensor,
+    positions: Tensor,
+    counts: Tensor,
+    *,
+    spec: StepSpec,
+    coll: Collectives,
+) -> tuple[KVCache, KVCache]:
+    """After acceptance (rule 4, NxDI's final draft run): the draft runs over the emitted tokens
+    `emitted` [B, W] (-1 past each row's count) paired with the target's hidden states `hidden`
+    [B, W, E] before them, at `positions` [B, W] (p, p+1, ...), rewriting its cache there; the hidden
+    states go to the hidden-state cache at the same positions. `counts` [B] in 1..W. Returns the
+    draft's and the hidden-state caches."""
+    ids = torch.where(emitted == speculation.PAD, torch.zeros_like(emitted), emitted)  # t_{p+1+s}
+    x = StepInputs(input_ids=ids, position_ids=positions, last_index=counts - 1)
+    _, _, draft_cache = eagle.forward(w, draft_cache, x, hidden, spec=spec.model, part=spec.partition, coll=coll)
+    return draft_cache, write_hidden(hidden_cache, hidden, positions)

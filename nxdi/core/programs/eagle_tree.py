@@ -158,16 +158,9 @@ def fused_step(
     emitted = torch.where(offsets < counts[:, None], accepted.tokens, speculation.PAD)  # [B, D+1]
     target_cache = token_tree.compact(target_cache, accepted, at[:, 0])
     path = hidden.gather(1, accepted.nodes[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, D+1, E] h_{p+d}
-    chain = at + offsets  # [B, D+1]
-    repair = StepInputs(
-        input_ids=torch.where(emitted == speculation.PAD, torch.zeros_like(emitted), emitted),  # t_{p+1+d}
-        position_ids=chain,
-        last_index=counts - 1,
+    draft_cache, hidden_cache = eagle_fused.catch_up(
+        weights.draft, draft_cache, hidden_cache, emitted, path, at + offsets, counts, spec=d, coll=coll
     )
-    _, _, draft_cache = eagle.forward(
-        weights.draft, draft_cache, repair, path, spec=d.model, part=d.partition, coll=coll
-    )
-    hidden_cache = eagle_fused.write_hidden(hidden_cache, path, chain)
     outs = StepOutputs(logits=None, tokens=emitted, extras={fused_speculation.COUNTS: counts})
     return outs, eagle_fused.join(target_cache, draft_cache, hidden_cache)
 
