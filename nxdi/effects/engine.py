@@ -36,6 +36,10 @@ from the block plan (`nxdi.core.planning.block_programs`), the whole block cache
 `BLOCK_INPUTS` as their inputs, run by `Runtime.run_blocks` (under tensor parallelism on every
 rank, each on its KV heads of every block: `EngineModel.empty_cache`).
 
+With `lora_config` every program also carries the stacked LoRA adapters (read from the adapter
+files at compile and load, `nxdi.effects.lora_adapters.read_for`; bound after the model's own
+weights) and takes each row's adapter slot as the input `adapter_ids` (`nxdi.core.programs.lora`).
+
 With `is_medusa` every program also runs the Medusa heads (`EngineModel.forward_outputs`,
 `nxdi.core.programs.medusa`), bound as further weights after the model's own, read from its
 heads file (`CheckpointSource.medusa_heads`, `nxdi.effects.medusa_heads`, pinned in the manifest
@@ -68,20 +72,21 @@ from nxdi.core.errors import ArtifactError, CheckpointError, Problem
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import block_programs, model_programs, sharding
+from nxdi.core.planning import lora as lora_plan
 from nxdi.core.planning import medusa as medusa_plan
 from nxdi.core.planning.block_programs import BlockPlan
 from nxdi.core.planning.medusa import MedusaPlan
 from nxdi.core.planning.partition import Partition, check_partition, program_shard_plan
 from nxdi.core.planning.program_key import ProgramKey
 from nxdi.core.planning.rank_weights import rank_plan
-from nxdi.core.programs import block_kv, catalog, kv_cache, medusa
+from nxdi.core.programs import block_kv, catalog, kv_cache, lora, medusa
 from nxdi.core.programs.block_kv import BlockInputs
 from nxdi.core.programs.collectives import RANK_INPUT, SINGLE, Collectives, with_rank
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 from nxdi.core.programs.step import StepOutputs, StepSpec, example_inputs, step
 from nxdi.core.weight_plan import Combine, WeightPlan
-from nxdi.effects import artifacts, checkpoint, medusa_heads, source_pins, weight_loader
+from nxdi.effects import artifacts, checkpoint, lora_adapters, medusa_heads, source_pins, weight_loader
 from nxdi.effects.artifacts import CompileResult, ProgramRequest
 from nxdi.effects.backends.base import Backend, LoadedProgram, Signature, WeightSet
 from nxdi.effects.distributed import ops
@@ -89,6 +94,8 @@ from nxdi.effects.runtime import Program, Runtime
 from nxdi.effects.source_pins import CheckpointSource, Pinned
 
 INPUTS = ("input_ids", "position_ids", "last_index", "sampling_params", "uniforms")
+LORA_INPUTS = ("input_ids", "position_ids", "last_index", "adapter_ids", "sampling_params", "uniforms")
+"""A multi-LoRA model's inputs: each row's adapter slot too (`StepInputs.adapter_ids`)."""
 BLOCK_INPUTS = ("input_ids", "position_ids", *block_kv.NAMES, "sampling_params", "uniforms")
 """A block-KV program's inputs: each segment's output token is `out_index`, so no `last_index`."""
 
@@ -140,7 +147,8 @@ class EngineModel:
     @property
     def inputs(self) -> tuple[str, ...]:
         """The per-step inputs of its compiled programs (the rank too under tensor parallelism)."""
-        names = BLOCK_INPUTS if self.spec.is_block_kv_layout else INPUTS
+        names: tuple[str, ...] = BLOCK_INPUTS if self.spec.is_block_kv_layout else INPUTS
+        names = LORA_INPUTS if self.spec.lora_config is not None else names
         return names if self.tp == 1 else (*names, RANK_INPUT)
 
     def block_plan(self) -> BlockPlan | None:
@@ -192,21 +200,43 @@ class EngineModel:
         assert isinstance(planned, Success), f"a validated spec has a valid Medusa tree: {planned}"
         return planned.unwrap()
 
+    def lora_layout(self) -> lora_plan.LoraLayout | None:
+        """Where a multi-LoRA model's adapters go (`lora_config`), else None."""
+        cfg = self.spec.lora_config
+        if cfg is None:
+            return None
+        planned = lora_plan.layout_for(self.model, cfg)
+        assert isinstance(planned, Success), f"a model that passed its checks has a LoRA layout: {planned}"
+        return planned.unwrap()
+
     @property
     def forward_outputs(self) -> Any:
-        """The step's forward: the family program's, or for Medusa that plus the heads (`medusa.forward_outputs`)."""
+        """The step's forward: the family program's, or for Medusa that plus the heads
+        (`medusa.forward_outputs`), or with `lora_config` that with each row's adapter (`lora.forward_outputs`)."""
         plan = self.medusa()
-        if plan is None:
-            return self.program.forward_outputs
-        return functools.partial(medusa.forward_outputs, base=self.program.forward_outputs, plan=plan)
+        if plan is not None:
+            return functools.partial(medusa.forward_outputs, base=self.program.forward_outputs, plan=plan)
+        if self.spec.lora_config is not None:
+            return functools.partial(lora.forward_outputs, base=self.program.forward_outputs)
+        return self.program.forward_outputs
 
     def weights_value(self, tensors: Mapping[str, Tensor]) -> Any:
-        """The programs' weights value from named tensors (with Medusa, the heads beside the program's)."""
+        """The programs' weights value from named tensors (with Medusa, the heads beside the program's;
+        with LoRA, the stacked adapters)."""
         value = self.program.weights(tensors, spec=self.model)
-        plan = self.medusa()
+        plan, layout = self.medusa(), self.lora_layout()
+        if layout is not None:
+            return lora.weights_from_tensors(value, tensors, layout)
         if plan is None:
             return value
         return medusa.MedusaWeights(decoder=value, heads=medusa.heads_from_tensors(tensors, plan.num_heads))
+
+    def example_inputs(self, *, batch: int, tokens: int) -> tuple[StepInputs, Tensor, Tensor]:
+        """`step.example_inputs`, with every row on adapter slot 0 for a multi-LoRA model."""
+        x, params, uniforms = example_inputs(batch=batch, tokens=tokens)
+        if self.spec.lora_config is None:
+            return x, params, uniforms
+        return dataclasses.replace(x, adapter_ids=torch.zeros(batch, dtype=torch.int64)), params, uniforms
 
     def program_keys(self) -> tuple[ProgramKey, ...]:
         """Every program the model compiles (`model_programs.plain_keys`: what `nxdi plan` counts)."""
@@ -216,9 +246,11 @@ class EngineModel:
 
     def weight_names(self, plan: WeightPlan) -> tuple[str, ...]:
         """The weights a program binds, in order: the rank plan's own tensors (an alias is bound
-        once), then a Medusa model's heads."""
+        once), then a Medusa model's heads or a multi-LoRA model's stacked adapters."""
         own = tuple(s.name for s in self.weight_plan(plan).steps if s.combine is not Combine.ALIAS)
-        heads = self.medusa()
+        heads, layout = self.medusa(), self.lora_layout()
+        if layout is not None:
+            return (*own, *layout.shapes())
         return own if heads is None else (*own, *medusa_plan.head_names(heads.num_heads))
 
     def cache_dtype(self) -> torch.dtype:
@@ -261,13 +293,13 @@ class EngineModel:
 
     def example_weights(self, source: CheckpointSource) -> Result[list[Tensor], CheckpointError]:
         """Zeros of this rank's weights from the checkpoint's headers, then of a Medusa model's
-        heads (read, so a bad heads file is refused before tracing)."""
+        heads or a multi-LoRA model's stacked adapters (read, so bad ones are refused before tracing)."""
         own = weight_loader.example_weights(self.weight_plan(source.plan), source.path)
-        if not self.spec.is_medusa:
+        if not self.spec.is_medusa and self.spec.lora_config is None:
             return own
         return own.bind(
-            lambda example: read_heads(self, source).map(
-                lambda heads: [*example, *(torch.zeros_like(t) for t in heads.values())]
+            lambda example: read_extra(self, source).map(
+                lambda extra: [*example, *(torch.zeros_like(t) for t in extra.values())]
             )
         )
 
@@ -315,9 +347,17 @@ def read_weights(
     `check_values`, NaN and inf in what it reads are refused (unless `source.allow_nonfinite`)."""
     refuse = check_values and not source.allow_nonfinite
     read = weight_loader.get_state_dict(source.path, model.weight_plan(source.plan), refuse_nonfinite=refuse)
-    if not model.spec.is_medusa:
+    if not model.spec.is_medusa and model.spec.lora_config is None:
         return read
-    return read.bind(lambda tensors: read_heads(model, source).map(lambda heads: {**tensors, **heads}))
+    return read.bind(lambda tensors: read_extra(model, source).map(lambda extra: {**tensors, **extra}))
+
+
+def read_extra(model: EngineModel, source: CheckpointSource) -> Result[dict[str, Tensor], CheckpointError]:
+    """The weights bound after the checkpoint's: a Medusa model's heads, a multi-LoRA model's
+    stacked adapters (`lora_adapters.read_for`, every adapter checked), else none."""
+    if model.spec.lora_config is not None:
+        return lora_adapters.read_for(model.spec, model.model)
+    return read_heads(model, source) if model.spec.is_medusa else Success({})
 
 
 def read_heads(model: EngineModel, source: CheckpointSource) -> Result[dict[str, Tensor], CheckpointError]:
@@ -357,6 +397,9 @@ class _FlatStep:
             blocks = BlockInputs.from_tensors(rest[: len(block_kv.NAMES)])
             params, uniforms, *rank = rest[len(block_kv.NAMES) :]
             x = StepInputs(input_ids=ids, position_ids=positions, last_index=blocks.out_index[:, 0])
+        elif m.spec.lora_config is not None:
+            ids, positions, last, slots, params, uniforms, *rank = flat[w + c :]
+            x = StepInputs(input_ids=ids, position_ids=positions, last_index=last, adapter_ids=slots)
         else:
             ids, positions, last, params, uniforms, *rank = flat[w + c :]
             x = StepInputs(input_ids=ids, position_ids=positions, last_index=last)
@@ -391,7 +434,7 @@ def _example(model: EngineModel, weights: Sequence[Tensor], key: ProgramKey) -> 
             uniforms,
             *rank,
         ]
-    x, params, uniforms = example_inputs(batch=key.batch, tokens=key.tokens)
+    x, params, uniforms = model.example_inputs(batch=key.batch, tokens=key.tokens)
     return [*weights, *cache.to_tensors(), *x.to_tensors(), params, uniforms, *rank]
 
 
@@ -455,7 +498,7 @@ def warm_up(runtime: Runtime, model: EngineModel) -> None:
             x, blocks, params, _ = block_example(plan, key)
             runtime.run_blocks(key, x, blocks, params=params)
             continue
-        x, params, _ = example_inputs(batch=key.batch, tokens=key.tokens)
+        x, params, _ = model.example_inputs(batch=key.batch, tokens=key.tokens)
         runtime.run(key, x, rows=None, params=params)
     runtime.reset_cache()
 

@@ -3,7 +3,8 @@
 Resolves what `LoraServingConfig` is given into plain data for `nxdi.core.config.sub_specs.LoraSpec`:
 adapter id -> path maps (checked to exist), and the union of the adapters' target modules and
 their largest rank, read from each adapter's `adapter_config.json` (PEFT format) when present.
-`read_adapter_weights` reads one adapter's tensors (for `nxdi.shell.lora_serving.LoraCheckpoint`)
+`read_for` reads every device adapter of a spec, checks it against the base model and stacks them
+into the programs' weights (`nxdi.core.programs.lora`). `read_adapter_weights` reads one adapter's tensors (for `nxdi.shell.lora_serving.LoraCheckpoint`)
 in either format NxDI reads: a PEFT folder (`adapter_config.json` plus a `.safetensors`, `.bin`
 or `.pt` file), or one NxD checkpoint file whose state dict also holds its `lora_config`.
 """
@@ -16,9 +17,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
+from returns.result import Failure, Result, Success
+
+from nxdi.core.errors import CheckpointError, Problem
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+    from nxdi.core.config.neuron_spec import NeuronSpec
+    from nxdi.core.model_spec import ModelSpec
 
 _CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
@@ -101,6 +108,8 @@ class AdapterWeights:
     """`(lora_alpha, use_rslora)` from the adapter's config; None when it has no config."""
     state_dict: dict[str, Tensor]
     """The adapter's tensors, keys as stored (`...q_proj.lora_A.weight`, ...)."""
+    config: Mapping[str, Any] | None = None
+    """The adapter's whole config (`adapter_config.json`, or a checkpoint file's `lora_config`)."""
 
 
 def _scaling_of(config: Any) -> tuple[float, bool] | None:
@@ -153,25 +162,99 @@ def read_adapter_weights(path: str | Path) -> AdapterWeights:
     if not p.exists():
         raise FileNotFoundError(f"{str(p)!r}: LoRA adapter checkpoint does not exist")
     scaling: tuple[float, bool] | None = None
+    config: Any = None
     if p.is_dir():
         files = [f for suffix in _CHECKPOINT_SUFFIXES for f in sorted(p.glob(f"*{suffix}")) if f.is_file()]
         if not files:
             raise ValueError(
                 f"{str(p)!r}: no LoRA adapter checkpoint in the folder (expected a {', '.join(_CHECKPOINT_SUFFIXES)} file)"
             )
-        config = p / "adapter_config.json"
-        if config.is_file():
+        config_file = p / "adapter_config.json"
+        if config_file.is_file():
             try:
-                scaling = _scaling_of(json.loads(config.read_text()))
+                config = json.loads(config_file.read_text())
+                scaling = _scaling_of(config)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"LoRA adapter config {str(config)!r} is not valid JSON ({exc.msg})") from None
+                raise ValueError(f"LoRA adapter config {str(config_file)!r} is not valid JSON ({exc.msg})") from None
         data = _read_tensors(files[0])
     else:
         data = _read_tensors(p)
-        scaling = _scaling_of(data.pop("lora_config", None))
+        config = data.pop("lora_config", None)
+        scaling = _scaling_of(config)
     import torch
 
     others = sorted(k for k, v in data.items() if not isinstance(v, torch.Tensor))
     if others:
         raise ValueError(f"{str(p)!r}: LoRA adapter entries are not tensors: {', '.join(map(str, others))}")
-    return AdapterWeights(scaling=scaling, state_dict=data)
+    return AdapterWeights(
+        scaling=scaling, state_dict=data, config=dict(config) if isinstance(config, Mapping) else None
+    )
+
+
+def _config_problems(field: str, config: Mapping[str, Any] | None) -> list[Problem]:
+    """Adapter settings whose effect the programs cannot reproduce (refused, never ignored)."""
+    if config is None:
+        return []
+    problems = []
+    bias = config.get("bias", "none")
+    if bias not in (None, "none"):
+        why = "trains biases, which multi-LoRA serving does not apply (lora_bias='none' only)"
+        problems.append(Problem.of(f"{field}.bias", bias, why, "use an adapter trained with bias='none'"))
+    if config.get("use_dora"):
+        problems.append(Problem.of(f"{field}.use_dora", True, "DoRA adapters are not supported", "use a LoRA adapter"))
+    if config.get("alpha_pattern"):
+        why = "sets per-module alphas, which are not supported"
+        problems.append(Problem.of(f"{field}.alpha_pattern", config["alpha_pattern"], why, "use one lora_alpha"))
+    return problems
+
+
+def adapter_ids(spec: NeuronSpec) -> dict[str, str]:
+    """The device adapters, id -> path, in slot order: the config keeps `lora_ckpt_paths` sorted by id,
+    so the `position`-th id here is NxDI's adapter index `position` (+1 with enable_base_model_only)."""
+    cfg = spec.lora_config
+    return {} if cfg is None or cfg.lora_ckpt_paths is None else cfg.lora_ckpt_paths.to_dict()
+
+
+def read_for(spec: NeuronSpec, model: ModelSpec) -> Result[dict[str, Tensor], CheckpointError]:
+    """Every adapter of `spec.lora_config.lora_ckpt_paths`, read, checked and stacked at its slot (the
+    `position`-th adapter at `LoraLayout.slot_of(position)`), in the model's dtype.
+
+    Returns:
+        The stacked tensors by name (`LoraLayout.shapes()` order), or a CheckpointError listing every
+        problem of every adapter (missing or unreadable files, refused settings, tensors of other
+        modules, layers or shapes, ranks above max_lora_rank), each naming the adapter: nothing is
+        stacked unless every adapter is right.
+    """
+    import torch  # here: LoraServingConfig (and so `nxdi plan`) imports this module without torch
+
+    from nxdi.core.host import weight_ops
+    from nxdi.core.planning import lora as lora_plan
+    from nxdi.core.programs import lora
+
+    cfg = spec.lora_config
+    assert cfg is not None, "read_for runs for a spec with lora_config"
+    planned = lora_plan.layout_for(model, cfg)
+    if isinstance(planned, Failure):
+        return Failure(CheckpointError(problems=planned.failure().problems))
+    layout = planned.unwrap()
+    problems: list[Problem] = []
+    adapters: list[lora.Adapter] = []
+    for position, (adapter_id, path) in enumerate(adapter_ids(spec).items()):
+        field = f"lora_config.lora_ckpt_paths[{adapter_id}]"
+        try:
+            read = read_adapter_weights(path)
+        except (FileNotFoundError, ValueError) as exc:
+            problems.append(Problem.of(field, str(path), f"cannot be read: {exc}", "give the adapter's PEFT folder"))
+            continue
+        found = _config_problems(field, read.config)
+        found += lora_plan.check_adapter(adapter_id, {k: tuple(t.shape) for k, t in read.state_dict.items()}, layout)
+        problems.extend(found)
+        if not found:
+            alpha, rslora = read.scaling if read.scaling is not None else (None, False)
+            adapters.append(
+                lora.Adapter(slot=layout.slot_of(position), tensors=read.state_dict, alpha=alpha, rslora=rslora)
+            )
+    if problems:
+        return Failure(CheckpointError(problems=tuple(problems)))
+    dtype = weight_ops.torch_dtype(spec.torch_dtype)
+    return Success(lora.stack(layout, adapters, dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32))

@@ -27,6 +27,7 @@ from nxdi.core.host import weight_ops
 from nxdi.core.host.quant import config as quant_config
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import host_memory, medusa, partition
+from nxdi.core.planning import lora as lora_plan
 from nxdi.core.programs import catalog
 from nxdi.effects import backends, engine, fused_engine, medusa_heads, quantized_checkpoint, staging
 from nxdi.effects import env as env_mod
@@ -152,7 +153,8 @@ class NeuronApplicationBase:
     def validate_config(cls, config: InferenceConfig) -> None:
         """Require a neuron_config, and reject what the CPU engine cannot run (all listed): settings it
         does not implement yet, ranks it cannot lay out (heads over tp_degree, sequence-parallel
-        buckets), and a fused-speculation draft that does not fit the target (`fused_speculation.check_config`)."""
+        buckets), a fused-speculation draft that does not fit the target (`fused_speculation.check_config`),
+        and LoRA target modules the model lacks (`lora_plan.layout_for`)."""
         if getattr(config, "neuron_config", None) is None:
             raise IncompatibleConfigError("neuron_config: is required but missing from the InferenceConfig")
         spec = config.neuron_config.spec
@@ -160,6 +162,7 @@ class NeuronApplicationBase:
             problems_of(neuron_checks.check_cpu_support(spec), partition.check_partition(config.model_spec(), spec))
             + fused_speculation.check_config(config)
             + tuple(medusa.model_problems(config.model_spec(), spec))
+            + _lora_problems(config.model_spec(), spec)
         )
         unwrap(problems_result(spec, problems), "Cannot run on the CPU backend")
 
@@ -540,3 +543,10 @@ def _lock_timeout(env: env_mod.Env) -> float | None:
         if problem.startswith("NXDI_LOCK_TIMEOUT"):
             warnings.warn(problem, stacklevel=3)
     return env.lock_timeout
+
+
+def _lora_problems(model: ModelSpec, spec: NeuronSpec) -> tuple[Problem, ...]:
+    """What `lora_config` asks of `model` that it cannot give (unknown or absent target modules)."""
+    if spec.lora_config is None:
+        return ()
+    return problems_of(lora_plan.layout_for(model, spec.lora_config))

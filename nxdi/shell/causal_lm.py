@@ -16,6 +16,7 @@ contract, each step a short method; the block-KV calls and async_mode already li
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -32,7 +33,7 @@ from nxdi.core.planning.program_key import ProgramKey
 from nxdi.core.programs import medusa, moe_settings
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.effects.runtime import StepRuntime
-from nxdi.shell import block_forward, fused_speculation
+from nxdi.shell import block_forward, fused_speculation, lora_serving
 from nxdi.shell.application import NeuronApplicationBase
 from nxdi.shell.async_forward import AsyncForward, AsyncStats
 from nxdi.shell.exceptions import IncompatibleConfigError, unwrap
@@ -209,8 +210,11 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             attention_mask: [B, W] 1 for real tokens (any padding side); inferred from position_ids.
             position_ids: [B, W] positions; inferred from attention_mask (cumsum - 1).
             sampling_params: [B, 3] (top_k, top_p, temperature), used with on-device sampling.
-            prev_hidden, adapter_ids: accepted as None (what a client passes without speculation
-                or LoRA); a value is refused, since neither runs on this engine yet.
+            prev_hidden: accepted as None (what a client passes without speculation); a value is
+                refused, since this engine does not run it.
+            adapter_ids: [B] each row's LoRA adapter with `lora_config`: NxDI's adapter indices (or
+                adapter names), 0 the base model with enable_base_model_only (see
+                `nxdi.shell.lora_serving.adapter_slots`); None there means base-model rows.
             slot_mapping, block_table, full_context_lens, computed_context_lens: with
                 `is_block_kv_layout`, where each sequence lives in the block cache (see
                 `nxdi.shell.block_forward`); refused without it.
@@ -240,7 +244,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                 positions that disagree with the KV cache (see `nxdi.core.host.forward_inputs`), a
                 prompt longer than max_context_length without allow_input_truncation, a position past
                 max_length, bad sampling params, or seq_ids out of range or duplicate (without
-                kv_cache_padding_size) or negative (without it or, for -1, apply_seq_ids_mask); or a
+                kv_cache_padding_size) or negative (without it or, for -1, apply_seq_ids_mask); adapter_ids
+                naming no loaded adapter, or given without lora_config; or a
                 decode call other than a speculation step on a model built with trace_tokengen_model=False.
 
         Warns:
@@ -272,11 +277,11 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         """One synchronous forward() call (`call`: the arguments as `forward` names them)."""
         if call["input_ids"] is None:
             raise TypeError("forward() needs input_ids")
-        if call["prev_hidden"] is not None or call["adapter_ids"] is not None:
-            what = (
-                "prev_hidden (speculation)" if call["prev_hidden"] is not None else "adapter_ids (multi-LoRA serving)"
-            )
+        if call["prev_hidden"] is not None:
+            what = "prev_hidden (speculation)"
             raise IncompatibleConfigError(f"forward() got {what}, which this engine does not run yet; pass None")
+        if self.spec.lora_config is None:  # refuses adapter_ids on every path, the block one included
+            lora_serving.adapter_slots(self.spec, call["adapter_ids"], 0)
         block_args = {name: call[name] for name in _BLOCK_ARGS}
         runtime = self._require_runtime()
         if self.spec.is_block_kv_layout:
@@ -311,6 +316,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         )
         ids, rows = checked.input_ids, checked.cache_rows
         params = self._sampling_rows(call["sampling_params"], ids.shape[0])
+        slots = lora_serving.adapter_slots(self.spec, call["adapter_ids"], ids.shape[0])
         if self._fused is not None:  # the draft and this model in one program (nxdi.shell.fused_speculation)
             fields, holds = self._fused.forward(runtime, checked, params)
             self._cached = [holds.get(row, n) for row, n in enumerate(self._cached)]
@@ -318,12 +324,12 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                 attentions=None, past_key_values=None, router_logits=None, expert_index=None, **fields
             )
         if checked.phase is Phase.CONTEXT:
-            logits, tokens, extras = self._context(runtime, ids, checked.attention_mask, rows, params)
+            logits, tokens, extras = self._context(runtime, ids, checked.attention_mask, rows, params, slots)
         elif ids.shape[1] == self.spec.speculation_length > 1:  # NxD's rule: the speculation model
             logits, tokens, extras = self._speculate(runtime, ids, checked.position_ids, rows, params)
         else:
             self.check_token_generation(f"forward() with {ids.shape[1]} token(s) per row at positions >= 1")
-            logits, tokens, extras = self._token(runtime, ids, checked.position_ids, rows, params)
+            logits, tokens, extras = self._token(runtime, ids, checked.position_ids, rows, params, slots)
         for row, held in checked.cached_after(self.context_capacity).items():
             self._cached[row] = held
         return self._output(logits, tokens, extras)
@@ -383,9 +389,12 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             raise IncompatibleConfigError(f"sampling_params: has {len(checked)} rows for a batch of {batch}")
         return torch.tensor(sampling_params_core.infer_sampling_params(checked), dtype=torch.float32)
 
-    def _context(self, runtime: StepRuntime, ids: Tensor, mask: Tensor, rows: Tensor, params: Tensor) -> _Outputs:
-        """Encode the prompts `ids` [B, W] (`mask`: their real tokens); the extras come back in the
-        caller's columns, [L, B, W, ...], padding columns (and tokens cut by truncation) filled."""
+    def _context(
+        self, runtime: StepRuntime, ids: Tensor, mask: Tensor, rows: Tensor, params: Tensor, slots: Tensor | None
+    ) -> _Outputs:
+        """Encode the prompts `ids` [B, W] (`mask`: their real tokens; `slots` [B]: their LoRA
+        adapters, with lora_config); the extras come back in the caller's columns, [L, B, W, ...],
+        padding columns (and tokens cut by truncation) filled."""
         compacted, lengths = batching.compact(ids, mask)
         bucket = unwrap(
             buckets.select_bucket(
@@ -406,7 +415,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                 stacklevel=3,
             )
         pad = self.model_spec.pad_token_id or 0
-        x = batching.context_inputs(compacted, lengths, bucket=bucket, pad_token_id=pad)
+        x = dataclasses.replace(
+            batching.context_inputs(compacted, lengths, bucket=bucket, pad_token_id=pad), adapter_ids=slots
+        )
         logits, tokens, extras = self._run_batched(runtime, Phase.CONTEXT, bucket, x, rows, params)
         fills = moe_settings.FILL
         return (
@@ -418,16 +429,18 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             },
         )
 
-    def _token(self, runtime: StepRuntime, ids: Tensor, positions: Tensor, rows: Tensor, params: Tensor) -> _Outputs:
-        """Decode `ids` [B, W] at `positions` [B, W]: W token-generation steps, one column each (a row
-        continuing from a cached prefix); the logits and tokens are the last step's, the extras
-        every step's, [L, B, W, ...]."""
+    def _token(
+        self, runtime: StepRuntime, ids: Tensor, positions: Tensor, rows: Tensor, params: Tensor, slots: Tensor | None
+    ) -> _Outputs:
+        """Decode `ids` [B, W] at `positions` [B, W] (`slots` [B]: the rows' LoRA adapters, with
+        lora_config): W token-generation steps, one column each (a row continuing from a cached
+        prefix); the logits and tokens are the last step's, the extras every step's, [L, B, W, ...]."""
         logits, tokens, steps = None, None, []
         for col in range(ids.shape[1]):
             at = positions[:, col : col + 1]
             bucket = unwrap(buckets.select_bucket(self._tables[Phase.TOKEN], int(at.max()) + 1))
             last = torch.zeros(ids.shape[0], dtype=torch.int64)
-            x = StepInputs(input_ids=ids[:, col : col + 1], position_ids=at, last_index=last)
+            x = StepInputs(input_ids=ids[:, col : col + 1], position_ids=at, last_index=last, adapter_ids=slots)
             logits, tokens, extras = self._run_batched(runtime, Phase.TOKEN, bucket, x, rows, params)
             steps.append(extras)
         last = steps[-1]  # a per-row output (Medusa's) is the last step's

@@ -32,7 +32,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from nxdi.shell import fused_generation, medusa, speculative
+from nxdi.shell import fused_generation, lora_serving, medusa, speculative
 from nxdi.shell.causal_lm import NeuronBaseForCausalLM
 from nxdi.shell.exceptions import IncompatibleConfigError
 
@@ -80,16 +80,19 @@ class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         sampling_params: Tensor | None = None,
+        adapter_ids: Any = None,
         **kwargs: Any,
     ) -> Any:
         """The wrapped model's forward. The parameters are named because transformers' generate()
-        accepts only the model kwargs it finds in this signature (`sampling_params=` in particular)."""
+        accepts only the model kwargs it finds in this signature (`sampling_params=` and, for
+        multi-LoRA serving, `adapter_ids=`: one adapter name or index per prompt)."""
         return self.neuron_model.forward(
             input_ids,
             seq_ids=seq_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             sampling_params=sampling_params,
+            adapter_ids=adapter_ids,
             **kwargs,
         )
 
@@ -256,6 +259,8 @@ class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
         if new_tokens > 1:  # every token after the first comes from a token-generation step
             model.check_token_generation(f"generate() of {new_tokens} new tokens without assistant_model")
         rows = self._sampling_rows(generation_config, batch, model_kwargs.get("sampling_params"))
+        # adapter names become NxDI's indices once (convert_adapter_ids_to_indices), checked before any step
+        adapters = lora_serving.adapter_slots(model.spec, model_kwargs.get("adapter_ids"), batch)
         host = self._host_processors(logits_processor, generation_config)
         pad = generation_config._pad_token_tensor
         has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
@@ -265,7 +270,7 @@ class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
         raw: list[Tensor] = []
         unfinished = torch.ones(batch, dtype=torch.long)
         model.reset()
-        out = model.forward(input_ids, attention_mask=mask, sampling_params=rows)
+        out = model.forward(input_ids, attention_mask=mask, sampling_params=rows, adapter_ids=adapters)
         while True:
             logits = out.logits[:, -1].float() if out.logits is not None else None
             processed = logits_processor(input_ids, logits) if logits is not None else None
@@ -290,7 +295,9 @@ class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
             unfinished = unfinished & ~stopping_criteria(input_ids, tuple(scores) or None)
             if int(unfinished.max()) == 0:
                 break
-            out = model.forward(next_tokens[:, None], position_ids=positions, sampling_params=rows)
+            out = model.forward(
+                next_tokens[:, None], position_ids=positions, sampling_params=rows, adapter_ids=adapters
+            )
             positions = positions + 1
         if streamer is not None:
             streamer.end()

@@ -5,7 +5,13 @@
 tensors and scaling, in both formats NxDI reads (a PEFT folder, or an NxD checkpoint file;
 `nxdi.effects.lora_adapters.read_adapter_weights`). NxDI's methods that write adapters into a
 wrapped torch model (`update_weights_for_lora`, `shard_cpu_checkpoints`, `load_streaming_ckpt`)
-have no counterpart: nxdi's programs do not run LoRA adapters yet.
+have no counterpart: the engine stacks the adapters into its programs' weights itself
+(`nxdi.effects.lora_adapters.read_for`, `nxdi.core.programs.lora`).
+
+`adapter_slots` is NxDI's `convert_adapter_ids_to_indices` and its check: what a caller passes as
+`adapter_ids` (adapter names, or NxDI's indices) becomes each row's device slot. Adapter index i is
+the i-th id of `lora_ckpt_paths` sorted by id (the config keeps them sorted; NxDI numbers them in
+the order given), plus one with `enable_base_model_only`, whose index 0 is the base model.
 Effects: reads adapter files.
 """
 
@@ -15,12 +21,15 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 
+from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.effects import lora_adapters
 from nxdi.shell.config import LoraServingConfig
+from nxdi.shell.exceptions import IncompatibleConfigError
 
-__all__ = ["LoraCheckpoint", "LoraServingConfig"]
+__all__ = ["LoraCheckpoint", "LoraServingConfig", "adapter_slots"]
 
 LoraScaling = tuple[float, bool]
 """`(lora_alpha, use_rslora)` from an adapter's config."""
@@ -127,3 +136,59 @@ class LoraCheckpoint:
 
     def __repr__(self) -> str:
         return f"LoraCheckpoint(adapters={list(self.adapter_ids)})"
+
+
+def adapter_index(spec: NeuronSpec) -> dict[str, int]:
+    """Adapter name -> its index (its device slot): NxDI's `lora_adapter_id_mapping`."""
+    cfg = spec.lora_config
+    first = 1 if cfg is not None and cfg.enable_base_model_only else 0
+    return {name: first + i for i, name in enumerate(lora_adapters.adapter_ids(spec))}
+
+
+def adapter_slots(spec: NeuronSpec, adapter_ids: Any, batch: int) -> Tensor | None:
+    """Each row's device slot [batch] int64 for what a caller passes as `adapter_ids`: a [batch]
+    tensor or list of adapter indices, or a list of adapter names; None on a model without
+    lora_config (which takes no adapter_ids), and all base-model rows for None with
+    enable_base_model_only.
+
+    Raises:
+        IncompatibleConfigError: adapter_ids on a model without lora_config; None without
+            enable_base_model_only (no row may silently take some adapter); a length other than
+            the batch; an unknown name or an index naming no loaded adapter (the known ones listed).
+    """
+    cfg = spec.lora_config
+    if cfg is None:
+        if adapter_ids is None:
+            return None
+        raise IncompatibleConfigError(
+            "adapter_ids: given, but this model has no lora_config. Fix: build it with "
+            "NeuronConfig(lora_config=LoraServingConfig(...)), or pass adapter_ids=None"
+        )
+    names = adapter_index(spec)
+    known = ", ".join(f"{n!r} ({i})" for n, i in names.items()) or "none"
+    base = " or 0 for the base model" if cfg.enable_base_model_only else ""
+    if adapter_ids is None:
+        if cfg.enable_base_model_only:
+            return torch.zeros(batch, dtype=torch.int64)
+        raise IncompatibleConfigError(
+            "adapter_ids: None, but every row needs an adapter (enable_base_model_only=False). Fix: pass one "
+            f"adapter per row (adapters: {known}), or set lora_config.enable_base_model_only=True"
+        )
+    given = adapter_ids.reshape(-1).tolist() if isinstance(adapter_ids, Tensor) else list(adapter_ids)
+    if len(given) != batch:
+        raise IncompatibleConfigError(
+            f"adapter_ids: has {len(given)} entries for a batch of {batch} rows. Fix: give one adapter per row"
+        )
+    valid = set(names.values()) | ({0} if cfg.enable_base_model_only else set())
+    slots, bad = [], []
+    for value in given:
+        slot = names.get(value) if isinstance(value, str) else value if isinstance(value, int) else None
+        if slot is None or slot not in valid:
+            bad.append(value)
+        slots.append(slot if isinstance(slot, int) else 0)
+    if bad:
+        raise IncompatibleConfigError(
+            f"adapter_ids: {bad} name no loaded adapter. Fix: use an adapter name or index{base} "
+            f"(adapters: {known}), or add the adapter to lora_config.lora_ckpt_paths"
+        )
+    return torch.tensor(slots, dtype=torch.int64)

@@ -141,7 +141,7 @@ def test_unsupported_features_are_all_listed(tiny_checkpoint: Callable[..., Path
             enable_fused_speculation=True,
             speculation_length=4,
             kv_quant_config={"direct_cast": False},  # scaled KV quantization: a refused sub-config attribute
-            lora_config={"max_loras": 2},
+            lora_config={"max_loras": 2, "dynamic_multi_lora": True},  # static multi-LoRA runs; dynamic not yet
         )
     assert caught.value.error is not None
     assert {p.field for p in caught.value.error.problems} == {
@@ -149,9 +149,11 @@ def test_unsupported_features_are_all_listed(tiny_checkpoint: Callable[..., Path
         "fused_spec_config",  # fused speculation runs, given its draft and on-device sampling
         "on_device_sampling_config",
         "kv_quant_config.direct_cast",
-        "lora_config",
+        "lora_config.dynamic_multi_lora",
+        "speculation_length",  # multi-LoRA does not run with speculation yet
+        "enable_fused_speculation",
     }
-    assert "Cannot run on the CPU backend: 5 problems" in str(caught.value)
+    assert "Cannot run on the CPU backend: 7 problems" in str(caught.value)
 
 
 def test_forward_before_loading_says_how_to_load(tiny_checkpoint: Callable[..., Path]) -> None:

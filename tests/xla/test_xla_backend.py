@@ -6,6 +6,8 @@
   a padded batch (cache rows chosen per call) too;
 - XLA compiles each program once at load and nothing while generating, runs no op on the host
   (no `aten::` fallback counters), and updates every KV-cache buffer in place (aliased);
+- multi-LoRA programs (stacked adapters, each row's adapter slot an input) lower and give a mixed
+  batch the CPU engine's tokens;
 - a compiled folder holds each program's HLO module, text and parameter map; `debug=True` and
   `nxdi compile --dump-hlo` write the HLO text; a folder compiled for xla is refused by the cpu
   backend with the fix.
@@ -406,3 +408,24 @@ def test_medusa_tree_programs_lower_and_give_the_cpu_engines_tokens(
     assert max_relative_logit_error(steps[1].logits, steps[0].logits) <= 1e-5
     assert torch.equal(steps[0].tokens, steps[1].tokens) and torch.equal(steps[0].candidates, steps[1].candidates)
     assert not [name for name in met.counter_names() if name.startswith("aten::")]
+
+
+def test_lora_programs_lower_and_give_the_cpu_engines_tokens(
+    tiny_model: Callable[[str], Any], tiny_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Three PEFT adapters and a base-model row in one batch: the xla programs' greedy tokens equal
+    the CPU engine's."""
+    from nxdi.shell.config import LoraServingConfig
+    from tests.support.lora_adapters import ROWS, save_adapters
+
+    paths = save_adapters(tiny_model("llama"), tmp_path / "adapters")
+
+    def make(**backend: Any) -> Any:
+        lora = LoraServingConfig(max_loras=3, lora_ckpt_paths=paths, enable_base_model_only=True)
+        path = tiny_checkpoint("llama")
+        return load_model(path, "llama", workdir=tmp_path, batch_size=4, lora_config=lora, **backend)
+
+    names = [adapter or 0 for adapter in ROWS]
+    xla, cpu = make(backend="xla"), make()
+    got, want = (nxdi_generate(m, PROMPTS, max_new_tokens=12, adapter_ids=names) for m in (xla, cpu))
+    assert torch.equal(got, want)

@@ -309,7 +309,27 @@ def check_cpu_support(spec: NeuronSpec) -> Result[NeuronSpec, ConfigError]:
     problems.extend(medusa.cpu_problems(spec))
     problems.extend(_eagle_draft_alone(spec))
     problems.extend(_token_generation_off(spec))
+    problems.extend(_lora_programs(spec))
     return problems_result(spec, problems)
+
+
+def _lora_programs(spec: NeuronSpec) -> Iterator[Problem]:
+    """What multi-LoRA serving (`lora_config`) does not run with on the CPU engine yet: tensor
+    parallelism (the adapters are not sharded over ranks), the block KV layout, speculation (the
+    draft and the speculation programs take no adapters) and Medusa; each named with its fix."""
+    if spec.lora_config is None:
+        return
+    others = (
+        ("tp_degree", spec.tp_degree, spec.tp_degree > 1, 1),
+        ("is_block_kv_layout", True, spec.is_block_kv_layout, False),
+        ("speculation_length", spec.speculation_length, spec.speculation_length > 0, 0),
+        ("enable_fused_speculation", True, spec.enable_fused_speculation, False),
+        ("is_medusa", True, spec.is_medusa, False),
+    )
+    for name, value, on, default in others:
+        if on:
+            why = "does not run with multi-LoRA serving (lora_config) on the CPU engine yet"
+            yield Problem.of(name, value, why, f"set {name}={default!r}, or lora_config=None")
 
 
 def _fused_programs(spec: NeuronSpec) -> Iterator[Problem]:

@@ -465,7 +465,6 @@ class NeuronSpec:
     lora_config: LoraSpec | None = _lora(
         None,
         "Multi-LoRA serving settings (LoraServingConfig); setting it enables multi-LoRA serving.",
-        cpu=OnCpu.REFUSED,
     )
     tp_degree: int = _distributed(
         1,

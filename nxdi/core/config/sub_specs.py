@@ -91,45 +91,75 @@ class LoraSpec:
         "Adapters kept in host memory; lora_ckpt_paths_cpu may not hold more.",
         bounds=(1, MAX_COUNT),
         graph=False,
+        cpu="host-memory adapters serve dynamic multi-LoRA, which is not implemented yet",
     )
     batch_size: int = setting(
-        1, "Batch size, in sequences, the LoRA serving layers are built for.", bounds=(1, MAX_BATCH)
+        1,
+        "Batch size, in sequences, the LoRA serving layers are built for.",
+        bounds=(1, MAX_BATCH),
+        cpu="the LoRA programs take the model's own batch sizes",
     )
     target_modules: tuple[str, ...] | None = setting(
         None, "Modules that carry adapters (union of the adapters' target_modules when read from disk)."
     )
     lora_bias: Literal["none", "all", "lora_only"] = setting(
-        "none", 'Which biases the adapters train: "none", "all" or "lora_only".'
+        "none",
+        'Which biases the adapters train: "none", "all" or "lora_only".',
+        cpu=OnCpu.REFUSED,
+        cpu_note="adapter biases are not applied; only lora_bias='none' is served",
     )
     lora_ckpt_paths: JsonMap | None = setting(
         None, 'Adapter id to checkpoint path for device-resident adapters (also "id : path" strings).', graph=False
     )
     lora_ckpt_paths_cpu: JsonMap | None = setting(
-        None, "Adapter id to checkpoint path for adapters kept in host memory.", graph=False
+        None,
+        "Adapter id to checkpoint path for adapters kept in host memory.",
+        graph=False,
+        cpu=OnCpu.REFUSED,
+        cpu_note="host-memory adapters serve dynamic multi-LoRA, which is not implemented yet",
     )
     lora_ckpt_json: str | None = setting(
         None,
         "JSON file listing adapter checkpoints (lora-ckpt-dir, lora-ckpt-paths, lora-ckpt-paths-cpu).",
         graph=False,
     )
-    lora_memory_transpose: bool = setting(True, "Transpose the adapters' memory layout for faster inference.")
-    lora_shard_linear_layer: bool = setting(
-        True, "Shard the adapter's linear layer across the TP group (1/tp_degree per core, adds all-gather)."
+    lora_memory_transpose: bool = setting(
+        True,
+        "Transpose the adapters' memory layout for faster inference.",
+        cpu="a Neuron memory-layout choice; the CPU programs use one layout",
     )
-    is_context_encoding: bool = setting(False, "Marks LoRA layers of the context-encoding model.")
+    lora_shard_linear_layer: bool = setting(
+        True,
+        "Shard the adapter's linear layer across the TP group (1/tp_degree per core, adds all-gather).",
+        cpu="multi-LoRA serving runs at tp_degree=1 only yet, where nothing is sharded",
+    )
+    is_context_encoding: bool = setting(
+        False, "Marks LoRA layers of the context-encoding model.", cpu="every program carries the same adapters"
+    )
     dynamic_multi_lora: bool = setting(
-        False, 'Swap adapters between host and device at run time; adds ".*lora.*" to layout-optimization skips.'
+        False,
+        'Swap adapters between host and device at run time; adds ".*lora.*" to layout-optimization skips.',
+        cpu=OnCpu.REFUSED,
+        cpu_note="dynamic multi-LoRA is not implemented yet (adapters are loaded at load())",
     )
     eviction_policy: Literal["lru", "lfu"] = setting(
-        "lru", 'Policy for evicting device-resident adapters: "lru" or "lfu".', graph=False
+        "lru",
+        'Policy for evicting device-resident adapters: "lru" or "lfu".',
+        graph=False,
+        cpu="eviction serves dynamic multi-LoRA, which is not implemented yet",
     )
     lfu_decay_period: int = setting(
         128,
         "Period after which LFU usage counts decay, for the lfu policy.",
         bounds=(1, MAX_TOKENS),
         graph=False,
+        cpu="eviction serves dynamic multi-LoRA, which is not implemented yet",
     )
-    base_model_quantized: bool = setting(False, "The base model's weights are quantized.")
+    base_model_quantized: bool = setting(
+        False,
+        "The base model's weights are quantized.",
+        cpu="quantized=True decides the base weights; adapters add to either kind",
+    )
     enable_base_model_only: bool = setting(False, "Reserve one extra adapter slot for requests that use no adapter.")
 
     @property

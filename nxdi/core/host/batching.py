@@ -69,6 +69,7 @@ def select_rows(x: StepInputs, rows: Tensor) -> StepInputs:
         input_ids=x.input_ids.index_select(0, rows),
         position_ids=x.position_ids.index_select(0, rows),
         last_index=x.last_index.index_select(0, rows),
+        adapter_ids=None if x.adapter_ids is None else x.adapter_ids.index_select(0, rows),
     )
 
 

@@ -14,7 +14,8 @@ Theory of operation:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 
 import attrs
 from returns.result import Failure, Result, Success
@@ -155,3 +156,179 @@ def adapter_size_for(model: ModelSpec, spec: LoraSpec, *, dtype: str) -> Result[
     """Size of one adapter at `max_lora_rank` on `target_modules` (q, k, v, o when unset)."""
     modules = spec.target_modules or DEFAULT_TARGET_MODULES
     return adapter_size(model, rank=spec.max_lora_rank, target_modules=modules, dtype=dtype)
+
+
+# --- the programs' stacked adapter weights ---------------------------------------------------------
+
+QKV_MODULES = ("q_proj", "k_proj", "v_proj")
+TARGET_OF = {
+    "q_proj": "qkv",
+    "k_proj": "qkv",
+    "v_proj": "qkv",
+    "o_proj": "o",
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+}
+"""Target module -> the program's linear layer that carries it (Q, K and V share the fused `qkv`)."""
+TARGETS = ("qkv", "o", "gate", "up", "down")
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.([a-z_]+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
+
+
+def weight_name(layer: int, target: str, matrix: str) -> str:
+    """A stacked adapter tensor's name among a program's weights: `lora.layers.{i}.{target}.{a|b}`
+    (a Q, K or V adapter's B is `lora.layers.{i}.{q|k|v}.b`: they share the fused `qkv.a`)."""
+    return f"lora.layers.{layer}.{target}.{matrix}"
+
+
+def b_name(layer: int, module: str) -> str:
+    """The stacked B of `module` (`q_proj` -> `lora.layers.{i}.q.b`, `o_proj` -> `...o.b`)."""
+    return weight_name(layer, module.removesuffix("_proj"), "b")
+
+
+@attrs.frozen(kw_only=True)
+class LoraLayout:
+    """Where adapters go in the programs' weights: per layer and target module, A [S, R, in] and
+    B [S, out, R] for S device slots, each adapter's matrices at its slot. Q, K and V adapters
+    share the fused QKV projection: their A matrices are stacked along the rank in one `qkv.a`
+    [S, R * m, E] (m of the three targeted), each keeps its own B, so the device holds exactly the
+    `r * (in + out)` per module the planner counts (`adapter_size`)."""
+
+    model: ModelSpec
+    slots: int = attrs.field(validator=attrs.validators.ge(1))
+    """S: `effective_max_loras` (slot 0 is the base model's, all zeros, with enable_base_model_only)."""
+    rank: int = attrs.field(validator=attrs.validators.ge(1))
+    """R: `max_lora_rank`; a smaller adapter's extra rows and columns stay zero."""
+    modules: tuple[str, ...]
+    """The target modules, in `KNOWN_MODULES` order."""
+    base_slot: bool
+    """Slot 0 holds no adapter (enable_base_model_only): rows with adapter id 0 run the base model."""
+
+    def targets(self) -> tuple[str, ...]:
+        """The program linears that carry adapters, in `TARGETS` order."""
+        return tuple(t for t in TARGETS if any(TARGET_OF[m] == t for m in self.modules))
+
+    def qkv_modules(self) -> tuple[str, ...]:
+        return tuple(m for m in QKV_MODULES if m in self.modules)
+
+    def slot_of(self, position: int) -> int:
+        """The device slot of the `position`-th adapter of lora_ckpt_paths (NxDI's adapter index)."""
+        return position + (1 if self.base_slot else 0)
+
+    def dims(self, module: str) -> tuple[int, int]:
+        """(in, out) features of a target module's base layer."""
+        return _module_dims(self.model, module)
+
+    def a_column(self, module: str) -> int:
+        """The first rank row of `module`'s A within its target's A (Q, K, V side by side)."""
+        return self.qkv_modules().index(module) * self.rank if TARGET_OF[module] == "qkv" else 0
+
+    def shapes(self) -> dict[str, tuple[int, int, int]]:
+        """Every stacked tensor's name and shape, in binding order: per layer and target its A
+        [S, R_t, in], then the B [S, out, R] of each module it carries."""
+        out: dict[str, tuple[int, int, int]] = {}
+        for layer in range(self.model.num_layers):
+            for target in self.targets():
+                carried = [m for m in self.modules if TARGET_OF[m] == target]
+                out[weight_name(layer, target, "a")] = (self.slots, self.rank * len(carried), self.dims(carried[0])[0])
+                for m in carried:
+                    out[b_name(layer, m)] = (self.slots, self.dims(m)[1], self.rank)
+        return out
+
+
+def layout_for(model: ModelSpec, spec: LoraSpec) -> Result[LoraLayout, ConfigError]:
+    """The stacked layout of `spec`'s adapters on `model` (target modules q, k, v, o when unset).
+
+    Returns:
+        `Failure` listing target modules nxdi does not know, MLP modules on a model without a gated
+        dense MLP (a mixture of experts, a plain MLP), and a model without per-layer q/k/v/o.
+    """
+    modules = spec.target_modules or DEFAULT_TARGET_MODULES
+    problems: list[Problem] = []
+    field = "lora_config.target_modules"
+    unknown = [m for m in modules if m not in KNOWN_MODULES]
+    if unknown:
+        why = f"names modules nxdi cannot attach adapters to: {unknown}"
+        problems.append(Problem.of(field, list(modules), why, f"target only {', '.join(KNOWN_MODULES)}"))
+    mlp = [m for m in modules if m in ("gate_proj", "up_proj", "down_proj")]
+    if mlp and (model.is_moe or not model.gated_mlp):
+        kind = "a mixture of experts" if model.is_moe else "a plain (ungated) MLP"
+        why = f"targets {mlp}, which this base model lacks: it has {kind}"
+        problems.append(Problem.of(field, list(modules), why, "target the attention projections only"))
+    if problems:
+        return Failure(ConfigError(problems=tuple(problems)))
+    return Success(
+        LoraLayout(
+            model=model,
+            slots=spec.effective_max_loras,
+            rank=spec.max_lora_rank,
+            modules=tuple(m for m in KNOWN_MODULES if m in modules),
+            base_slot=spec.enable_base_model_only,
+        )
+    )
+
+
+def parse_key(key: str) -> tuple[int, str, str] | None:
+    """(layer, module, "A" | "B") of a PEFT adapter tensor name
+    (`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`), None for any other name."""
+    found = _KEY.search(key)
+    if found is None or found.group(2) not in KNOWN_MODULES:
+        return None
+    return int(found.group(1)), found.group(2), found.group(3)
+
+
+def check_adapter(adapter_id: str, shapes: Mapping[str, tuple[int, ...]], layout: LoraLayout) -> tuple[Problem, ...]:
+    """Every problem with one adapter's tensors (name -> shape) against `layout`: a tensor that is
+    no A or B matrix of a known module (embeddings, biases, modules_to_save: they cannot take
+    effect), a layer past the model's, a module outside target_modules, a rank above
+    max_lora_rank, shapes of another base model (each tensor named with the shape it needs), and
+    an A without its B or the reverse. Fields read `lora_config.lora_ckpt_paths[<id>].<tensor>`."""
+    field = f"lora_config.lora_ckpt_paths[{adapter_id}]"
+    problems: list[Problem] = []
+    seen: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
+    for key, shape in shapes.items():
+        parsed = parse_key(key)
+        if parsed is None:
+            why = "is not the lora_A/lora_B weight of a q/k/v/o/gate/up/down projection, so it cannot take effect"
+            problems.append(Problem.of(f"{field}.{key}", list(shape), why, "save the adapter without it"))
+            continue
+        layer, module, matrix = parsed
+        if layer >= layout.model.num_layers:
+            why = f"is for layer {layer}, but the base model has {layout.model.num_layers} layers"
+            problems.append(Problem.of(f"{field}.{key}", list(shape), why, "use an adapter trained on this base model"))
+        elif module not in layout.modules:
+            fix = f"add {module} to lora_config.target_modules (now {list(layout.modules)})"
+            problems.append(Problem.of(f"{field}.{key}", list(shape), f"adapts {module}, not a target module", fix))
+        else:
+            seen.setdefault((layer, module), {})[matrix] = shape
+            problems.extend(_shape_problems(f"{field}.{key}", shape, matrix, layout.dims(module), layout.rank))
+    for (layer, module), pair in sorted(seen.items()):
+        if len(pair) == 1:
+            (have,) = pair
+            lacking = "B" if have == "A" else "A"
+            why = f"has lora_{have} but no lora_{lacking} for layers.{layer}.{module}"
+            problems.append(Problem.of(field, f"layers.{layer}.{module}", why, "save both matrices"))
+        elif pair["A"][:1] != pair["B"][1:2]:
+            why = f"layers.{layer}.{module}: lora_A has rank {pair['A'][0]}, lora_B {pair['B'][1]}"
+            problems.append(Problem.of(field, f"layers.{layer}.{module}", why, "save a consistent adapter"))
+    return tuple(problems)
+
+
+def _shape_problems(
+    name: str, shape: tuple[int, ...], matrix: str, dims: tuple[int, int], max_rank: int
+) -> list[Problem]:
+    """A [r, in] / B [out, r] against the base layer's (in, out) and max_lora_rank."""
+    fan_in, fan_out = dims
+    if len(shape) != 2:
+        return [Problem.of(name, list(shape), "is not a matrix", "use an adapter in the PEFT format")]
+    rank, width = (shape[0], shape[1]) if matrix == "A" else (shape[1], shape[0])
+    want = fan_in if matrix == "A" else fan_out
+    problems = []
+    if width != want:
+        need = [rank, want] if matrix == "A" else [want, rank]
+        why = f"does not fit the base model's layer (needs {need}): an adapter for another base model"
+        problems.append(Problem.of(name, list(shape), why, "use an adapter trained on this base model"))
+    if rank > max_rank:
+        why = f"has rank {rank}, above lora_config.max_lora_rank={max_rank}"
+        problems.append(Problem.of(name, list(shape), why, f"set max_lora_rank >= {rank}"))
+    return problems

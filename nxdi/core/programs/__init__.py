@@ -34,6 +34,6 @@ routing outputs), `step` (a decoder step plus the sampler), `sampling`, `specula
 verification), `token_tree` (tree attention, candidates, tree acceptance and KV compaction),
 `medusa` (Medusa heads and tree steps), `eagle` (the EAGLE draft: the decoder fed its target's
 hidden states), `fused_speculation` (draft and target in one step), `eagle_fused` and `eagle_tree`
-(EAGLE's fused steps: a flat draft, a token tree), and `catalog` (which program
-runs a family). Host-side tensor helpers that are never traced live in `nxdi.core.host`.
+(EAGLE's fused steps: a flat draft, a token tree), `lora` (multi-LoRA serving: stacked adapters,
+each batch row's selected by its slot), and `catalog` (which program runs a family). Host-side tensor helpers that are never traced live in `nxdi.core.host`.
 """

@@ -29,14 +29,24 @@ class StepInputs:
     """[B, S] int64 positions of the tokens (only the real tokens' values are used)."""
     last_index: Tensor
     """[B] int64 index of each row's last real token within the S tokens."""
+    adapter_ids: Tensor | None = None
+    """[B] int64 device LoRA slot of each row (`nxdi.core.programs.lora`); None: a model without
+    `lora_config`, whose programs take no such input."""
 
-    def to_tensors(self) -> tuple[Tensor, Tensor, Tensor]:
-        return self.input_ids, self.position_ids, self.last_index
+    def to_tensors(self) -> tuple[Tensor, ...]:
+        fixed = (self.input_ids, self.position_ids, self.last_index)
+        return fixed if self.adapter_ids is None else (*fixed, self.adapter_ids)
 
     @classmethod
     def from_tensors(cls, tensors: Sequence[Tensor]) -> StepInputs:
-        input_ids, position_ids, last_index = tensors
-        return cls(input_ids=input_ids, position_ids=position_ids, last_index=last_index)
+        """The inverse of `to_tensors`: three tensors, or four with the rows' LoRA slots."""
+        input_ids, position_ids, last_index, *slots = tensors
+        return cls(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            last_index=last_index,
+            adapter_ids=slots[0] if slots else None,
+        )
 
 
 def write_slots(x: StepInputs) -> Tensor:
