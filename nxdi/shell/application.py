@@ -20,7 +20,7 @@ import torch
 
 from nxdi.core import eagle_layout, graph_key
 from nxdi.core import weight_plan as weight_plans
-from nxdi.core.config import neuron_checks
+from nxdi.core.config import cpu_support
 from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.errors import ArtifactError, Problem, problems_of, problems_result
 from nxdi.core.host import weight_ops
@@ -159,7 +159,7 @@ class NeuronApplicationBase:
             raise IncompatibleConfigError("neuron_config: is required but missing from the InferenceConfig")
         spec = config.neuron_config.spec
         problems = (
-            problems_of(neuron_checks.check_cpu_support(spec), partition.check_partition(config.model_spec(), spec))
+            problems_of(cpu_support.check_cpu_support(spec), partition.check_partition(config.model_spec(), spec))
             + fused_speculation.check_config(config)
             + tuple(medusa.model_problems(config.model_spec(), spec))
             + _lora_problems(config.model_spec(), spec)
@@ -297,7 +297,7 @@ class NeuronApplicationBase:
         self.close()
         if root is not None:
             name = self._backend().name
-            unwrap(neuron_checks.check_backend_support(self.spec, name), f"Cannot run on the {name} backend")
+            unwrap(cpu_support.check_backend_support(self.spec, name), f"Cannot run on the {name} backend")
         if root is not None and self.spec.is_block_kv_layout and self._backend().name != "cpu":
             raise IncompatibleConfigError(
                 f"is_block_kv_layout=True runs on the cpu backend only yet, not {self._backend().name}: "
@@ -386,7 +386,7 @@ class NeuronApplicationBase:
         root = Path(compiled_model_path)
         env = env_mod.read_env()
         backend = self._backend()
-        supported = neuron_checks.check_backend_support(self.spec, backend.name)
+        supported = cpu_support.check_backend_support(self.spec, backend.name)
         unwrap(supported, f"Cannot run on the {backend.name} backend")
         unwrap(launch.check_placement(self._engine_model(), env, backend))
         self._check_host_memory(backend)  # what load() will refuse on this host is not compiled either

@@ -43,7 +43,7 @@ from torch import Tensor
 from nxdi.core import eagle_layout
 from nxdi.core import graph_key as graph_keys
 from nxdi.core import weight_plan as weight_plans
-from nxdi.core.config import fused_checks, neuron_checks
+from nxdi.core.config import cpu_support, fused_checks
 from nxdi.core.config.fields import to_json
 from nxdi.core.config.fused_checks import DraftSide
 from nxdi.core.config.neuron_spec import NeuronSpec, Phase
@@ -103,7 +103,7 @@ def check_config(config: InferenceConfig) -> tuple[Problem, ...]:
         return pair
     # A draft setting copied from the target (the documented way to make the draft's config) is
     # the target's problem, listed once; and the target's runtime settings govern the pair.
-    cpu = problems_of(neuron_checks.check_cpu_support(dspec))
+    cpu = problems_of(cpu_support.check_cpu_support(dspec))
     own = [p for p in cpu if getattr(dspec, _top(p.field), None) != getattr(spec, _top(p.field), None)]
     if spec.enable_eagle_speculation:  # an EAGLE draft runs here, inside its target's programs
         own = [p for p in own if p.field != "is_eagle_draft"]

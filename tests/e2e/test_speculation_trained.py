@@ -179,7 +179,7 @@ def test_decoding_without_a_draft_is_refused_naming_the_setting(models: Callable
     ids=["is_block_kv_layout", "async_mode"],
 )
 def test_settings_that_need_token_generation_are_refused_with_it_off(settings: dict[str, Any]) -> None:
-    from nxdi.core.config.neuron_checks import check_cpu_support
+    from nxdi.core.config.cpu_support import check_cpu_support
     from nxdi.shell.config import NeuronConfig
 
     spec = NeuronConfig(trace_tokengen_model=False, on_device_sampling_config={"top_k": 1}, **settings).spec

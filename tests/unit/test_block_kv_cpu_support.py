@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from returns.result import Failure, Success
 
-from nxdi.core.config.neuron_checks import check_cpu_support
+from nxdi.core.config.cpu_support import check_cpu_support
 from nxdi.core.config.neuron_parse import parse_neuron_spec
 from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.model_spec import ModelSpec

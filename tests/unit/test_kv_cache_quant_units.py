@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from nxdi.core.config import neuron_checks
+from nxdi.core.config import cpu_support
 from nxdi.core.programs import block_kv, flash_decoding, kv_cache, layers
 from nxdi.core.programs.collectives import SINGLE
 from nxdi.effects.backends.base import Signature, WeightSet
@@ -130,7 +130,7 @@ def test_kv_quant_config_takes_nxd_names_and_torch_dtypes() -> None:
     assert spec.kv_dtype == "float8_e5m2" and spec.kv_quant_config is not None
     assert NeuronConfig(kv_cache_quant=True).spec.kv_dtype == "float8_e4m3fn"
     assert NeuronConfig(kv_quant_config={}).spec.kv_dtype == "float8_e4m3fn"  # a config alone quantizes
-    assert neuron_checks.check_cpu_support(spec).unwrap() == spec
+    assert cpu_support.check_cpu_support(spec).unwrap() == spec
 
 
 def test_bad_kv_quant_settings_are_refused_naming_the_field() -> None:
@@ -145,7 +145,7 @@ def test_bad_kv_quant_settings_are_refused_naming_the_field() -> None:
 
 def test_scaled_kv_quantization_is_refused_on_cpu_with_the_reason() -> None:
     spec = NeuronConfig(kv_quant_config={"direct_cast": False, "v_quant_method": "per_key_symmetric"}).spec
-    problems = neuron_checks.check_cpu_support(spec).failure().problems
+    problems = cpu_support.check_cpu_support(spec).failure().problems
     assert {p.field for p in problems} == {"kv_quant_config.direct_cast", "kv_quant_config.v_quant_method"}
     assert all("K/V scales" in p.reason for p in problems)
     assert problems[0].fix == "set kv_quant_config.direct_cast=True"
@@ -155,8 +155,8 @@ def test_scaled_kv_quantization_is_refused_on_cpu_with_the_reason() -> None:
 def test_a_float8_cache_is_refused_on_the_backends_that_lower_to_hlo(backend: str) -> None:
     for kwargs, field in (({"kv_cache_quant": True}, "kv_cache_quant"), ({"kv_quant_config": {}}, "kv_quant_config")):
         spec = NeuronConfig(**kwargs).spec
-        (problem,) = neuron_checks.check_backend_support(spec, backend).failure().problems
+        (problem,) = cpu_support.check_backend_support(spec, backend).failure().problems
         assert problem.field == field and "cpu backend only" in problem.reason and "float8" in problem.reason
-        assert neuron_checks.check_backend_support(spec, "cpu").unwrap() == spec
+        assert cpu_support.check_backend_support(spec, "cpu").unwrap() == spec
     plain = NeuronConfig().spec
-    assert neuron_checks.check_backend_support(plain, backend).unwrap() == plain
+    assert cpu_support.check_backend_support(plain, backend).unwrap() == plain

@@ -16,7 +16,8 @@ head i, the keys of `nn.Sequential(ResBlock(E), Linear(E, V, bias=False))`:
 
 `MedusaPlan` is the static part every Medusa program shares (graph-affecting: it comes from
 NeuronSpec fields). `rule_problems` and `cpu_problems` are the configuration rules (run by
-`nxdi.core.config.neuron_checks`), `model_problems` the ones that need the model's vocabulary.
+`nxdi.core.config.neuron_checks` and `nxdi.core.config.cpu_support`), `model_problems` the ones
+that need the model's vocabulary.
 """
 
 from __future__ import annotations
