@@ -209,8 +209,8 @@ def _config_problems(field: str, config: Mapping[str, Any] | None) -> list[Probl
 
 
 def adapter_ids(spec: NeuronSpec) -> dict[str, str]:
-    """The device adapters, id -> path, in slot order: the config keeps `lora_ckpt_paths` sorted by id,
-    so the `position`-th id here is NxDI's adapter index `position` (+1 with enable_base_model_only)."""
+    """The device adapters, id -> path, in slot order: `lora_ckpt_paths` in the order given, so the
+    `position`-th id here is NxDI's adapter index `position` (+1 with enable_base_model_only)."""
     cfg = spec.lora_config
     return {} if cfg is None or cfg.lora_ckpt_paths is None else cfg.lora_ckpt_paths.to_dict()
 

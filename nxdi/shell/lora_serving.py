@@ -10,8 +10,8 @@ have no counterpart: the engine stacks the adapters into its programs' weights i
 
 `adapter_slots` is NxDI's `convert_adapter_ids_to_indices` and its check: what a caller passes as
 `adapter_ids` (adapter names, or NxDI's indices) becomes each row's device slot. Adapter index i is
-the i-th id of `lora_ckpt_paths` sorted by id (the config keeps them sorted; NxDI numbers them in
-the order given), plus one with `enable_base_model_only`, whose index 0 is the base model.
+the i-th id of `lora_ckpt_paths` in the order given (as NxDI numbers them), plus one with
+`enable_base_model_only`, whose index 0 is the base model.
 Effects: reads adapter files.
 """
 

@@ -161,6 +161,20 @@ def test_without_a_base_slot_every_row_needs_an_adapter(world: dict[str, Any]) -
     torch.testing.assert_close(named, indexed, atol=0, rtol=0)
 
 
+def test_adapter_indices_follow_the_order_lora_ckpt_paths_gives(world: dict[str, Any]) -> None:
+    """NxDI numbers the adapters in the order `lora_ckpt_paths` lists them, not by id: given as
+    gamma, alpha, beta, index 1 (after the base model's 0) is gamma."""
+    paths = world["paths"]
+    given = {name: paths[name] for name in ("gamma", "alpha", "beta")}
+    model = _lora_model(world, lora_ckpt_paths=given)
+    ids, mask = padded(PROMPTS, "right")
+    named = model.forward(ids, attention_mask=mask, adapter_ids=["gamma", "alpha", "beta", 0]).logits
+    indexed = model.forward(ids, attention_mask=mask, adapter_ids=torch.tensor([1, 2, 3, 0])).logits
+    torch.testing.assert_close(named, indexed, atol=0, rtol=0)
+    reference = _lora_model(world).forward(ids, attention_mask=mask, adapter_ids=["gamma", "alpha", "beta", 0]).logits
+    torch.testing.assert_close(named, reference, atol=0, rtol=0)  # same adapters, whatever their slots
+
+
 def _edit_adapter(
     world: dict[str, Any], name: str, edit: Callable[[dict[str, torch.Tensor], dict[str, Any]], None]
 ) -> str:

@@ -165,10 +165,14 @@ def test_lora_checkpoint_lists_and_reads_every_adapter(adapters: dict[str, Path]
         lora_ckpt_paths_cpu={"cpu0": str(adapters["plain"])},
     )
     ckpt = LoraCheckpoint(config)
-    assert ckpt.lora_config is config and ckpt.adapter_ids == ("nxd", "peft", "cpu0")  # device ones first
+    assert ckpt.lora_config is config and ckpt.adapter_ids == (
+        "peft",
+        "nxd",
+        "cpu0",
+    )  # device ones first, in the order given
     assert ckpt.ckpt_paths == {"peft": str(adapters["peft"]), "nxd": str(adapters["nxd"])}
     assert ckpt.adapter_path("cpu0") == str(adapters["plain"])
-    with pytest.raises(KeyError, match="nxd, peft, cpu0"):
+    with pytest.raises(KeyError, match="peft, nxd, cpu0"):
         ckpt.adapter_path("missing")
 
     peft = ckpt.load_adapter("peft")

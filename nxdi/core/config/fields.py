@@ -172,7 +172,7 @@ _FLOAT_WORDS = {"inf": math.inf, "infinity": math.inf, "-inf": -math.inf, "-infi
 
 def _freeze(value: Any) -> Any:
     if isinstance(value, Mapping):
-        return JsonMap(items=tuple((str(k), _freeze(v)) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))))
+        return JsonMap(items=tuple((str(k), _freeze(v)) for k, v in value.items()))
     if isinstance(value, (list, tuple)):
         return tuple(_freeze(v) for v in value)
     return value
@@ -188,7 +188,9 @@ def _thaw(value: Any) -> Any:
 
 @attrs.frozen(kw_only=True)
 class JsonMap:
-    """An immutable, hashable JSON object (for free-form config dicts such as `token_tree_config`)."""
+    """An immutable, hashable JSON object (for free-form config dicts such as `token_tree_config`).
+    Its keys keep the order they were given in, as a JSON object's do: some settings number their
+    entries by it (`lora_ckpt_paths`: the i-th adapter is NxDI's adapter index i)."""
 
     items: tuple[tuple[str, Any], ...] = ()
 
