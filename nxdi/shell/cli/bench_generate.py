@@ -4,6 +4,7 @@
                         [--batch-size 1 4] [--tp-degree 1 2] [--backend cpu xla] [--prompt-len 128]
                         [--new-tokens 128] [--repeat 3] [--threads 2] [--compare-hf] [--async [--host-ms 0]]
     nxdi bench generate --speculation draft|fused|medusa|eagle ...   (see below)
+    nxdi bench generate --lora 0 1 8 ...                             (see below)
 
 Method (the same for both sides, measured in one process, alternating runs, so machine noise
 hits both): greedy decoding of exactly `--new-tokens` tokens (EOS never stops it) from a random
@@ -42,11 +43,19 @@ small|toy` names the trained pair). METHOD: `draft` (a separate draft model), `f
 draft fused into the target's programs), `medusa` (Medusa heads trained on the target), `eagle`
 (an EAGLE draft trained on the target, fused).
 
+`--lora N [N ...]` measures multi-LoRA serving instead: the base model against the same model with
+`lora_config`, serving a batch (default 8) spread over N distinct random rank-16 PEFT adapters
+(0: every row on the base-model slot), TTFT and TPOT side by side with the overhead of each N
+(`nxdi.shell.cli.bench_lora`).
+
 `--model-type` (any family the engine runs: llama, mixtral, qwen3_moe, ...; default llama) and
 `--shape small|tiny|toy` pick a random checkpoint, built once into `--work-dir` (no download):
 `small` is hidden 768, 12 layers, 12 heads, 4 kv heads, vocab 32000 (~125M parameters; a mixture of
 experts has 8 experts of 1024, top 2: ~125M active of 295M), `tiny` the TinyLlama-1.1B shape, `toy`
 the family's test config (`nxdi.shell.cli.bench_models` has the table).
+
+(Over 400 lines: one parser for the command's three modes, which every mode's checks read, and the
+plain mode's measurement; the speculation and LoRA modes live in their own modules.)
 """
 
 from __future__ import annotations
@@ -70,7 +79,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from nxdi.shell.cli import bench_spec_methods
+    from nxdi.shell.cli import bench_lora, bench_spec_methods
 
     p = sub.add_parser(
         "generate",
@@ -105,7 +114,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=None,
         help="with --speculation: tokens a target step scores (default 5; not with medusa, whose tree sets them)",
     )
-    p.set_defaults(run=run, dtype=None)  # --dtype: bfloat16, float32 with --speculation (see run)
+    bench_lora.add_args(p)
+    # --batch-size: 1, 8 with --lora (see run)
+    p.set_defaults(run=run, dtype=None, batch_size=None)  # --dtype: bfloat16, float32 with --speculation (see run)
 
 
 def compile_for(
@@ -184,25 +195,28 @@ def _probe(model: Any, *, reset: bool) -> list[Any]:
     return runtime.probe(reset=reset) if hasattr(runtime, "probe") else []
 
 
-def _nxdi_once(model: Any, ids: Any, new_tokens: int) -> dict[str, Any]:
-    """One greedy generation through forward(): TTFT and every TPOT, in seconds, and the ranks'
+def _nxdi_once(model: Any, ids: Any, new_tokens: int, **inputs: Any) -> dict[str, Any]:
+    """One greedy generation through forward() (`inputs`, such as `adapter_ids`, given to every
+    call): TTFT and every TPOT, in seconds, the generated tokens [B, new_tokens] and the ranks'
     collectives over the token-generation steps."""
     import torch
 
     model.reset()
     start = time.perf_counter()
-    out = model(ids)
+    out = model(ids, **inputs)
     ttft = time.perf_counter() - start
     _probe(model, reset=True)
     tokens = out.tokens
+    generated = [tokens]
     positions = torch.full((ids.shape[0], 1), ids.shape[1], dtype=torch.int64)
     steps = []
     for _ in range(new_tokens - 1):
         t = time.perf_counter()
-        out = model(tokens[:, None], position_ids=positions)
+        out = model(tokens[:, None], position_ids=positions, **inputs)
         steps.append(time.perf_counter() - t)
         tokens, positions = out.tokens, positions + 1
-    return {"ttft": ttft, "tpot": steps, "ranks": _probe(model, reset=True)}
+        generated.append(tokens)
+    return {"ttft": ttft, "tpot": steps, "tokens": torch.stack(generated, 1), "ranks": _probe(model, reset=True)}
 
 
 def nxdi_generate_s(model: Any, ids: Any, new_tokens: int) -> float:
@@ -384,6 +398,12 @@ def run(args: argparse.Namespace) -> int:
 
     from nxdi.shell.cli import bench_models
 
+    if args.lora is not None or args.lora_rank is not None:
+        from nxdi.shell.cli import bench_lora
+
+        args.dtype = args.dtype or "bfloat16"
+        return bench_lora.run(args)
+    args.batch_size = [1] if args.batch_size is None else args.batch_size
     if args.speculation is not None:
         from nxdi.shell.cli import bench_speculation
 
