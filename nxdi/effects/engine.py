@@ -331,7 +331,10 @@ class EngineModel:
         return runtime_for(self, programs, value)
 
     def runtime(self, bound: Mapping[ProgramKey, Program], tensors: Mapping[str, Tensor], backend: Backend) -> Runtime:
-        return runtime_for(self, bound, self.program.weights(tensors, spec=self.model), backend)
+        # With LoRA the runtime keeps the stacked adapters too: dynamic multi-LoRA writes its slots in place.
+        lora_on = self.spec.lora_config is not None
+        value = self.weights_value(tensors) if lora_on else self.program.weights(tensors, spec=self.model)
+        return runtime_for(self, bound, value, backend)
 
     def warm_up(self, runtime: Runtime) -> None:
         warm_up(runtime, self)

@@ -11,6 +11,7 @@ or `.pt` file), or one NxD checkpoint file whose state dict also holds its `lora
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -215,6 +216,29 @@ def adapter_ids(spec: NeuronSpec) -> dict[str, str]:
     return {} if cfg is None or cfg.lora_ckpt_paths is None else cfg.lora_ckpt_paths.to_dict()
 
 
+def read_one(adapter_id: str, path: str, field: str, layout: Any) -> Result[Any, CheckpointError]:
+    """One adapter read and checked against `layout` (a `LoraLayout`): a `lora.Adapter` at slot 0.
+
+    Returns:
+        The adapter, or a CheckpointError listing every problem (`field` names it): an unreadable
+        path, refused settings, tensors of other modules, layers or shapes, a rank above max_lora_rank.
+    """
+    from nxdi.core.planning import lora as lora_plan
+    from nxdi.core.programs import lora
+
+    try:
+        read = read_adapter_weights(path)
+    except (FileNotFoundError, ValueError) as exc:
+        found = [Problem.of(field, str(path), f"cannot be read: {exc}", "give the adapter's PEFT folder")]
+        return Failure(CheckpointError(problems=tuple(found)))
+    found = _config_problems(field, read.config)
+    found += lora_plan.check_adapter(adapter_id, {k: tuple(t.shape) for k, t in read.state_dict.items()}, layout)
+    if found:
+        return Failure(CheckpointError(problems=tuple(found)))
+    alpha, rslora = read.scaling if read.scaling is not None else (None, False)
+    return Success(lora.Adapter(slot=0, tensors=read.state_dict, alpha=alpha, rslora=rslora))
+
+
 def read_for(spec: NeuronSpec, model: ModelSpec) -> Result[dict[str, Tensor], CheckpointError]:
     """Every adapter of `spec.lora_config.lora_ckpt_paths`, read, checked and stacked at its slot (the
     `position`-th adapter at `LoraLayout.slot_of(position)`), in the model's dtype.
@@ -240,20 +264,11 @@ def read_for(spec: NeuronSpec, model: ModelSpec) -> Result[dict[str, Tensor], Ch
     problems: list[Problem] = []
     adapters: list[lora.Adapter] = []
     for position, (adapter_id, path) in enumerate(adapter_ids(spec).items()):
-        field = f"lora_config.lora_ckpt_paths[{adapter_id}]"
-        try:
-            read = read_adapter_weights(path)
-        except (FileNotFoundError, ValueError) as exc:
-            problems.append(Problem.of(field, str(path), f"cannot be read: {exc}", "give the adapter's PEFT folder"))
-            continue
-        found = _config_problems(field, read.config)
-        found += lora_plan.check_adapter(adapter_id, {k: tuple(t.shape) for k, t in read.state_dict.items()}, layout)
-        problems.extend(found)
-        if not found:
-            alpha, rslora = read.scaling if read.scaling is not None else (None, False)
-            adapters.append(
-                lora.Adapter(slot=layout.slot_of(position), tensors=read.state_dict, alpha=alpha, rslora=rslora)
-            )
+        match read_one(adapter_id, path, f"lora_config.lora_ckpt_paths[{adapter_id}]", layout):
+            case Success(adapter):
+                adapters.append(dataclasses.replace(adapter, slot=layout.slot_of(position)))
+            case Failure(err):
+                problems.extend(err.problems)
     if problems:
         return Failure(CheckpointError(problems=tuple(problems)))
     dtype = weight_ops.torch_dtype(spec.torch_dtype)

@@ -36,7 +36,7 @@ from nxdi.effects import weight_loader as weight_io
 from nxdi.effects.backends.base import Backend
 from nxdi.effects.distributed import launch
 from nxdi.effects.runtime import StepRuntime
-from nxdi.shell import fused_speculation, inner_model
+from nxdi.shell import fused_speculation, inner_model, lora_dynamic
 from nxdi.shell.config import NeuronConfig
 from nxdi.shell.exceptions import IncompatibleConfigError, exception_for, unwrap
 from nxdi.shell.inference_config import CONFIG_FILE, InferenceConfig
@@ -90,6 +90,10 @@ class NeuronApplicationBase:
         self.is_loaded_to_neuron = False
         self._runtime: StepRuntime | None = None
         self._fused = fused_speculation.FusedModel(self) if self.spec.enable_fused_speculation else None
+        lora_cfg = self.spec.lora_config
+        dynamic = lora_cfg is not None and lora_cfg.dynamic_multi_lora
+        self._lora_dynamic = lora_dynamic.DynamicAdapters(self.spec, self.model_spec) if dynamic else None
+        """With dynamic_multi_lora: the host adapters and the device slots (`nxdi.shell.lora_dynamic`)."""
         """With enable_fused_speculation: the draft fused with this model, whose compile, load and
         weights go through it (`nxdi.shell.fused_speculation`)."""
         if self.spec.speculation_length > 0 and self.spec.async_mode and self._fused is None:
@@ -304,6 +308,8 @@ class NeuronApplicationBase:
                 "use the cpu backend, or the contiguous KV cache"
             )
         self._check_host_memory(None if root is None else self._backend())
+        if self._lora_dynamic is not None:  # every host adapter read and checked before anything loads
+            self._lora_dynamic.start()
         self._runtime = self._start_runtime(root, checkpoint, warmup=warmup)
 
     def _start_runtime(self, root: str | os.PathLike[str] | None, checkpoint: str, *, warmup: bool) -> StepRuntime:

@@ -110,6 +110,64 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         self._cached = [0] * len(self._cached)
         self._blocks_used = False
 
+    def add_adapter(self, adapter_id: str, path: str) -> None:
+        """Dynamic multi-LoRA: read the adapter at `path` (a PEFT folder or NxD checkpoint file), check
+        it and keep it in host memory as `adapter_id` (NxDI's `add_adapter`); it goes to a device slot
+        when a forward first names it. The next free adapter index is its index.
+
+        Raises:
+            IncompatibleConfigError: the model is not built with dynamic_multi_lora, the id is taken,
+                or max_cpu_loras adapters are loaded.
+            CheckpointValidationError: every problem of the adapter; nothing changes.
+        """
+        self._require_dynamic("add_adapter").add_adapter(adapter_id, path)
+
+    def remove_adapter(self, adapter_id: str) -> None:
+        """Dynamic multi-LoRA: drop `adapter_id` from host memory and its device slot (NxDI's `remove_adapter`).
+
+        Raises:
+            IncompatibleConfigError: the model is not built with dynamic_multi_lora, or no adapter has that id.
+        """
+        self._require_dynamic("remove_adapter").remove_adapter(adapter_id)
+
+    @property
+    def lora_device_adapters(self) -> tuple[str | None, ...]:
+        """Dynamic multi-LoRA: the adapter id in each device slot the eviction policy manages
+        (None: free), slot order, the base model's slot apart.
+
+        Raises:
+            IncompatibleConfigError: the model is not built with dynamic_multi_lora, or not loaded.
+        """
+        return self._require_dynamic("lora_device_adapters").state.slots
+
+    def adapter_indices(self, adapter_ids: Any, batch: int) -> Tensor | None:
+        """Each row's adapter index [batch] int64 for adapter names or indices (NxDI's
+        `convert_adapter_ids_to_indices`); None on a model without lora_config given None.
+
+        Raises:
+            IncompatibleConfigError: as `forward` for adapter_ids.
+        """
+        if self._lora_dynamic is not None:
+            return self._lora_dynamic.indices(adapter_ids, batch)
+        return lora_serving.adapter_slots(self.spec, adapter_ids, batch)
+
+    def _require_dynamic(self, what: str) -> Any:
+        if self._lora_dynamic is None:
+            raise IncompatibleConfigError(
+                f"{what}: this model does not swap adapters at run time. Fix: build it with "
+                "lora_config=LoraServingConfig(dynamic_multi_lora=True, ...)"
+            )
+        if self._runtime is None:
+            raise IncompatibleConfigError(f"{what}: the model is not loaded. Fix: call load() or to_cpu() first")
+        return self._lora_dynamic
+
+    def _adapter_slots(self, runtime: StepRuntime, adapter_ids: Any, batch: int) -> Tensor | None:
+        """Each row's device slot: the adapter index itself (static), or where the eviction policy
+        placed it after swapping in what was missing (dynamic_multi_lora)."""
+        if self._lora_dynamic is None:
+            return lora_serving.adapter_slots(self.spec, adapter_ids, batch)
+        return self._lora_dynamic.slots_for(getattr(runtime, "weights", None), adapter_ids, batch)
+
     def reset_kv_cache(self) -> None:
         """Zero the KV cache."""
         runtime = self._require_runtime()
@@ -214,7 +272,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                 refused, since this engine does not run it.
             adapter_ids: [B] each row's LoRA adapter with `lora_config`: NxDI's adapter indices (or
                 adapter names), 0 the base model with enable_base_model_only (see
-                `nxdi.shell.lora_serving.adapter_slots`); None there means base-model rows.
+                `nxdi.shell.lora_serving.adapter_slots`); None there means base-model rows. With
+                dynamic_multi_lora the rows' adapters are swapped into device slots first
+                (`nxdi.shell.lora_dynamic`).
             slot_mapping, block_table, full_context_lens, computed_context_lens: with
                 `is_block_kv_layout`, where each sequence lives in the block cache (see
                 `nxdi.shell.block_forward`); refused without it.
@@ -245,7 +305,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                 prompt longer than max_context_length without allow_input_truncation, a position past
                 max_length, bad sampling params, or seq_ids out of range or duplicate (without
                 kv_cache_padding_size) or negative (without it or, for -1, apply_seq_ids_mask); adapter_ids
-                naming no loaded adapter, or given without lora_config; or a
+                naming no loaded adapter, more distinct adapters than max_loras (dynamic_multi_lora),
+                or given without lora_config; or a
                 decode call other than a speculation step on a model built with trace_tokengen_model=False.
 
         Warns:
@@ -316,7 +377,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         )
         ids, rows = checked.input_ids, checked.cache_rows
         params = self._sampling_rows(call["sampling_params"], ids.shape[0])
-        slots = lora_serving.adapter_slots(self.spec, call["adapter_ids"], ids.shape[0])
+        slots = self._adapter_slots(runtime, call["adapter_ids"], ids.shape[0])
         if self._fused is not None:  # the draft and this model in one program (nxdi.shell.fused_speculation)
             fields, holds = self._fused.forward(runtime, checked, params)
             self._cached = [holds.get(row, n) for row, n in enumerate(self._cached)]

@@ -32,7 +32,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from nxdi.shell import fused_generation, lora_serving, medusa, speculative
+from nxdi.shell import fused_generation, medusa, speculative
 from nxdi.shell.causal_lm import NeuronBaseForCausalLM
 from nxdi.shell.exceptions import IncompatibleConfigError
 
@@ -260,7 +260,7 @@ class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
             model.check_token_generation(f"generate() of {new_tokens} new tokens without assistant_model")
         rows = self._sampling_rows(generation_config, batch, model_kwargs.get("sampling_params"))
         # adapter names become NxDI's indices once (convert_adapter_ids_to_indices), checked before any step
-        adapters = lora_serving.adapter_slots(model.spec, model_kwargs.get("adapter_ids"), batch)
+        adapters = model.adapter_indices(model_kwargs.get("adapter_ids"), batch)
         host = self._host_processors(logits_processor, generation_config)
         pad = generation_config._pad_token_tensor
         has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)

@@ -8,6 +8,9 @@ wrapped torch model (`update_weights_for_lora`, `shard_cpu_checkpoints`, `load_s
 have no counterpart: the engine stacks the adapters into its programs' weights itself
 (`nxdi.effects.lora_adapters.read_for`, `nxdi.core.programs.lora`).
 
+Dynamic multi-LoRA (adapters swapped between host memory and the device slots, `add_adapter` /
+`remove_adapter`) lives in `nxdi.shell.lora_dynamic`.
+
 `adapter_slots` is NxDI's `convert_adapter_ids_to_indices` and its check: what a caller passes as
 `adapter_ids` (adapter names, or NxDI's indices) becomes each row's device slot. Adapter index i is
 the i-th id of `lora_ckpt_paths` in the order given (as NxDI numbers them), plus one with

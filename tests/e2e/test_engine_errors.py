@@ -141,7 +141,7 @@ def test_unsupported_features_are_all_listed(tiny_checkpoint: Callable[..., Path
             enable_fused_speculation=True,
             speculation_length=4,
             kv_quant_config={"direct_cast": False},  # scaled KV quantization: a refused sub-config attribute
-            lora_config={"max_loras": 2, "dynamic_multi_lora": True},  # static multi-LoRA runs; dynamic not yet
+            lora_config={"max_loras": 2, "eviction_policy": "lfu"},  # an eviction policy without dynamic_multi_lora
         )
     assert caught.value.error is not None
     assert {p.field for p in caught.value.error.problems} == {
@@ -149,7 +149,7 @@ def test_unsupported_features_are_all_listed(tiny_checkpoint: Callable[..., Path
         "fused_spec_config",  # fused speculation runs, given its draft and on-device sampling
         "on_device_sampling_config",
         "kv_quant_config.direct_cast",
-        "lora_config.dynamic_multi_lora",
+        "lora_config.eviction_policy",
         "speculation_length",  # multi-LoRA does not run with speculation yet
         "enable_fused_speculation",
     }

@@ -226,7 +226,6 @@ def test_a_target_module_the_base_model_lacks_is_refused(world: dict[str, Any]) 
 def test_settings_that_cannot_take_effect_are_refused(world: dict[str, Any]) -> None:
     for kwargs, field in (
         ({"tp_degree": 2}, "tp_degree"),
-        ({"lora_config": {"dynamic_multi_lora": True}}, "lora_config.dynamic_multi_lora"),
         ({"lora_config": {"lora_bias": "all"}}, "lora_config.lora_bias"),
     ):
         lora = {"lora_ckpt_paths": world["paths"], **kwargs.pop("lora_config", {})}

@@ -50,7 +50,8 @@ def test_the_reference_lists_every_attribute_once() -> None:
 def test_refused_and_inert_verdicts_reach_nested_attributes() -> None:
     rows = {r.name: r for r in reference.reference_rows()}
     assert rows["lora_config.max_loras"].cpu is OnCpu.YES  # static multi-LoRA runs on the CPU
-    assert rows["lora_config.dynamic_multi_lora"].cpu is OnCpu.REFUSED  # dynamic multi-LoRA does not yet
+    assert rows["lora_config.dynamic_multi_lora"].cpu is OnCpu.YES  # so does dynamic multi-LoRA
+    assert rows["lora_config.lora_bias"].cpu is OnCpu.REFUSED  # adapter biases are not applied
     assert rows["router_config.act_fn"].cpu is OnCpu.YES  # the CPU MoE block routes with it
     assert rows["moe_ep_degree"].cpu is OnCpu.YES  # expert groups of ranks on the CPU engine
     assert rows["on_device_sampling_config.top_k"].cpu is OnCpu.YES

@@ -16,6 +16,7 @@ from returns.result import Result, Success
 
 from nxdi.core.config.fields import OnCpu, infos, sub_spec_fields
 from nxdi.core.config.neuron_spec import NeuronSpec
+from nxdi.core.config.sub_specs import LoraSpec
 from nxdi.core.errors import ConfigError, Problem, problems_result
 from nxdi.core.planning import block_programs, buckets, medusa
 
@@ -51,7 +52,8 @@ def check_cpu_support(spec: NeuronSpec) -> Result[NeuronSpec, ConfigError]:
 def _lora_programs(spec: NeuronSpec) -> Iterator[Problem]:
     """What multi-LoRA serving (`lora_config`) does not run with on the CPU engine yet: tensor
     parallelism (the adapters are not sharded over ranks), the block KV layout, speculation (the
-    draft and the speculation programs take no adapters) and Medusa; each named with its fix."""
+    draft and the speculation programs take no adapters) and Medusa, and async_mode with
+    dynamic_multi_lora; each named with its fix."""
     if spec.lora_config is None:
         return
     others = (
@@ -65,6 +67,29 @@ def _lora_programs(spec: NeuronSpec) -> Iterator[Problem]:
         if on:
             why = "does not run with multi-LoRA serving (lora_config) on the CPU engine yet"
             yield Problem.of(name, value, why, f"set {name}={default!r}, or lora_config=None")
+    yield from _dynamic_only(spec.lora_config)
+    if spec.lora_config.dynamic_multi_lora and spec.async_mode:
+        # A step launched ahead would read slots a later placement is rewriting.
+        why = "swaps adapters into the weights between steps, which async_mode runs ahead of"
+        yield Problem.of("async_mode", True, why, "set async_mode=False, or lora_config.dynamic_multi_lora=False")
+
+
+def _dynamic_only(cfg: LoraSpec) -> Iterator[Problem]:
+    """The host-adapter settings, which take effect with dynamic_multi_lora only (and the LFU decay
+    with the lfu policy only): set otherwise they would be ignored, so they are refused."""
+    defaults = attrs.fields_dict(LoraSpec)
+    if not cfg.dynamic_multi_lora:
+        for name in ("lora_ckpt_paths_cpu", "eviction_policy", "lfu_decay_period"):
+            value = getattr(cfg, name)
+            if value != defaults[name].default:
+                why = "serves dynamic multi-LoRA only, and dynamic_multi_lora is False"
+                shown = len(value.items) if name == "lora_ckpt_paths_cpu" else value
+                fix = f"set lora_config.dynamic_multi_lora=True, or unset {name}"
+                yield Problem.of(f"lora_config.{name}", shown, why, fix)
+    elif cfg.eviction_policy != "lfu" and cfg.lfu_decay_period != defaults["lfu_decay_period"].default:
+        why = f"decays LFU counts, but eviction_policy={cfg.eviction_policy!r}"
+        fix = "set lora_config.eviction_policy='lfu', or unset lfu_decay_period"
+        yield Problem.of("lora_config.lfu_decay_period", cfg.lfu_decay_period, why, fix)
 
 
 def _fused_programs(spec: NeuronSpec) -> Iterator[Problem]:
@@ -154,20 +179,31 @@ HLO_BACKENDS = ("xla", "neuron")
 def check_backend_support(spec: NeuronSpec, backend: str) -> Result[NeuronSpec, ConfigError]:
     """What the backend named `backend` cannot run, beyond what `check_cpu_support` refuses: a
     quantized (float8) KV cache runs on the cpu backend only, since torch-xla's HLO builder (2.9)
-    has no float8 parameter type to lower a float8 cache input with.
+    has no float8 parameter type to lower a float8 cache input with; dynamic multi-LoRA too (its
+    adapters are copied into the host tensors the cpu backend binds).
 
     Returns:
-        `Failure` naming the KV quantization setting and the fix, on the xla and neuron backends.
+        `Failure` naming the KV quantization or dynamic multi-LoRA setting and the fix, on the xla
+        and neuron backends.
     """
-    if backend not in HLO_BACKENDS or not (spec.kv_cache_quant or spec.kv_quant_config is not None):
+    if backend not in HLO_BACKENDS:
         return Success(spec)
+    problems: list[Problem] = []
+    if spec.lora_config is not None and spec.lora_config.dynamic_multi_lora:
+        # The adapters are copied into the bound host tensors; these backends bind device copies.
+        why = f"runs on the cpu backend only yet, not {backend}: adapters are swapped into host-bound weights"
+        fix = "use the cpu backend, or load every adapter at load() (dynamic_multi_lora=False)"
+        problems.append(Problem.of("lora_config.dynamic_multi_lora", True, why, fix))
+    if not (spec.kv_cache_quant or spec.kv_quant_config is not None):
+        return problems_result(spec, problems)
     name = "kv_quant_config" if spec.kv_quant_config is not None else "kv_cache_quant"
     value = spec.kv_dtype if name == "kv_quant_config" else True
     why = (
         f"runs on the cpu backend only yet, not {backend}: torch-xla's HLO builder has no float8 "
         "parameter type for the cache"
     )
-    return problems_result(spec, [Problem.of(name, value, why, f"use the cpu backend, or unset {name}")])
+    problems.append(Problem.of(name, value, why, f"use the cpu backend, or unset {name}"))
+    return problems_result(spec, problems)
 
 
 def _refused_sub_fields(spec: NeuronSpec) -> Iterator[Problem]:

@@ -88,10 +88,9 @@ class LoraSpec:
     )
     max_cpu_loras: int = setting(
         100,
-        "Adapters kept in host memory; lora_ckpt_paths_cpu may not hold more.",
+        "Adapters kept in host memory with dynamic_multi_lora (configured and added at run time); lora_ckpt_paths_cpu may not hold more.",
         bounds=(1, MAX_COUNT),
         graph=False,
-        cpu="host-memory adapters serve dynamic multi-LoRA, which is not implemented yet",
     )
     batch_size: int = setting(
         1,
@@ -115,8 +114,6 @@ class LoraSpec:
         None,
         "Adapter id to checkpoint path for adapters kept in host memory.",
         graph=False,
-        cpu=OnCpu.REFUSED,
-        cpu_note="host-memory adapters serve dynamic multi-LoRA, which is not implemented yet",
     )
     lora_ckpt_json: str | None = setting(
         None,
@@ -139,21 +136,17 @@ class LoraSpec:
     dynamic_multi_lora: bool = setting(
         False,
         'Swap adapters between host and device at run time; adds ".*lora.*" to layout-optimization skips.',
-        cpu=OnCpu.REFUSED,
-        cpu_note="dynamic multi-LoRA is not implemented yet (adapters are loaded at load())",
     )
     eviction_policy: Literal["lru", "lfu"] = setting(
         "lru",
-        'Policy for evicting device-resident adapters: "lru" or "lfu".',
+        'Which device adapter dynamic_multi_lora evicts for a missing one: "lru" (least recently used) or "lfu" (least used).',
         graph=False,
-        cpu="eviction serves dynamic multi-LoRA, which is not implemented yet",
     )
     lfu_decay_period: int = setting(
         128,
-        "Period after which LFU usage counts decay, for the lfu policy.",
+        "Forwards after which every LFU use count is halved (eviction_policy='lfu').",
         bounds=(1, MAX_TOKENS),
         graph=False,
-        cpu="eviction serves dynamic multi-LoRA, which is not implemented yet",
     )
     base_model_quantized: bool = setting(
         False,

@@ -143,3 +143,24 @@ def stack(layout: LoraLayout, adapters: Sequence[Adapter], *, dtype: torch.dtype
             else:  # [out, r]
                 out[lora_plan.b_name(layer, module)][adapter.slot, :, : t.shape[1]] = t.float()
     return {name: t.to(dtype) for name, t in out.items()}
+
+
+def named_tensors(w: LoraWeights, layout: LoraLayout) -> dict[str, Tensor]:
+    """The stacked tensors `w` holds, by their `lora_plan` names (the inverse of
+    `weights_from_tensors`): the very tensors the programs read, for writing a slot in place."""
+    out: dict[str, Tensor] = {}
+    for i, adapters in enumerate(w.adapters):
+        for target, st in adapters.items():
+            out[lora_plan.weight_name(i, target, "a")] = st.a
+            for module, b in zip(_parts(target), st.b, strict=True):
+                if b is not None:
+                    out[lora_plan.b_name(i, module)] = b
+    return out
+
+
+def slot_tensors(layout: LoraLayout, adapter: Adapter, *, dtype: torch.dtype) -> dict[str, Tensor]:
+    """One adapter's matrices as one slot of every stacked tensor (`layout.shapes()` without the
+    slot dim, zeros where it has no matrix): what a dynamic swap copies into a device slot."""
+    one = dataclasses.replace(adapter, slot=0)
+    single = LoraLayout(model=layout.model, slots=1, rank=layout.rank, modules=layout.modules, base_slot=False)
+    return {name: t[0] for name, t in stack(single, [one], dtype=dtype).items()}
