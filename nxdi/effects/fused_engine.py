@@ -83,17 +83,12 @@ class FusedEngineModel:
         return self.target.spec
 
     def fused_spec(self) -> FusedSpec:
-        tree = None
-        if self.spec.token_tree_config is not None:
-            parsed = eagle_tree_plan.parse_eagle_tree(self.spec.token_tree_config)
-            assert isinstance(parsed, Success), f"a validated spec has a valid token tree: {parsed}"
-            tree = parsed.unwrap()
         return FusedSpec(
             target=self.target.step_spec,
             draft=self.draft.step_spec,
             speculation_length=self.spec.speculation_length,
             max_length=self.spec.max_length,
-            tree=tree,
+            tree=eagle_tree_plan.tree_of(self.spec),
         )
 
     def program_keys(self) -> tuple[ProgramKey, ...]:

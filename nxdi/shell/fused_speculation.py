@@ -134,9 +134,7 @@ class FusedModel:
             self.draft_config
         )
         self.k = model.spec.speculation_length
-        self.width = self.k  # tokens a step emits at most: fused_outputs[0] is [B, width]
-        if model.spec.token_tree_config is not None:  # a tree step emits its accepted path and one more
-            self.width = eagle_tree.emitted_width(unwrap(eagle_tree.parse_eagle_tree(model.spec.token_tree_config)))
+        self.width = eagle_tree.fused_width(model.spec)  # tokens a step emits at most: fused_outputs[0] is [B, width]
 
     @property
     def spec(self) -> NeuronSpec:

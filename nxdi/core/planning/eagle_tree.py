@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from returns.result import Failure, Result
+from returns.result import Failure, Result, Success
 
 from nxdi.core.config.fields import JsonMap
 from nxdi.core.config.neuron_spec import NeuronSpec
@@ -162,6 +162,22 @@ def parse_eagle_tree(
 def emitted_width(tree: TokenTree) -> int:
     """Tokens a tree step emits at most: the deepest path's nodes below the root, plus the target's next."""
     return tree.depth + 1
+
+
+def tree_of(s: NeuronSpec) -> TokenTree | None:
+    """The token tree of a validated spec (`token_tree_config`), else None."""
+    if s.token_tree_config is None:
+        return None
+    parsed = parse_eagle_tree(s.token_tree_config)
+    assert isinstance(parsed, Success), f"a validated spec has a valid token tree: {parsed}"
+    return parsed.unwrap()
+
+
+def fused_width(s: NeuronSpec) -> int:
+    """Tokens a fused step emits at most per row (fused_outputs[0] is [B, width]): speculation_length,
+    or with a token tree its `emitted_width`."""
+    tree = tree_of(s)
+    return s.speculation_length if tree is None else emitted_width(tree)
 
 
 def levels(tree: TokenTree) -> tuple[tuple[int, int], ...]:
