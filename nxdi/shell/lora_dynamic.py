@@ -33,6 +33,7 @@ from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import lora as lora_plan
 from nxdi.core.programs import lora
 from nxdi.effects import lora_adapters
+from nxdi.shell import lora_serving
 from nxdi.shell.exceptions import IncompatibleConfigError, unwrap
 
 
@@ -136,44 +137,11 @@ class DynamicAdapters:
         return ", ".join(f"{n!r} ({i})" for n, i in self.index.items()) or "none"
 
     def names(self, adapter_ids: Any, batch: int) -> list[str | None]:
-        """Each row's adapter id (None: base model) for names or NxDI indices, as `adapter_slots` takes them.
-
-        Raises:
-            IncompatibleConfigError: None without enable_base_model_only, a length other than the
-                batch, or names / indices of no loaded adapter (the loaded ones listed).
-        """
+        """Each row's adapter id (None: base model) for names or NxDI indices (`lora_serving.row_adapters`)."""
         base = self.cfg.enable_base_model_only
-        if adapter_ids is None:
-            if base:
-                return [None] * batch
-            raise IncompatibleConfigError(
-                "adapter_ids: None, but every row needs an adapter (enable_base_model_only=False). Fix: pass one "
-                f"adapter per row (adapters: {self._known()}), or set lora_config.enable_base_model_only=True"
-            )
-        given = adapter_ids.reshape(-1).tolist() if isinstance(adapter_ids, Tensor) else list(adapter_ids)
-        if len(given) != batch:
-            raise IncompatibleConfigError(
-                f"adapter_ids: has {len(given)} entries for a batch of {batch} rows. Fix: give one adapter per row"
-            )
-        by_index = {i: n for n, i in self.index.items()}
-        out: list[str | None] = []
-        bad = []
-        for value in given:
-            if isinstance(value, str) and value in self.host:
-                out.append(value)
-            elif (
-                isinstance(value, int) and not isinstance(value, bool) and (value in by_index or (base and value == 0))
-            ):
-                out.append(by_index.get(value))
-            else:
-                bad.append(value)
-        if bad:
-            zero = " or 0 for the base model" if base else ""
-            raise IncompatibleConfigError(
-                f"adapter_ids: {bad} name no loaded adapter. Fix: use an adapter name or index{zero} "
-                f"(adapters: {self._known()}), or add it with add_adapter(id, path)"
-            )
-        return out
+        return lora_serving.row_adapters(
+            self.index, adapter_ids, batch, base=base, fix="add it with add_adapter(id, path)"
+        )
 
     def indices(self, adapter_ids: Any, batch: int) -> Tensor:
         """NxDI's adapter index per row [batch] int64 (0 for base rows); raises as `names`."""

@@ -167,12 +167,27 @@ def adapter_slots(spec: NeuronSpec, adapter_ids: Any, batch: int) -> Tensor | No
             "adapter_ids: given, but this model has no lora_config. Fix: build it with "
             "NeuronConfig(lora_config=LoraServingConfig(...)), or pass adapter_ids=None"
         )
-    names = adapter_index(spec)
-    known = ", ".join(f"{n!r} ({i})" for n, i in names.items()) or "none"
-    base = " or 0 for the base model" if cfg.enable_base_model_only else ""
+    index = adapter_index(spec)
+    rows = row_adapters(
+        index, adapter_ids, batch, base=cfg.enable_base_model_only, fix="add the adapter to lora_config.lora_ckpt_paths"
+    )
+    return torch.tensor([0 if name is None else index[name] for name in rows], dtype=torch.int64)
+
+
+def row_adapters(index: Mapping[str, int], adapter_ids: Any, batch: int, *, base: bool, fix: str) -> list[str | None]:
+    """Each row's adapter name (None: the base model) for what a caller passes as `adapter_ids`:
+    None (every row on the base model), or one adapter name or NxDI index per row; `index` maps the
+    loaded adapters' names to their indices (0 is the base model's when `base`); `fix` ends the
+    message for an unknown one (how to load it).
+
+    Raises:
+        IncompatibleConfigError: None without `base` (no row may silently take some adapter), a
+            length other than the batch, or names / indices of no loaded adapter (the loaded ones listed).
+    """
+    known = ", ".join(f"{n!r} ({i})" for n, i in index.items()) or "none"
     if adapter_ids is None:
-        if cfg.enable_base_model_only:
-            return torch.zeros(batch, dtype=torch.int64)
+        if base:
+            return [None] * batch
         raise IncompatibleConfigError(
             "adapter_ids: None, but every row needs an adapter (enable_base_model_only=False). Fix: pass one "
             f"adapter per row (adapters: {known}), or set lora_config.enable_base_model_only=True"
@@ -182,16 +197,20 @@ def adapter_slots(spec: NeuronSpec, adapter_ids: Any, batch: int) -> Tensor | No
         raise IncompatibleConfigError(
             f"adapter_ids: has {len(given)} entries for a batch of {batch} rows. Fix: give one adapter per row"
         )
-    valid = set(names.values()) | ({0} if cfg.enable_base_model_only else set())
-    slots, bad = [], []
+    by_index = {i: n for n, i in index.items()}
+    rows: list[str | None] = []
+    bad = []
     for value in given:
-        slot = names.get(value) if isinstance(value, str) else value if isinstance(value, int) else None
-        if slot is None or slot not in valid:
+        if isinstance(value, str) and value in index:
+            rows.append(value)
+        elif isinstance(value, int) and not isinstance(value, bool) and (value in by_index or (base and value == 0)):
+            rows.append(by_index.get(value))
+        else:
             bad.append(value)
-        slots.append(slot if isinstance(slot, int) else 0)
     if bad:
+        zero = " or 0 for the base model" if base else ""
         raise IncompatibleConfigError(
-            f"adapter_ids: {bad} name no loaded adapter. Fix: use an adapter name or index{base} "
-            f"(adapters: {known}), or add the adapter to lora_config.lora_ckpt_paths"
+            f"adapter_ids: {bad} name no loaded adapter. Fix: use an adapter name or index{zero} "
+            f"(adapters: {known}), or {fix}"
         )
-    return torch.tensor(slots, dtype=torch.int64)
+    return rows
