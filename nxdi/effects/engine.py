@@ -71,7 +71,7 @@ from nxdi.core.config.neuron_spec import NeuronSpec, Phase
 from nxdi.core.errors import ArtifactError, CheckpointError, Problem
 from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.planning import block_programs, model_programs, sharding
+from nxdi.core.planning import block_programs, lora_ranks, model_programs, sharding
 from nxdi.core.planning import lora as lora_plan
 from nxdi.core.planning import medusa as medusa_plan
 from nxdi.core.planning.block_programs import BlockPlan
@@ -85,12 +85,12 @@ from nxdi.core.programs.collectives import RANK_INPUT, SINGLE, Collectives, with
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
 from nxdi.core.programs.step import StepOutputs, StepSpec, example_inputs, step
-from nxdi.core.weight_plan import Combine, WeightPlan
+from nxdi.core.weight_plan import Combine, Take, WeightPlan
 from nxdi.effects import artifacts, checkpoint, lora_adapters, medusa_heads, source_pins, weight_loader
 from nxdi.effects.artifacts import CompileResult, ProgramRequest
 from nxdi.effects.backends.base import Backend, LoadedProgram, Signature, WeightSet
 from nxdi.effects.distributed import ops
-from nxdi.effects.runtime import Program, Runtime
+from nxdi.effects.runtime import LoraWrites, Program, Runtime
 from nxdi.effects.source_pins import CheckpointSource, Pinned
 
 INPUTS = ("input_ids", "position_ids", "last_index", "sampling_params", "uniforms")
@@ -209,6 +209,19 @@ class EngineModel:
         assert isinstance(planned, Success), f"a model that passed its checks has a LoRA layout: {planned}"
         return planned.unwrap()
 
+    def lora_sharded(self) -> bool:
+        """Whether the adapters' plain matrices are split over the ranks (`lora_shard_linear_layer`)."""
+        cfg = self.spec.lora_config
+        return cfg is not None and cfg.lora_shard_linear_layer
+
+    def lora_takes(self) -> dict[str, Take | None]:
+        """This rank's slice of every stacked adapter tensor (`lora_ranks.rank_takes`); empty at
+        tp 1 or without `lora_config`."""
+        layout = self.lora_layout()
+        if layout is None or self.tp == 1:
+            return {}
+        return lora_ranks.rank_takes(layout, self.shard_plan(), self.rank, shard_linear=self.lora_sharded())
+
     @property
     def forward_outputs(self) -> Any:
         """The step's forward: the family program's, or for Medusa that plus the heads
@@ -225,8 +238,13 @@ class EngineModel:
         with LoRA, the stacked adapters)."""
         value = self.program.weights(tensors, spec=self.model)
         plan, layout = self.medusa(), self.lora_layout()
-        if layout is not None:
+        if layout is not None and self.tp == 1:
             return lora.weights_from_tensors(value, tensors, layout)
+        if layout is not None:
+            shards, split = self.shard_plan(), self.lora_sharded()
+            widths = {t: lora_ranks.part_widths(layout, shards, t) for t in layout.targets()}
+            gathers = lora_ranks.gathers(layout, shards, shard_linear=split)
+            return lora.weights_from_tensors(value, tensors, layout, widths=widths, gathers=gathers)
         if plan is None:
             return value
         return medusa.MedusaWeights(decoder=value, heads=medusa.heads_from_tensors(tensors, plan.num_heads))
@@ -359,7 +377,10 @@ def read_extra(model: EngineModel, source: CheckpointSource) -> Result[dict[str,
     """The weights bound after the checkpoint's: a Medusa model's heads, a multi-LoRA model's
     stacked adapters (`lora_adapters.read_for`, every adapter checked), else none."""
     if model.spec.lora_config is not None:
-        return lora_adapters.read_for(model.spec, model.model)
+        takes = model.lora_takes()
+        return lora_adapters.read_for(model.spec, model.model).map(
+            lambda stacked: {n: t if takes.get(n) is None else weight_ops.take(t, takes[n]) for n, t in stacked.items()}
+        )
     return read_heads(model, source) if model.spec.is_medusa else Success({})
 
 
@@ -490,7 +511,23 @@ def runtime_for(
         kv_group=model.partition().kv_group,
         finish=None if backend is None else backend.finish,
         lead=lead,
+        lora_writer=functools.partial(write_lora_slots, model) if model.spec.lora_config is not None else None,
     )
+
+
+def write_lora_slots(model: EngineModel, weights: Any, writes: LoraWrites) -> None:
+    """Copy each adapter's slot tensors (whole, as `lora.slot_tensors` makes them) into its slot of
+    `weights`' stacked adapters (a `lora.LoraWeights`), this rank's slice of each."""
+    layout = model.lora_layout()
+    assert layout is not None and isinstance(weights, lora.LoraWeights), "a multi-LoRA model's weights"
+    bound, takes = lora.named_tensors(weights, layout), model.lora_takes()
+    with torch.no_grad():
+        for slot, tensors in writes:
+            for name, t in tensors.items():
+                take = takes.get(name)
+                if take is not None:  # the slot tensor lacks the slot dim
+                    t = weight_ops.take(t, Take(dim=take.dim - 1, indices=take.indices))
+                bound[name][slot].copy_(t)
 
 
 def warm_up(runtime: Runtime, model: EngineModel) -> None:

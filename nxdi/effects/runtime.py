@@ -80,7 +80,14 @@ class StepRuntime(Protocol):
         uniforms: Tensor | None = None,
     ) -> StepOutputs: ...
 
+    def write_lora_slots(self, writes: LoraWrites) -> None: ...
+
     def close(self) -> None: ...
+
+
+LoraWrites = Sequence[tuple[int, Mapping[str, Tensor]]]
+"""Dynamic multi-LoRA swaps: (device slot, one adapter's matrices as one slot of every stacked
+tensor, by name: `nxdi.core.programs.lora.slot_tensors`), in order."""
 
 
 class Runtime:
@@ -97,8 +104,11 @@ class Runtime:
         kv_group: int = 1,
         finish: Callable[[Sequence[Tensor | None]], tuple[Tensor | None, ...]] | None = None,
         lead: int = 0,
+        lora_writer: Callable[[Any, LoraWrites], None] | None = None,
     ) -> None:
         self.weights = weights
+        self.lora_writer = lora_writer
+        """Writes adapters into the stacked adapter weights in place (a multi-LoRA model's)."""
         """The program's weights value the programs were built from (for inspection; a compiled
         program runs on the backend's bound copies)."""
         self.cache = cache
@@ -120,6 +130,12 @@ class Runtime:
             # as what every later reset makes of it: SPMD XLA compiles a step again for a cache
             # that comes from another graph, so warm-up would otherwise not cover generation.
             self.reset_cache()
+
+    def write_lora_slots(self, writes: LoraWrites) -> None:
+        """Copy each adapter into its device slot of the weights the programs run on (this rank's
+        slices of them under tensor parallelism)."""
+        assert self.lora_writer is not None, "only a multi-LoRA model's runtime takes adapter writes"
+        self.lora_writer(self.weights, writes)
 
     def set_seed(self, seed: int) -> None:
         """Restart the sampling random stream (same seed, same draws)."""

@@ -166,7 +166,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         placed it after swapping in what was missing (dynamic_multi_lora)."""
         if self._lora_dynamic is None:
             return lora_serving.adapter_slots(self.spec, adapter_ids, batch)
-        return self._lora_dynamic.slots_for(getattr(runtime, "weights", None), adapter_ids, batch)
+        return self._lora_dynamic.slots_for(runtime, adapter_ids, batch)
 
     def reset_kv_cache(self) -> None:
         """Zero the KV cache."""

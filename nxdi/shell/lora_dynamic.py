@@ -9,8 +9,8 @@ Theory of operation:
 - The programs are compiled once for `max_loras` device slots (static shapes). Before a forward,
   the rows' adapters are placed by the eviction policy (`nxdi.core.host.lora_slots.place`: `lru`
   or `lfu` with `lfu_decay_period`); each adapter missing from the device is copied into its slot
-  of the bound weight tensors in place (the cpu backend binds those very tensors), then the rows'
-  slots go to the programs as `adapter_ids`. The `lora_ckpt_paths` adapters start on the device.
+  of the bound weight tensors in place (the cpu backend binds those very tensors; under tensor
+  parallelism every rank copies its slices), then the rows' slots go to the programs as `adapter_ids`. The `lora_ckpt_paths` adapters start on the device.
 - Adapter indices (what a caller may pass instead of names) are NxDI's: the ids of
   `lora_ckpt_paths`, then of `lora_ckpt_paths_cpu`, then those added, numbered in that order from 0
   (from 1 with enable_base_model_only, whose 0 is the base model); a removed adapter's index is not
@@ -19,7 +19,6 @@ Theory of operation:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -33,6 +32,7 @@ from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import lora as lora_plan
 from nxdi.core.programs import lora
 from nxdi.effects import lora_adapters
+from nxdi.effects.runtime import StepRuntime
 from nxdi.shell import lora_serving
 from nxdi.shell.exceptions import IncompatibleConfigError, unwrap
 
@@ -147,25 +147,18 @@ class DynamicAdapters:
         """NxDI's adapter index per row [batch] int64 (0 for base rows); raises as `names`."""
         return torch.tensor([0 if n is None else self.index[n] for n in self.names(adapter_ids, batch)])
 
-    def slots_for(self, weights: Any, adapter_ids: Any, batch: int) -> Tensor:
-        """Place the rows' adapters on the device (swapping in what is missing, in place into
-        `weights`, the runtime's `lora.LoraWeights`) and return each row's device slot [batch] int64.
+    def slots_for(self, runtime: StepRuntime, adapter_ids: Any, batch: int) -> Tensor:
+        """Place the rows' adapters on the device (swapping in what is missing, in place into the
+        runtime's stacked adapters, every rank's slices) and return each row's device slot [batch] int64.
 
         Raises:
             IncompatibleConfigError: as `names`, or more distinct adapters than max_loras (nothing swapped).
         """
         rows = self.names(adapter_ids, batch)
         placed = unwrap(lora_slots.place(self.state, rows), "Cannot place the LoRA adapters")
-        assert isinstance(weights, lora.LoraWeights), "a multi-LoRA runtime keeps its stacked adapters"
         if placed.loads:
-            self._copy(lora.named_tensors(weights, self.layout), placed.loads)
+            swaps = [(slot + self.first, adapter_id) for slot, adapter_id in placed.loads]
+            runtime.write_lora_slots([(slot, self.host[adapter_id]) for slot, adapter_id in swaps])
+            self.swaps.extend(swaps)
         self.state = placed.state
         return torch.tensor([0 if s is None else s + self.first for s in placed.rows], dtype=torch.int64)
-
-    def _copy(self, bound: Mapping[str, Tensor], loads: tuple[tuple[int, str], ...]) -> None:
-        """Write each loaded adapter's matrices into its device slot of the bound tensors."""
-        with torch.no_grad():
-            for slot, adapter_id in loads:
-                for name, t in self.host[adapter_id].items():
-                    bound[name][slot + self.first].copy_(t)
-                self.swaps.append((slot + self.first, adapter_id))

@@ -44,12 +44,14 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "path": path, "paths": paths, "peft": reference.eval()}
 
 
-def _lora_model(world: dict[str, Any], *, compiled: bool = False, **lora: Any) -> Any:
+def _lora_model(world: dict[str, Any], *, compiled: bool = False, tp: int = 1, **lora: Any) -> Any:
     config = LoraServingConfig(
         **{"max_loras": 3, "lora_ckpt_paths": world["paths"], "enable_base_model_only": True, **lora}
     )
     backend = {"backend": "cpu"} if compiled else {}
-    return load_model(world["path"], "llama", workdir=world["root"], batch_size=4, lora_config=config, **backend)
+    return load_model(
+        world["path"], "llama", workdir=world["root"], batch_size=4, lora_config=config, tp_degree=tp, **backend
+    )
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +104,42 @@ def test_a_mixed_batch_gives_each_row_its_adapters_tokens_and_logits(
         assert tokens[row].tolist() == want.tolist(), (adapter, row)
         got = _teacher_forced_row(model, names, row, prompt, want)
         torch.testing.assert_close(got, logits[len(prompt) - 1 :], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("tp", "shard", "transpose", "compiled"),
+    [(1, True, False, True), (2, True, True, False), (2, False, False, True), (4, True, True, True)],
+    ids=[
+        "tp1-untransposed-compiled",
+        "tp2-sharded-eager",
+        "tp2-duplicated-untransposed-compiled",
+        "tp4-sharded-compiled",
+    ],
+)
+def test_each_layout_and_tensor_parallel_ranks_give_each_row_its_adapters_tokens_and_logits(
+    world: dict[str, Any],
+    references: list[tuple[torch.Tensor, torch.Tensor]],
+    tp: int,
+    shard: bool,
+    transpose: bool,
+    compiled: bool,
+) -> None:
+    """Rank processes, the adapters' plain matrices split (`lora_shard_linear_layer=True`, gathered each
+    step) or duplicated, stored `[in, out]` (`lora_memory_transpose=True`, the default) or `[out, in]`;
+    at tp 4 the tiny model's 2 KV heads are replicated, and its adapters' K and V rows with them."""
+    lora = {"lora_shard_linear_layer": shard, "lora_memory_transpose": transpose}
+    model = _lora_model(world, compiled=compiled, tp=tp, **lora)
+    try:
+        names = [adapter or 0 for adapter in ROWS]
+        tokens = nxdi_generate(model, PROMPTS, max_new_tokens=NEW, adapter_ids=names)
+        for row, (adapter, prompt) in enumerate(zip(ROWS, PROMPTS, strict=True)):
+            want, logits = references[row]
+            assert tokens[row].tolist() == want.tolist(), (adapter, row)
+            if row in (0, 3):  # two adapters' logits (each takes NEW steps through the ranks)
+                got = _teacher_forced_row(model, names, row, prompt, want)
+                torch.testing.assert_close(got, logits[len(prompt) - 1 :], atol=1e-4, rtol=1e-4)
+    finally:
+        model.close()
 
 
 def _teacher_forced_row(
@@ -225,7 +263,7 @@ def test_a_target_module_the_base_model_lacks_is_refused(world: dict[str, Any]) 
 
 def test_settings_that_cannot_take_effect_are_refused(world: dict[str, Any]) -> None:
     for kwargs, field in (
-        ({"tp_degree": 2}, "tp_degree"),
+        ({"is_block_kv_layout": True}, "is_block_kv_layout"),
         ({"lora_config": {"lora_bias": "all"}}, "lora_config.lora_bias"),
     ):
         lora = {"lora_ckpt_paths": world["paths"], **kwargs.pop("lora_config", {})}
@@ -236,3 +274,42 @@ def test_settings_that_cannot_take_effect_are_refused(world: dict[str, Any]) -> 
 def test_missing_adapter_files_are_refused(world: dict[str, Any]) -> None:
     with pytest.raises(FileNotFoundError, match=r"lora_config\.lora_ckpt_paths"):
         LoraServingConfig(lora_ckpt_paths={"gone": str(world["root"] / "gone")})
+
+
+@pytest.mark.parametrize(
+    ("tp", "shard", "fused"), [(1, True, False), (2, True, False), (2, False, True), (4, True, True), (4, False, False)]
+)
+def test_the_planned_adapter_memory_is_what_every_rank_allocates(
+    world: dict[str, Any], tp: int, shard: bool, fused: bool
+) -> None:
+    """`nxdi plan`'s per-core LoRA bytes (all slots) and its capacity's bytes per adapter equal the
+    stacked adapters each rank reads (at tp 4 with the K and V rows of replicated KV heads)."""
+    import attrs
+
+    from nxdi.core.planning import plan
+    from nxdi.effects import engine
+    from nxdi.shell.config import NeuronConfig
+    from nxdi.shell.inference_config import load_pretrained_config
+    from nxdi.shell.models import CONFIG_TYPES, MODEL_TYPES
+
+    lora = LoraServingConfig(
+        max_loras=3, lora_ckpt_paths=world["paths"], enable_base_model_only=True, lora_shard_linear_layer=shard
+    )
+    neuron = NeuronConfig(
+        batch_size=4, seq_len=64, torch_dtype="float32", tp_degree=tp, fused_qkv=fused, lora_config=lora
+    )
+    model = MODEL_TYPES["llama"]["causal-lm"](
+        world["path"], CONFIG_TYPES["llama"](neuron, load_config=load_pretrained_config(world["path"]))
+    )
+    planned = plan.plan_for(model.model_spec, model.spec).unwrap()
+    slots = model.spec.lora_config.effective_max_loras
+    em = model._engine_model()
+    for rank in range(tp):
+        stacked = engine.read_extra(attrs.evolve(em, rank=rank), model._source(world["path"])).unwrap()
+        held = sum(t.numel() * t.element_size() for t in stacked.values())
+        assert planned.memory.lora_bytes_per_core == held, rank
+        assert planned.lora is not None and planned.lora.bytes_per_core * slots == held, rank
+    one = attrs.evolve(em, spec=attrs.evolve(em.spec, tp_degree=1))
+    whole = engine.read_extra(one, model._source(world["path"])).unwrap()
+    whole_bytes = sum(t.numel() * t.element_size() for t in whole.values())
+    assert held < whole_bytes if tp > 1 else held == whole_bytes  # a rank holds a share

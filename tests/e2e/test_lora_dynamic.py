@@ -43,7 +43,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "path": path, "paths": save_adapters(hf, root)}
 
 
-def _dynamic(world: dict[str, Any], *, compiled: bool = False, **lora: Any) -> Any:
+def _dynamic(world: dict[str, Any], *, compiled: bool = False, tp: int = 1, **lora: Any) -> Any:
     paths = world["paths"]
     settings = {
         "max_loras": 2,
@@ -62,6 +62,7 @@ def _dynamic(world: dict[str, Any], *, compiled: bool = False, **lora: Any) -> A
         workdir=world["root"],
         batch_size=4,
         lora_config=LoraServingConfig(**settings),
+        tp_degree=tp,
         **backend,
     )
     return model
@@ -75,17 +76,25 @@ def static_tokens(world: dict[str, Any]) -> list[torch.Tensor]:
     return [nxdi_generate(model, PROMPTS, max_new_tokens=NEW, adapter_ids=[a or 0 for a in rows]) for rows in STREAM]
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    ("compiled", "tp", "shard"),
+    [(False, 1, True), (True, 1, True), (True, 2, True), (False, 2, False)],
+    ids=["eager", "compiled", "tp2-sharded-compiled", "tp2-duplicated-eager"],
+)
 def test_a_stream_over_more_adapters_than_slots_matches_static_serving(
-    world: dict[str, Any], static_tokens: list[torch.Tensor], compiled: bool
+    world: dict[str, Any], static_tokens: list[torch.Tensor], compiled: bool, tp: int, shard: bool
 ) -> None:
-    model = _dynamic(world, compiled=compiled)
-    assert model.lora_device_adapters == ("alpha", None)
-    model.add_adapter("gamma", world["paths"]["gamma"])
-    for rows, want, slots in zip(STREAM, static_tokens, SLOTS_AFTER, strict=True):
-        got = nxdi_generate(model, PROMPTS, max_new_tokens=NEW, adapter_ids=[a or 0 for a in rows])
-        assert got.tolist() == want.tolist(), rows
-        assert model.lora_device_adapters == slots, rows
+    """At tp 2 every swap reaches both rank processes, each copying its slices into the slot."""
+    model = _dynamic(world, compiled=compiled, tp=tp, lora_shard_linear_layer=shard)
+    try:
+        assert model.lora_device_adapters == ("alpha", None)
+        model.add_adapter("gamma", world["paths"]["gamma"])
+        for rows, want, slots in zip(STREAM, static_tokens, SLOTS_AFTER, strict=True):
+            got = nxdi_generate(model, PROMPTS, max_new_tokens=NEW, adapter_ids=[a or 0 for a in rows])
+            assert got.tolist() == want.tolist(), rows
+            assert model.lora_device_adapters == slots, rows
+    finally:
+        model.close()
 
 
 def test_the_stream_can_fail(static_tokens: list[torch.Tensor]) -> None:

@@ -168,3 +168,27 @@ def test_the_rank_process_compiles_each_program_once_and_updates_the_caches_in_p
     assert sorted(found["aliases"])[-programs:] == [cache_tensors] * programs
     assert found["stepping"] == 0, "stepping compiled again (a shape or a sharding changed per step)"
     assert found["fallbacks"] == []
+
+
+@pytest.mark.parametrize("shard", [True, False], ids=["sharded", "duplicated"])
+def test_lora_over_two_ranks_gives_the_cpu_engines_tokens(
+    shard: bool,
+    xla_tp_model: Callable[..., Any],
+    tiny_model: Callable[[str], Any],
+    tiny_checkpoint: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    """Three PEFT adapters and a base-model row in one batch at tp 2 (the plain matrices split and
+    all-gathered in HLO, or duplicated): greedy tokens equal the CPU engine's at tp 1."""
+    from nxdi.shell.config import LoraServingConfig
+    from tests.support.lora_adapters import ROWS, save_adapters
+
+    paths = save_adapters(tiny_model("llama"), tmp_path / "adapters")
+    lora = LoraServingConfig(
+        max_loras=3, lora_ckpt_paths=paths, enable_base_model_only=True, lora_shard_linear_layer=shard
+    )
+    names = [adapter or 0 for adapter in ROWS]
+    model = xla_tp_model("llama", tp_degree=2, batch_size=4, lora_config=lora)
+    one_rank = load_model(tiny_checkpoint("llama"), "llama", batch_size=4, lora_config=lora)
+    got, want = (nxdi_generate(m, PROMPTS, max_new_tokens=12, adapter_ids=names) for m in (model, one_rank))
+    assert torch.equal(got, want)

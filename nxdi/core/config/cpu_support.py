@@ -50,14 +50,12 @@ def check_cpu_support(spec: NeuronSpec) -> Result[NeuronSpec, ConfigError]:
 
 
 def _lora_programs(spec: NeuronSpec) -> Iterator[Problem]:
-    """What multi-LoRA serving (`lora_config`) does not run with on the CPU engine yet: tensor
-    parallelism (the adapters are not sharded over ranks), the block KV layout, speculation (the
-    draft and the speculation programs take no adapters) and Medusa, and async_mode with
-    dynamic_multi_lora; each named with its fix."""
+    """What multi-LoRA serving (`lora_config`) does not run with on the CPU engine yet: the block KV
+    layout, speculation (the draft and the speculation programs take no adapters) and Medusa, and
+    async_mode with dynamic_multi_lora; each named with its fix."""
     if spec.lora_config is None:
         return
     others = (
-        ("tp_degree", spec.tp_degree, spec.tp_degree > 1, 1),
         ("is_block_kv_layout", True, spec.is_block_kv_layout, False),
         ("speculation_length", spec.speculation_length, spec.speculation_length > 0, 0),
         ("enable_fused_speculation", True, spec.enable_fused_speculation, False),

@@ -122,13 +122,12 @@ class LoraSpec:
     )
     lora_memory_transpose: bool = setting(
         True,
-        "Transpose the adapters' memory layout for faster inference.",
-        cpu="a Neuron memory-layout choice; the CPU programs use one layout",
+        "Store every adapter matrix as [in, out] (the layout the batched products read directly); False stores [out, in].",
     )
     lora_shard_linear_layer: bool = setting(
         True,
         "Shard the adapter's linear layer across the TP group (1/tp_degree per core, adds all-gather).",
-        cpu="multi-LoRA serving runs at tp_degree=1 only yet, where nothing is sharded",
+        cpu=OnCpu.WITH_TP,
     )
     is_context_encoding: bool = setting(
         False, "Marks LoRA layers of the context-encoding model.", cpu="every program carries the same adapters"

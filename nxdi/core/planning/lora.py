@@ -105,9 +105,10 @@ def bytes_per_core(size: AdapterSize, *, tp: int, shard_linear_layer: bool) -> i
 
 
 def max_adapters(
-    size: AdapterSize, *, reserved_bytes: int, tp: int, shard_linear_layer: bool
+    size: AdapterSize, *, reserved_bytes: int, tp: int, shard_linear_layer: bool, per_core: int | None = None
 ) -> Result[int, ConfigError]:
-    """How many adapters fit in `reserved_bytes` per core.
+    """How many adapters fit in `reserved_bytes` per core, each taking `per_core` bytes on a core
+    when known exactly (`lora_ranks.bytes_per_slot`), else `bytes_per_core`'s estimate.
 
     Returns:
         `Failure` when tp is not positive, the reservation is negative, or the adapter is empty.
@@ -121,7 +122,8 @@ def max_adapters(
         problems.append(Problem.of("adapter_size", size.total_bytes, "must be positive"))
     if problems:
         return Failure(ConfigError(problems=tuple(problems)))
-    return Success(reserved_bytes // bytes_per_core(size, tp=tp, shard_linear_layer=shard_linear_layer))
+    each = per_core if per_core is not None else bytes_per_core(size, tp=tp, shard_linear_layer=shard_linear_layer)
+    return Success(reserved_bytes // each)
 
 
 @attrs.frozen(kw_only=True)
@@ -138,13 +140,21 @@ class LoraCapacity:
 
 
 def lora_capacity(
-    size: AdapterSize, *, reserved_bytes: int, tp: int, shard_linear_layer: bool, requested: int | None = None
+    size: AdapterSize,
+    *,
+    reserved_bytes: int,
+    tp: int,
+    shard_linear_layer: bool,
+    requested: int | None = None,
+    per_core: int | None = None,
 ) -> Result[LoraCapacity, ConfigError]:
     """`max_adapters` with the per-core size it is based on (see `max_adapters`)."""
-    return max_adapters(size, reserved_bytes=reserved_bytes, tp=tp, shard_linear_layer=shard_linear_layer).map(
+    each = per_core if per_core is not None else bytes_per_core(size, tp=tp, shard_linear_layer=shard_linear_layer)
+    fit = max_adapters(size, reserved_bytes=reserved_bytes, tp=tp, shard_linear_layer=shard_linear_layer, per_core=each)
+    return fit.map(
         lambda n: LoraCapacity(
             adapter=size,
-            bytes_per_core=bytes_per_core(size, tp=tp, shard_linear_layer=shard_linear_layer),
+            bytes_per_core=each,
             reserved_bytes_per_core=reserved_bytes,
             max_adapters=n,
             requested=requested,
@@ -203,6 +213,9 @@ class LoraLayout:
     """The target modules, in `KNOWN_MODULES` order."""
     base_slot: bool
     """Slot 0 holds no adapter (enable_base_model_only): rows with adapter id 0 run the base model."""
+    transposed: bool = False
+    """`lora_memory_transpose`: every matrix is stored `[in, out]` (A `[S, in, R_t]`, B `[S, R, out]`),
+    the layout the batched products read without a transposed operand; else `[out, in]`."""
 
     def targets(self) -> tuple[str, ...]:
         """The program linears that carry adapters, in `TARGETS` order."""
@@ -224,8 +237,13 @@ class LoraLayout:
         return self.qkv_modules().index(module) * self.rank if TARGET_OF[module] == "qkv" else 0
 
     def shapes(self) -> dict[str, tuple[int, int, int]]:
-        """Every stacked tensor's name and shape, in binding order: per layer and target its A
-        [S, R_t, in], then the B [S, out, R] of each module it carries."""
+        """Every stacked tensor's name and shape as stored, in binding order: per layer and target
+        its A [S, R_t, in], then the B [S, out, R] of each module it carries (the last two dims
+        swapped when `transposed`)."""
+        return {name: self.stored(shape) for name, shape in self.logical_shapes().items()}
+
+    def logical_shapes(self) -> dict[str, tuple[int, int, int]]:
+        """`shapes()` in the `[out, in]` orientation the programs compute with, whatever `transposed`."""
         out: dict[str, tuple[int, int, int]] = {}
         for layer in range(self.model.num_layers):
             for target in self.targets():
@@ -234,6 +252,14 @@ class LoraLayout:
                 for m in carried:
                     out[b_name(layer, m)] = (self.slots, self.dims(m)[1], self.rank)
         return out
+
+    def stored(self, shape: tuple[int, int, int]) -> tuple[int, int, int]:
+        """A logical `[S, out, in]` shape as stored."""
+        return (shape[0], shape[2], shape[1]) if self.transposed else shape
+
+    def stored_dim(self, dim: int) -> int:
+        """A logical dim (1 or 2) of a stacked tensor as stored."""
+        return 3 - dim if self.transposed and dim > 0 else dim
 
 
 def layout_for(model: ModelSpec, spec: LoraSpec) -> Result[LoraLayout, ConfigError]:
@@ -264,6 +290,7 @@ def layout_for(model: ModelSpec, spec: LoraSpec) -> Result[LoraLayout, ConfigErr
             rank=spec.max_lora_rank,
             modules=tuple(m for m in KNOWN_MODULES if m in modules),
             base_slot=spec.enable_base_model_only,
+            transposed=spec.lora_memory_transpose,
         )
     )
 

@@ -8,7 +8,8 @@ Theory of operation (all figures per logical core; every rank holds the same amo
   per tensor, or one per output row per channel), except those `modules_to_not_convert` keeps;
   embeddings and norms keep the dtype.
 - KV cache: `kv_layout.KVLayout.bytes_per_rank`.
-- LoRA: `max_loras` adapters at `lora.bytes_per_core` each.
+- LoRA: `max_loras` adapter slots (the base model's included) at what the engine allocates per slot
+  (`lora_ranks.bytes_per_slot`), or `lora.bytes_per_core`'s estimate for an adapter known by size.
 - Speculation (`speculation_memory`): a fused draft's weights and KV cache, Medusa heads, EAGLE's
   hidden-state cache; with fused speculation every KV cache row (the target's and the draft's)
   holds `max_length + speculation_length` slots (`MemoryRequest.max_length` is that length).
@@ -28,7 +29,7 @@ from returns.result import Result, Success
 from nxdi.core.config.neuron_spec import DTYPE_BYTES, NeuronSpec
 from nxdi.core.errors import ConfigError
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.planning import gqa, kv_layout, lora, sharding, speculation_memory
+from nxdi.core.planning import gqa, kv_layout, lora, lora_ranks, sharding, speculation_memory
 from nxdi.core.planning.speculation_memory import SpeculationLoad
 from nxdi.core.platform import PLATFORMS, Platform
 from nxdi.core.weight_plan import kept_in_float
@@ -45,6 +46,9 @@ class LoraLoad:
     adapter: lora.AdapterSize
     max_loras: int = attrs.field(validator=attrs.validators.ge(0))
     shard_linear_layer: bool = True
+    layout: lora.LoraLayout | None = None
+    """Where the engine puts the adapters (a `lora_config`'s): per-core bytes exactly as it allocates
+    them (`lora_ranks.bytes_per_slot`); None: `lora.bytes_per_core`'s estimate from the size."""
 
 
 @attrs.frozen(kw_only=True)
@@ -255,8 +259,7 @@ def _with_speculation(plan: MemoryPlan, req: MemoryRequest) -> Result[MemoryPlan
 def _compose(model: ModelSpec, plan: sharding.ShardPlan, kv: kv_layout.KVLayout, req: MemoryRequest) -> MemoryPlan:
     lora_bytes = 0
     if req.lora is not None:
-        each = lora.bytes_per_core(req.lora.adapter, tp=plan.tp, shard_linear_layer=req.lora.shard_linear_layer)
-        lora_bytes = req.lora.max_loras * each
+        lora_bytes = req.lora.max_loras * lora_slot_bytes(req.lora, plan, req.torch_dtype)
     return MemoryPlan(
         tp_degree=plan.tp,
         weights_bytes_per_core=weight_bytes_per_core(plan, req),
@@ -266,6 +269,14 @@ def _compose(model: ModelSpec, plan: sharding.ShardPlan, kv: kv_layout.KVLayout,
         hbm_per_core_bytes=PLATFORMS[req.platform].hbm_per_core_bytes(req.lnc),
         min_tp_degree=None,
     )
+
+
+def lora_slot_bytes(load: LoraLoad, plan: sharding.ShardPlan, dtype: str) -> int:
+    """Bytes one adapter slot takes on a core under `plan`."""
+    if load.layout is None:
+        return lora.bytes_per_core(load.adapter, tp=plan.tp, shard_linear_layer=load.shard_linear_layer)
+    each = DTYPE_BYTES[dtype]
+    return lora_ranks.bytes_per_slot(load.layout, plan, shard_linear=load.shard_linear_layer, dtype_bytes=each)
 
 
 def min_tp_degree(model: ModelSpec, req: MemoryRequest) -> int | None:
@@ -304,9 +315,14 @@ def memory_request_for(
     load: Result[LoraLoad | None, ConfigError] = Success(None)
     cfg = spec.lora_config
     if cfg is not None:
-        load = lora.adapter_size_for(model, cfg, dtype=spec.torch_dtype).map(
-            lambda size: LoraLoad(
-                adapter=size, max_loras=cfg.effective_max_loras, shard_linear_layer=cfg.lora_shard_linear_layer
+        load = lora.adapter_size_for(model, cfg, dtype=spec.torch_dtype).bind(
+            lambda size: lora.layout_for(model, cfg).map(
+                lambda layout: LoraLoad(
+                    adapter=size,
+                    max_loras=cfg.effective_max_loras,
+                    shard_linear_layer=cfg.lora_shard_linear_layer,
+                    layout=layout,
+                )
             )
         )
     quantized = spec.quantized

@@ -16,6 +16,7 @@ import attrs
 from returns.result import Failure, Result, Success
 
 from nxdi.core.config.neuron_spec import NeuronSpec, Phase
+from nxdi.core.config.sub_specs import LoraSpec
 from nxdi.core.errors import ConfigError, Problem, problems_of
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import (
@@ -205,31 +206,49 @@ def _lnc_note(spec: NeuronSpec, where: Platform) -> tuple[str, ...]:
 
 
 def _lora_capacity(
-    model: ModelSpec, spec: NeuronSpec, mem: memory.MemoryPlan, request: LoraRequest | None
+    model: ModelSpec,
+    spec: NeuronSpec,
+    mem: memory.MemoryPlan,
+    plan: sharding.ShardPlan,
+    request: LoraRequest | None,
 ) -> Result[lora.LoraCapacity | None, ConfigError]:
-    """Capacity for the requested adapters, else for `spec.lora_config`'s, else None."""
+    """Capacity for the requested adapters, else for `spec.lora_config`'s, else None. An adapter
+    known by rank and target modules takes, per core, exactly what the engine allocates for it
+    (`lora_ranks.bytes_per_slot`); one known only by its size, `lora.bytes_per_core`'s estimate."""
     free = max(mem.hbm_per_core_bytes - (mem.per_core_bytes - mem.lora_bytes_per_core), 0)
     cfg = spec.lora_config
+    layout: Result[lora.LoraLayout | None, ConfigError] = Success(None)
+    size: Result[lora.AdapterSize, ConfigError]
     if request is not None:
-        size = (
-            Success(lora.adapter_size_of(request.adapter_bytes))
-            if request.adapter_bytes is not None
-            else lora.adapter_size(
+        if request.adapter_bytes is not None:
+            size = Success(lora.adapter_size_of(request.adapter_bytes))
+        else:
+            size = lora.adapter_size(
                 model, rank=request.rank, target_modules=request.target_modules, dtype=spec.torch_dtype
             )
-        )
+            asked = LoraSpec(max_lora_rank=request.rank, target_modules=request.target_modules, max_loras=1)
+            layout = size.bind(lambda _: lora.layout_for(model, asked))
         reserved = free if request.reserved_bytes_per_core is None else request.reserved_bytes_per_core
         shard, requested = request.shard_linear_layer, cfg.effective_max_loras if cfg is not None else None
     elif cfg is not None:
         size = lora.adapter_size_for(model, cfg, dtype=spec.torch_dtype)
+        layout = lora.layout_for(model, cfg)
         reserved, shard, requested = free, cfg.lora_shard_linear_layer, cfg.effective_max_loras
     else:
         return Success(None)
-    return size.bind(
-        lambda s: lora.lora_capacity(
-            s, reserved_bytes=reserved, tp=spec.tp_degree, shard_linear_layer=shard, requested=requested
+
+    def capacity(s: lora.AdapterSize, where: lora.LoraLayout | None) -> Result[lora.LoraCapacity, ConfigError]:
+        load = memory.LoraLoad(adapter=s, max_loras=1, shard_linear_layer=shard, layout=where)
+        return lora.lora_capacity(
+            s,
+            reserved_bytes=reserved,
+            tp=spec.tp_degree,
+            shard_linear_layer=shard,
+            requested=requested,
+            per_core=memory.lora_slot_bytes(load, plan, spec.torch_dtype),
         )
-    )
+
+    return size.bind(lambda s: layout.bind(lambda where: capacity(s, where)))
 
 
 def _verdict(spec: NeuronSpec, p: Plan) -> tuple[Problem, ...]:
@@ -304,7 +323,7 @@ def plan_for(
     block = block_buckets.block_tables_for(spec)
     shard, kv = sharding.shard_plan_for(model, spec), kv_layout.kv_layout_for(model, spec)
     mem = memory.memory_plan_for(model, spec, platform=where, instance=instance, draft=draft)
-    capacity = mem.bind(lambda m: _lora_capacity(model, spec, m, lora_request))
+    capacity = mem.bind(lambda m: shard.bind(lambda sh: _lora_capacity(model, spec, m, sh, lora_request)))
     keys = model_programs.keys_for(spec)
     match ctx, tkg, spec_table, block, shard, kv, mem, capacity, keys:
         case (

@@ -13,6 +13,11 @@ Theory of operation:
   with each targeted weight wrapped as a `linear.LoraLinear`, which adds `B_b (A_b x)` with two
   batched products. Models without `lora_config` never reach this module: their programs, inputs
   and weights are unchanged.
+- Under tensor parallelism a rank holds its slices (`nxdi.core.planning.lora_ranks`): the matrix
+  that follows the base layer's split needs nothing more; a plain matrix split with
+  `lora_shard_linear_layer` is all-gathered after the rows' selection (`Stacked.full`) and cut
+  back to its size. A row-parallel layer's adapter output is a partial sum like the base's, which
+  the decoder's own all-reduce completes.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import attrs
 import torch
 from torch import Tensor
 
 from nxdi.core.planning import lora as lora_plan
 from nxdi.core.planning.lora import LoraLayout
 from nxdi.core.programs import decoder
+from nxdi.core.programs.collectives import SINGLE, Collectives
 from nxdi.core.programs.decoder import DecoderWeights, GatedMLP
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.kv_cache import KVCache
@@ -44,12 +51,19 @@ class LoraWeights:
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
 class Stacked:
-    """One target linear's adapters, every slot: A [S, R * m, in] and, per output part, B [S, N_j, R]
-    or None (the fused QKV's parts are Q, K and V; another linear has one part)."""
+    """One target linear's adapters, every slot, as stored: A [S, R * m, in] and, per output part,
+    B [S, N_j, R] or None (the fused QKV's parts are Q, K and V; another linear has one part); with
+    `transposed` A [S, in, R * m] and B [S, R, N_j]."""
 
     a: Tensor
     b: tuple[Tensor | None, ...]
+    transposed: bool
     widths: tuple[int, ...]
+    """Each output part's width on this rank."""
+    a_full: int | None = None
+    """Set when A holds this rank's chunk of its input dim: the full input size to gather back to."""
+    b_full: int | None = None
+    """Set when the one B holds this rank's chunk of its output rows: the full output size."""
 
 
 def _parts(target: str) -> tuple[str, ...]:
@@ -57,41 +71,68 @@ def _parts(target: str) -> tuple[str, ...]:
     return lora_plan.QKV_MODULES if target == "qkv" else (f"{target}_proj",)
 
 
-def weights_from_tensors(base: DecoderWeights, tensors: Mapping[str, Tensor], layout: LoraLayout) -> LoraWeights:
-    """`base` with the stacked adapters `tensors` holds by their `lora_plan` names."""
+def weights_from_tensors(
+    base: DecoderWeights,
+    tensors: Mapping[str, Tensor],
+    layout: LoraLayout,
+    *,
+    widths: Mapping[str, tuple[int, ...]] | None = None,
+    gathers: Mapping[str, int] | None = None,
+) -> LoraWeights:
+    """`base` with the stacked adapters `tensors` holds by their `lora_plan` names. Under tensor
+    parallelism `widths` gives each target's part widths on a rank and `gathers` the split plain
+    matrices (`lora_ranks.part_widths` / `lora_ranks.gathers`); by default one rank holds all."""
+    gathers = gathers or {}
 
     def stacked(i: int, target: str) -> Stacked:
         parts = _parts(target)
+        a_name = lora_plan.weight_name(i, target, "a")
+        b_names = [lora_plan.b_name(i, m) if m in layout.modules else None for m in parts]
         return Stacked(
-            a=tensors[lora_plan.weight_name(i, target, "a")],
-            b=tuple(tensors[lora_plan.b_name(i, m)] if m in layout.modules else None for m in parts),
-            widths=tuple(layout.dims(m)[1] for m in parts),
+            a=tensors[a_name],
+            b=tuple(None if n is None else tensors[n] for n in b_names),
+            transposed=layout.transposed,
+            widths=widths[target] if widths is not None else tuple(layout.dims(m)[1] for m in parts),
+            a_full=gathers.get(a_name),
+            b_full=gathers.get(b_names[0]) if len(parts) == 1 and b_names[0] is not None else None,
         )
 
     adapters = tuple({t: stacked(i, t) for t in layout.targets()} for i in range(layout.model.num_layers))
     return LoraWeights(decoder=base, adapters=adapters)
 
 
-def _row(stacked: Stacked, base: Any, slots: Tensor) -> LoraLinear:
-    """The rows' adapters of one linear: A [B, R * m, in], each B [B, N_j, R]."""
-    b = tuple(None if t is None else t.index_select(0, slots) for t in stacked.b)
-    return LoraLinear(base=base, a=stacked.a.index_select(0, slots), b=b, widths=stacked.widths)
+def _row(stacked: Stacked, base: Any, slots: Tensor, coll: Collectives) -> LoraLinear:
+    """The rows' adapters of one linear: A [B, R * m, in], each B [B, N_j, R] (a split plain
+    matrix gathered from every rank and cut to its size). The rows are selected as stored, so a
+    transposed layout's selections stay contiguous and reach the products as views."""
+
+    def rows(t: Tensor, dim: int, full: int | None) -> Tensor:
+        """`t`'s rows' slots, gathered along the logical `dim` when split; logical orientation."""
+        picked = t.index_select(0, slots)
+        stored = 3 - dim if stacked.transposed else dim
+        if full is not None:
+            picked = coll.all_gather(picked, stored).narrow(stored, 0, full)
+        return picked.transpose(1, 2) if stacked.transposed else picked
+
+    a = rows(stacked.a, 2, stacked.a_full)
+    b = tuple(None if t is None else rows(t, 1, stacked.b_full) for t in stacked.b)
+    return LoraLinear(base=base, a=a, b=b, widths=stacked.widths)
 
 
-def select(w: LoraWeights, slots: Tensor) -> DecoderWeights:
+def select(w: LoraWeights, slots: Tensor, coll: Collectives = SINGLE) -> DecoderWeights:
     """The decoder weights for rows whose adapter slots are `slots` [B] int64: every targeted linear
-    a `LoraLinear` holding the rows' A and B."""
+    a `LoraLinear` holding the rows' A and B (`coll` gathers split plain matrices)."""
     layers = []
     for lw, adapters in zip(w.decoder.layers, w.adapters, strict=True):
         attn = lw.attn
         if "qkv" in adapters:
-            attn = dataclasses.replace(attn, qkv=_row(adapters["qkv"], attn.qkv, slots))
+            attn = dataclasses.replace(attn, qkv=_row(adapters["qkv"], attn.qkv, slots, coll))
         if "o" in adapters:
-            attn = dataclasses.replace(attn, o=_row(adapters["o"], attn.o, slots))
+            attn = dataclasses.replace(attn, o=_row(adapters["o"], attn.o, slots, coll))
         mlp = lw.mlp
         if isinstance(mlp, GatedMLP):  # other MLPs carry no adapters (refused by layout_for)
             wrapped: dict[str, Any] = {
-                t: _row(adapters[t], getattr(mlp, t), slots) for t in ("gate", "up", "down") if t in adapters
+                t: _row(adapters[t], getattr(mlp, t), slots, coll) for t in ("gate", "up", "down") if t in adapters
             }
             mlp = dataclasses.replace(mlp, **wrapped)
         layers.append(dataclasses.replace(lw, attn=attn, mlp=mlp))
@@ -104,7 +145,7 @@ def forward_outputs(
     """`base` (the decoder's `forward_outputs`) with each row's adapter: x.adapter_ids [B] are the
     rows' slots. Returns what `base` returns."""
     assert x.adapter_ids is not None, "a multi-LoRA program is given every row's adapter slot"
-    return base(select(w, x.adapter_ids), cache, x, **options)
+    return base(select(w, x.adapter_ids, options.get("coll", SINGLE)), cache, x, **options)
 
 
 def scaling(alpha: float | None, rank: int, *, rslora: bool) -> float:
@@ -129,7 +170,7 @@ def stack(layout: LoraLayout, adapters: Sequence[Adapter], *, dtype: torch.dtype
     """The stacked tensors (`layout.shapes()`, in its order) with every adapter at its slot, its A
     scaled (in fp32, then cast to `dtype`); every other entry zero. Adapters must have passed
     `lora_plan.check_adapter` (their keys and shapes are trusted here)."""
-    out = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in layout.shapes().items()}
+    out = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in layout.logical_shapes().items()}
     for adapter in adapters:
         for key, t in adapter.tensors.items():
             parsed = lora_plan.parse_key(key)
@@ -142,6 +183,8 @@ def stack(layout: LoraLayout, adapters: Sequence[Adapter], *, dtype: torch.dtype
                 out[name][adapter.slot, col : col + r] = t.float() * factor
             else:  # [out, r]
                 out[lora_plan.b_name(layer, module)][adapter.slot, :, : t.shape[1]] = t.float()
+    if layout.transposed:  # stored [in, out]: each slot's matrices transposed, contiguous
+        return {name: t.transpose(1, 2).contiguous().to(dtype) for name, t in out.items()}
     return {name: t.to(dtype) for name, t in out.items()}
 
 
@@ -162,5 +205,5 @@ def slot_tensors(layout: LoraLayout, adapter: Adapter, *, dtype: torch.dtype) ->
     """One adapter's matrices as one slot of every stacked tensor (`layout.shapes()` without the
     slot dim, zeros where it has no matrix): what a dynamic swap copies into a device slot."""
     one = dataclasses.replace(adapter, slot=0)
-    single = LoraLayout(model=layout.model, slots=1, rank=layout.rank, modules=layout.modules, base_slot=False)
+    single = attrs.evolve(layout, slots=1, base_slot=False)
     return {name: t[0] for name, t in stack(single, [one], dtype=dtype).items()}

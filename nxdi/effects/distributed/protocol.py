@@ -11,6 +11,7 @@ and framed by `multiprocessing.connection` over the rank process's stdin and std
   (a `nxdi.core.programs.step.StepOutputs`: logits, tokens and any extra outputs).
 - `RunBlocks`: the same for a block-KV program (`is_block_kv_layout`), on every rank's whole block
   cache (each rank holds its KV heads of every block).
+- `WriteLoraSlots`: dynamic multi-LoRA swaps; each rank copies its slices into its slots.
 - `ResetCache`, `Close`.
 - `Probe`: the rank's counters (collective calls and time, memory), for benchmarks.
 
@@ -57,7 +58,7 @@ class Run:
 
     key: ProgramKey
     inputs: tuple[Tensor, ...]
-    """input_ids, position_ids, last_index."""
+    """input_ids, position_ids, last_index (and a multi-LoRA model's adapter slots: `StepInputs.to_tensors`)."""
     rows: Tensor | None
     params: Tensor
     uniforms: Tensor
@@ -80,6 +81,14 @@ class RunBlocks:
     """[B*R] the driver's random draws, so every rank samples alike."""
 
 
+@attrs.frozen(eq=False, kw_only=True)
+class WriteLoraSlots:
+    """Dynamic multi-LoRA: copy adapters into device slots (each rank takes its slices)."""
+
+    writes: tuple[tuple[int, dict[str, Tensor]], ...]
+    """(slot, one adapter's whole slot tensors by name), in order."""
+
+
 @attrs.frozen(kw_only=True)
 class ResetCache:
     """Zero the KV cache."""
@@ -97,7 +106,7 @@ class Probe:
     reset: bool = False
 
 
-Request = Build | Run | RunBlocks | ResetCache | Close | Probe
+Request = Build | Run | RunBlocks | WriteLoraSlots | ResetCache | Close | Probe
 
 
 @attrs.frozen(kw_only=True)

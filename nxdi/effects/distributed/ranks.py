@@ -44,7 +44,7 @@ from nxdi.core.programs.inputs import StepInputs
 from nxdi.core.programs.step import StepOutputs
 from nxdi.effects.distributed import host_world, protocol
 from nxdi.effects.distributed.errors import RankError
-from nxdi.effects.runtime import RandomStream
+from nxdi.effects.runtime import LoraWrites, RandomStream
 
 START_TIMEOUT = 900
 """Seconds every rank may take to start and build its runtime (reading weights, loading programs)."""
@@ -276,6 +276,10 @@ class RemoteRuntime:
         request = protocol.RunBlocks(key=key, inputs=x.to_tensors(), blocks=blocks, params=params, uniforms=draws)
         outputs: StepOutputs = self._call(request)
         return outputs
+
+    def write_lora_slots(self, writes: LoraWrites) -> None:
+        """Every rank copies its slices of each adapter into its slot (see `Runtime.write_lora_slots`)."""
+        self._call(protocol.WriteLoraSlots(writes=tuple((slot, dict(t)) for slot, t in writes)))
 
     def reset_cache(self) -> None:
         self._call(protocol.ResetCache())

@@ -77,8 +77,7 @@ class _Rank:
                 return self._build(request)
             case protocol.Run():
                 assert self.runtime is not None, "a rank runs only after it is built"
-                ids, positions, last = request.inputs
-                x = StepInputs(input_ids=ids, position_ids=positions, last_index=last)
+                x = StepInputs.from_tensors(request.inputs)  # with a multi-LoRA model's adapter slots
                 outs = self.runtime.run(
                     request.key,
                     x,
@@ -99,6 +98,10 @@ class _Rank:
                     uniforms=request.uniforms,
                 )
                 return protocol.Reply(ok=True, value=outs if self.rank == 0 else None)
+            case protocol.WriteLoraSlots():
+                assert self.runtime is not None, "a rank takes adapters only after it is built"
+                self.runtime.write_lora_slots(request.writes)
+                return protocol.Reply(ok=True)
             case protocol.ResetCache():
                 assert self.runtime is not None
                 self.runtime.reset_cache()
