@@ -238,9 +238,7 @@ class EngineModel:
         with LoRA, the stacked adapters)."""
         value = self.program.weights(tensors, spec=self.model)
         plan, layout = self.medusa(), self.lora_layout()
-        if layout is not None and self.tp == 1:
-            return lora.weights_from_tensors(value, tensors, layout)
-        if layout is not None:
+        if layout is not None:  # under tensor parallelism, the rank's widths and gathers
             shards, split = self.shard_plan(), self.lora_sharded()
             widths = {t: lora_ranks.part_widths(layout, shards, t) for t in layout.targets()}
             gathers = lora_ranks.gathers(layout, shards, shard_linear=split)

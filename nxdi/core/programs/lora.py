@@ -15,7 +15,7 @@ Theory of operation:
   and weights are unchanged.
 - Under tensor parallelism a rank holds its slices (`nxdi.core.planning.lora_ranks`): the matrix
   that follows the base layer's split needs nothing more; a plain matrix split with
-  `lora_shard_linear_layer` is all-gathered after the rows' selection (`Stacked.full`) and cut
+  `lora_shard_linear_layer` is all-gathered after the rows' selection (`Stacked.a_full`, `b_full`) and cut
   back to its size. A row-parallel layer's adapter output is a partial sum like the base's, which
   the decoder's own all-reduce completes.
 """
