@@ -15,7 +15,6 @@ from nxdi.core.config.fields import to_json
 from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.model_spec import ModelSpec
 
-
 PROGRAM_FORMAT = 2
 """Bumped whenever the same settings start to compile to programs of another meaning or signature,
 so folders compiled before are recompiled, never bound to weights of another layout (2: multi-LoRA

@@ -376,9 +376,7 @@ def read_extra(model: EngineModel, source: CheckpointSource) -> Result[dict[str,
     stacked adapters (`lora_adapters.read_for`, every adapter checked), else none."""
     if model.spec.lora_config is not None:
         takes = model.lora_takes()
-        return lora_adapters.read_for(model.spec, model.model).map(
-            lambda stacked: {n: t if takes.get(n) is None else weight_ops.take(t, takes[n]) for n, t in stacked.items()}
-        )
+        return lora_adapters.read_for(model.spec, model.model).map(lambda stacked: lora_adapters.sliced(stacked, takes))
     return read_heads(model, source) if model.spec.is_medusa else Success({})
 
 
@@ -518,14 +516,7 @@ def write_lora_slots(model: EngineModel, weights: Any, writes: LoraWrites) -> No
     `weights`' stacked adapters (a `lora.LoraWeights`), this rank's slice of each."""
     layout = model.lora_layout()
     assert layout is not None and isinstance(weights, lora.LoraWeights), "a multi-LoRA model's weights"
-    bound, takes = lora.named_tensors(weights, layout), model.lora_takes()
-    with torch.no_grad():
-        for slot, tensors in writes:
-            for name, t in tensors.items():
-                take = takes.get(name)
-                if take is not None:  # the slot tensor lacks the slot dim
-                    t = weight_ops.take(t, Take(dim=take.dim - 1, indices=take.indices))
-                bound[name][slot].copy_(t)
+    lora_adapters.write_slots(lora.named_tensors(weights, layout), model.lora_takes(), writes)
 
 
 def warm_up(runtime: Runtime, model: EngineModel) -> None:

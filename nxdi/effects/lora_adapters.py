@@ -4,7 +4,8 @@ Resolves what `LoraServingConfig` is given into plain data for `nxdi.core.config
 adapter id -> path maps (checked to exist), and the union of the adapters' target modules and
 their largest rank, read from each adapter's `adapter_config.json` (PEFT format) when present.
 `read_for` reads every device adapter of a spec, checks it against the base model and stacks them
-into the programs' weights (`nxdi.core.programs.lora`). `read_adapter_weights` reads one adapter's tensors (for `nxdi.shell.lora_serving.LoraCheckpoint`)
+into the programs' weights (`nxdi.core.programs.lora`); `sliced` and `write_slots` give a
+tensor-parallel rank its slices of them, at load and at each dynamic swap. `read_adapter_weights` reads one adapter's tensors (for `nxdi.shell.lora_serving.LoraCheckpoint`)
 in either format NxDI reads: a PEFT folder (`adapter_config.json` plus a `.safetensors`, `.bin`
 or `.pt` file), or one NxD checkpoint file whose state dict also holds its `lora_config`.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
     from nxdi.core.config.neuron_spec import NeuronSpec
     from nxdi.core.model_spec import ModelSpec
+    from nxdi.core.weight_plan import Take
 
 _CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
@@ -273,3 +275,34 @@ def read_for(spec: NeuronSpec, model: ModelSpec) -> Result[dict[str, Tensor], Ch
         return Failure(CheckpointError(problems=tuple(problems)))
     dtype = weight_ops.torch_dtype(spec.torch_dtype)
     return Success(lora.stack(layout, adapters, dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32))
+
+
+def sliced(stacked: Mapping[str, Tensor], takes: Mapping[str, Take | None]) -> dict[str, Tensor]:
+    """A tensor-parallel rank's slices of the stacked adapters (`lora_ranks.rank_takes`; a name
+    without a Take is held whole)."""
+    from nxdi.core.host import weight_ops
+
+    out = {}
+    for name, t in stacked.items():
+        take = takes.get(name)
+        out[name] = t if take is None else weight_ops.take(t, take)
+    return out
+
+
+def write_slots(
+    bound: Mapping[str, Tensor], takes: Mapping[str, Take | None], writes: Sequence[tuple[int, Mapping[str, Tensor]]]
+) -> None:
+    """Copy each adapter's whole slot tensors (`lora.slot_tensors`) into its slot of the `bound`
+    stacked tensors, in place, this rank's slice of each (`takes`, along the stacked dims)."""
+    import torch
+
+    from nxdi.core.host import weight_ops
+    from nxdi.core.weight_plan import Take
+
+    with torch.no_grad():
+        for slot, tensors in writes:
+            for name, t in tensors.items():
+                take = takes.get(name)
+                if take is not None:  # the slot tensor lacks the stacked tensor's slot dim
+                    t = weight_ops.take(t, Take(dim=take.dim - 1, indices=take.indices))
+                bound[name][slot].copy_(t)
