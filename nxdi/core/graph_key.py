@@ -15,11 +15,6 @@ from nxdi.core.config.fields import to_json
 from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.model_spec import ModelSpec
 
-PROGRAM_FORMAT = 2
-"""Bumped whenever the same settings start to compile to programs of another meaning or signature,
-so folders compiled before are recompiled, never bound to weights of another layout (2: multi-LoRA
-adapters stored per `lora_memory_transpose`, [in, out] by default)."""
-
 
 def graph_key(spec: NeuronSpec, model: ModelSpec | None = None, *, extra: str = "") -> str:
     """Hex sha256 of the graph-affecting fields of `spec` (and `model`), plus a free-form `extra`
@@ -28,7 +23,6 @@ def graph_key(spec: NeuronSpec, model: ModelSpec | None = None, *, extra: str = 
         "neuron": to_json(spec, graph_only=True),
         "model": to_json(model, graph_only=True) if model is not None else None,
         "extra": extra,
-        "format": PROGRAM_FORMAT,
     }
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()

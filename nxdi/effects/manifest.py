@@ -34,10 +34,11 @@ of one length but several batch sizes (token_generation_batches) or token counts
 there; 2 recorded phase and bucket per program (1 encoded them in the file name). Older folders
 are refused ("compile again"): a format-3 record does not say a program's batch, and a format-2
 folder cannot show that its checkpoint is unchanged."""
-PROGRAM_FORMAT = 2
+PROGRAM_FORMAT = 3
 """The saved programs' own format, part of every program's cache key. Manifest formats 3 and 4
-did not change the programs (nor, for models without batch buckets, their names), so this stays 2
-and cached programs stay valid."""
+did not change the programs (nor, for models without batch buckets, their names); 3: multi-LoRA
+programs take their adapters in the layout `lora_memory_transpose` names ([in, out] by default),
+so programs compiled before are traced again rather than bound to weights of another layout."""
 _CHUNK = 1 << 22
 
 
