@@ -28,3 +28,8 @@ settings.register_profile(
     suppress_health_check=(HealthCheck.too_slow,),
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+# The persistent compile cache is on by default (in the user's cache folder). The suite turns it
+# off, rank and CLI processes included, so each test compiles what it tests and nothing is left in
+# the home folder; the cache's own tests point it at a temporary folder.
+os.environ["NXDI_COMPILE_CACHE"] = "off"

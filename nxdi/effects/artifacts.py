@@ -202,9 +202,15 @@ def _to_cache(cache_dir: Path | None, key: str, source: Path) -> None:
     if cache_dir is None:
         return
     entry = cache_dir / key
-    _publish(lambda tmp: shutil.copyfile(source, tmp), entry / source.name)
-    doc = {"file": source.name, "sha256": sha256_file(entry / source.name)}
-    files.write_text_atomic(entry / "entry.json", json.dumps(doc, indent=1))
+    try:
+        _publish(lambda tmp: shutil.copyfile(source, tmp), entry / source.name)
+        doc = {"file": source.name, "sha256": sha256_file(entry / source.name)}
+        files.write_text_atomic(entry / "entry.json", json.dumps(doc, indent=1))
+    except OSError:
+        # The cache only saves time (it is on by default, in the user's cache folder): one that
+        # cannot be written (read-only, full) leaves the compile as it is, and the entry without
+        # its record is never read.
+        return
 
 
 def _reusable(directory: Path) -> dict[str, ProgramRecord]:

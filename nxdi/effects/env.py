@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 from collections.abc import Iterator, Mapping
 
 import attrs
@@ -40,7 +41,8 @@ class Env:
     rt_visible_cores: str | None = None
     """NEURON_RT_VISIBLE_CORES, for the Neuron runtime."""
     compile_cache_dir: str | None = None
-    """NXDI_COMPILE_CACHE: where compiled programs are cached across model folders."""
+    """Where compiled programs are cached across model folders (`compile_cache`): on by default, at
+    `~/.cache/nxdi/compile-cache`; None when turned off."""
     kernel_dir: str | None = None
     """NXDI_KERNEL_DIR: where nxdi's CPU kernels are built and cached (default ~/.cache/nxdi/kernels)."""
     backend: str | None = None
@@ -129,6 +131,48 @@ def _torchrun(environ: Mapping[str, str], problems: list[str]) -> Torchrun | Non
     )
 
 
+_OFF = frozenset({"0", "off", "false", "no", "none"})
+
+
+def compile_cache(env: Mapping[str, str], problems: list[str]) -> str | None:
+    """The persistent compile cache's folder, or None when it is turned off. It is on by default,
+    as the Neuron persistent cache is; the first of these that is set decides:
+
+    - `NXDI_COMPILE_CACHE`: a folder, or 0/off/false/no/none (or empty) to turn it off;
+    - `NEURON_COMPILE_CACHE_URL`: a local folder (or `file://` URL); a remote URL (`s3://...`)
+      cannot hold nxdi's cache, which then stays at its default (said in `problems`);
+    - `NEURON_CC_FLAGS` holding `--cache_dir=DIR` (or `--cache_dir DIR`), or `--no_cache` (off);
+    - default: `$XDG_CACHE_HOME/nxdi/compile-cache`, else `~/.cache/nxdi/compile-cache`.
+    """
+    own = env.get("NXDI_COMPILE_CACHE")
+    if own is not None:
+        return None if own.strip().lower() in _OFF or not own.strip() else own
+    url = env.get("NEURON_COMPILE_CACHE_URL", "").strip()
+    if url.startswith("file://"):
+        return url.removeprefix("file://")
+    if url and "://" in url:
+        problems.append(
+            f"NEURON_COMPILE_CACHE_URL={url!r}: nxdi caches compiled programs in a local folder only, so it uses its "
+            "default; set NXDI_COMPILE_CACHE=DIR to choose one, or NXDI_COMPILE_CACHE=off"
+        )
+    elif url:
+        return url
+    try:
+        flags = shlex.split(env.get("NEURON_CC_FLAGS", ""))
+    except ValueError:
+        flags = []
+        problems.append(f"NEURON_CC_FLAGS={env.get('NEURON_CC_FLAGS')!r} cannot be split into flags; ignored")
+    for i, flag in enumerate(flags):
+        if flag in ("--no_cache", "--no-cache"):
+            return None
+        if flag.startswith("--cache_dir="):
+            return flag.removeprefix("--cache_dir=")
+        if flag == "--cache_dir" and i + 1 < len(flags):
+            return flags[i + 1]
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "nxdi", "compile-cache")
+
+
 def read_env(environ: Mapping[str, str] | None = None) -> Env:
     """Read the variables nxdi honours from `environ` (default: the process environment)."""
     env = os.environ if environ is None else environ
@@ -149,7 +193,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> Env:
         logical_nc_config=_int(env, "NEURON_LOGICAL_NC_CONFIG", problems),
         platform_target=target,
         rt_visible_cores=env.get("NEURON_RT_VISIBLE_CORES"),
-        compile_cache_dir=env.get("NXDI_COMPILE_CACHE"),
+        compile_cache_dir=compile_cache(env, problems),
         kernel_dir=env.get("NXDI_KERNEL_DIR") or None,
         backend=env.get("NXDI_BACKEND") or None,
         num_threads=_int(env, "NXDI_NUM_THREADS", problems),

@@ -187,3 +187,26 @@ def test_a_missing_original_checkpoint_is_file_not_found(llama: tuple[Path, obje
     (copy / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"holds no checkpoint.*save_sharded_checkpoint=True"):
         NeuronLlamaForCausalLM(compiled).load(compiled)
+
+
+def test_the_persistent_compile_cache_serves_a_new_folder(
+    llama: tuple[Path, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On by default (here pointed at a temporary folder): the same model compiled into a second
+    folder traces nothing; a cache that cannot be written leaves compiles working."""
+    monkeypatch.setenv("NXDI_COMPILE_CACHE", str(tmp_path / "cache"))
+    first = NeuronLlamaForCausalLM(llama[0], _config(llama[0]))
+    first.compile(tmp_path / "a")
+    assert len(first._last_compile.traced) == 3 and len(list((tmp_path / "cache").iterdir())) == 3
+    second = NeuronLlamaForCausalLM(llama[0], _config(llama[0]))
+    second.compile(tmp_path / "b")
+    assert second._last_compile.traced == () and len(second._last_compile.reused) == 3
+    second.load(tmp_path / "b")
+    ours = HuggingFaceGenerationAdapter(second).generate(IDS, attention_mask=MASK, generation_config=GEN)
+    assert torch.equal(ours, llama[1].generate(IDS, attention_mask=MASK, generation_config=GEN))
+
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("NXDI_COMPILE_CACHE", str(tmp_path / "file" / "cache"))
+    third = NeuronLlamaForCausalLM(llama[0], _config(llama[0]))
+    third.compile(tmp_path / "c")
+    assert len(third._last_compile.traced) == 3
