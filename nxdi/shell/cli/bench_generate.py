@@ -24,7 +24,8 @@ includes waiting for the slowest rank, as the step does).
 `--backend cpu xla` measures each backend in turn in the same run (xla needs torch-xla: run it in
 the XLA tier's environment, `.venv-xla`). Each reports compile() and load() seconds per program
 (one program per bucket): the xla backend lowers to HLO in compile() and XLA compiles each module
-at load (warm-up); a folder compiled earlier is reused, so delete `--work-dir` for cold numbers.
+at load (warm-up); a folder compiled earlier is reused, and so are programs in the persistent compile
+cache, so delete `--work-dir` and set NXDI_COMPILE_CACHE=off for cold numbers.
 
 `--async` also measures `async_mode` against synchronous mode on the same compiled folder, each
 mode's model in a child process of its own, run alternately (`nxdi.shell.cli.bench_async`): a
