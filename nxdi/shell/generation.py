@@ -126,16 +126,20 @@ class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
         samples_on_device = ods.do_sample or ods.dynamic
         needs_host = bool(extra) or (generation_config.do_sample and not samples_on_device)
         if needs_host and not spec.output_logits:
-            why = (
-                f"logits processors {extra} cannot run inside the compiled model"
-                if extra
-                else "generation_config.do_sample=True but the model samples greedily on device "
-                "(on_device_sampling_config has do_sample=False and dynamic=False)"
-            )
-            raise IncompatibleConfigError(
-                f"generate(): {why}. Fix: compile with output_logits=True so they run on the host, "
-                "or with on_device_sampling_config(do_sample=True) / dynamic=True, or drop those options"
-            )
+            # Only fixes that work: device sampling settings cannot run other processors.
+            if extra:
+                why = f"logits processors {extra} cannot run inside the compiled model"
+                fix = "compile with output_logits=True so they run on the host, or drop those options"
+            else:
+                why = (
+                    "generation_config.do_sample=True but the model samples greedily on device "
+                    "(on_device_sampling_config has do_sample=False and dynamic=False)"
+                )
+                fix = (
+                    "compile with on_device_sampling_config(do_sample=True) or dynamic=True, or with "
+                    "output_logits=True, or generate with do_sample=False"
+                )
+            raise IncompatibleConfigError(f"generate(): {why}. Fix: {fix}")
         return needs_host
 
     def _assisted_decoding(  # type: ignore[override]

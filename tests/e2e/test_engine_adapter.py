@@ -109,5 +109,21 @@ def test_logits_processors_the_device_cannot_run_are_refused_not_ignored(loaded_
     ods = loaded_model("llama", batch_size=4, on_device_sampling_config={"top_k": 1})
     with pytest.raises(IncompatibleConfigError, match=r"RepetitionPenaltyLogitsProcessor.*output_logits=True"):
         nxdi_generate(ods, PROMPTS, max_new_tokens=4, repetition_penalty=1.5)
-    with pytest.raises(IncompatibleConfigError, match=r"do_sample=True.*greedily on device"):
+    with pytest.raises(IncompatibleConfigError, match=r"do_sample=True.*greedily on device") as greedy:
         nxdi_generate(ods, PROMPTS, max_new_tokens=4, do_sample=True, top_k=5)
+    assert "dynamic=True" in str(greedy.value)  # device sampling is a fix for sampling itself
+
+
+def test_the_ngram_filter_refusal_offers_only_fixes_that_work(
+    loaded_model: Callable[..., Any], tiny_model: Callable[[str], Any]
+) -> None:
+    """Under on-device sampling `no_repeat_ngram_size` is refused; the fix it names (output_logits=True)
+    then gives transformers' tokens, and it names no device-sampling setting (which would raise again)."""
+    ods = loaded_model("llama", batch_size=4, on_device_sampling_config={"top_k": 1})
+    with pytest.raises(IncompatibleConfigError, match=r"NoRepeatNGramLogitsProcessor.*output_logits=True") as err:
+        nxdi_generate(ods, PROMPTS, max_new_tokens=4, no_repeat_ngram_size=2)
+    assert "dynamic" not in str(err.value) and "do_sample" not in str(err.value)
+    fixed = loaded_model("llama", batch_size=4, output_logits=True, on_device_sampling_config={"top_k": 1})
+    settings = dict(side="left", max_new_tokens=16, no_repeat_ngram_size=2)
+    theirs = hf_generate(tiny_model("llama"), PROMPTS, max_new_tokens=16, no_repeat_ngram_size=2)
+    assert torch.equal(nxdi_generate(fixed, PROMPTS, **settings), theirs)
