@@ -31,6 +31,20 @@ class Torchrun:
 
 
 @attrs.frozen(kw_only=True)
+class NeuronNodes:
+    """Multi-node tensor parallelism as the transformers-neuronx guide configures it: every node
+    runs the same script, its driver starting this node's ranks of one world."""
+
+    root_addr: str
+    """NEURON_RT_ROOT_COMM_ID's host: the master node, where the world meets."""
+    root_port: int
+    node_rank: int
+    """NEURON_RANK_ID: this node (0: the master node)."""
+    local_tp: int
+    """NEURON_LOCAL_TP: ranks on each node; node n runs ranks n * local_tp .. (n + 1) * local_tp - 1."""
+
+
+@attrs.frozen(kw_only=True)
 class Env:
     """The environment as nxdi sees it."""
 
@@ -65,6 +79,10 @@ class Env:
     torchrun: Torchrun | None = None
     """Set when torchrun (or another launcher) started this process as one rank (RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR and MASTER_PORT all set)."""
+    neuron_nodes: NeuronNodes | None = None
+    """Set when NEURON_RT_ROOT_COMM_ID, NEURON_RANK_ID and NEURON_LOCAL_TP are all set."""
+    pp_stages: int | None = None
+    """NEURON_PP_STAGES: pipeline stages over nodes (nxdi splits models by tensor parallelism only)."""
     problems: tuple[str, ...] = ()
     """Variables that were set but could not be understood (the shell warns)."""
 
@@ -173,6 +191,33 @@ def compile_cache(env: Mapping[str, str], problems: list[str]) -> str | None:
     return os.path.join(base, "nxdi", "compile-cache")
 
 
+def _neuron_nodes(environ: Mapping[str, str], problems: list[str]) -> NeuronNodes | None:
+    names = ("NEURON_RT_ROOT_COMM_ID", "NEURON_RANK_ID", "NEURON_LOCAL_TP")
+    given = [n for n in names if environ.get(n)]
+    if not given:
+        return None
+    if len(given) < len(names):
+        missing = [n for n in names if n not in given]
+        problems.append(
+            f"{', '.join(given)} set without {', '.join(missing)}: multi-node tensor parallelism needs all three; ignored"
+        )
+        return None
+    addr, _, port = environ["NEURON_RT_ROOT_COMM_ID"].strip().rpartition(":")
+    node, local = _int(environ, "NEURON_RANK_ID", problems), _int(environ, "NEURON_LOCAL_TP", problems)
+    if not addr or not port.isdigit():
+        problems.append(
+            f"NEURON_RT_ROOT_COMM_ID={environ['NEURON_RT_ROOT_COMM_ID']!r} is not <address>:<port>; ignored"
+        )
+        return None
+    if node is None or local is None or node < 0 or local < 1:
+        if node is not None and local is not None:
+            problems.append(
+                f"NEURON_RANK_ID={node} / NEURON_LOCAL_TP={local}: need a rank >= 0 and a local tp >= 1; ignored"
+            )
+        return None
+    return NeuronNodes(root_addr=addr, root_port=int(port), node_rank=node, local_tp=local)
+
+
 def read_env(environ: Mapping[str, str] | None = None) -> Env:
     """Read the variables nxdi honours from `environ` (default: the process environment)."""
     env = os.environ if environ is None else environ
@@ -199,6 +244,8 @@ def read_env(environ: Mapping[str, str] | None = None) -> Env:
         num_threads=_int(env, "NXDI_NUM_THREADS", problems),
         allow_nonfinite_weights=_flag(env, "NXDI_ALLOW_NONFINITE_WEIGHTS", problems),
         lock_timeout=_seconds(env, "NXDI_LOCK_TIMEOUT", problems),
+        neuron_nodes=_neuron_nodes(env, problems),
+        pp_stages=_int(env, "NEURON_PP_STAGES", problems),
         problems=tuple(problems),
     )
 

@@ -10,7 +10,9 @@
 - Processes: a killed rank fails the next call within seconds naming the rank, close(), garbage
   collection and a killed driver leave no rank process (checked in the process table); rank
   settings that contradict how the process was started are refused.
-- torchrun: two nodes of two ranks on localhost generate the tokens of tp 1.
+- torchrun: two nodes of two ranks on localhost generate the tokens of tp 1; so do two node drivers
+  started with the transformers-neuronx guide's variables (NEURON_RT_ROOT_COMM_ID, NEURON_RANK_ID,
+  NEURON_LOCAL_TP); NEURON_PP_STAGES and contradicting node variables are refused.
 
 Models here are private (rank processes are not shared across tests) and closed after each test.
 """
@@ -437,3 +439,53 @@ def test_torchrun_two_nodes_of_two_ranks_generate_the_tokens_of_one_rank(
     for _, rank, tokens in lines:
         assert torch.equal(torch.tensor(json.loads(tokens)), expected), f"rank {rank}"
     assert len(list((tmp_path / "c" / "programs").iterdir())) > 0  # compiled once, by rank 0
+
+
+def test_two_node_drivers_set_up_as_the_neuronx_guide_says_generate_the_tokens_of_one_rank(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path, loaded_model: Callable[..., Any]
+) -> None:
+    from tests.support.rank_scripts import NEW_TOKENS
+
+    checkpoint, port = tiny_checkpoint("llama"), _free_port()
+    nodes = []
+    for node in (0, 1):
+        command = [
+            sys.executable,
+            "-m",
+            "tests.support.rank_scripts",
+            "node",
+            str(checkpoint),
+            str(tmp_path / f"c{node}"),
+        ]
+        variables = {"NEURON_RT_ROOT_COMM_ID": f"127.0.0.1:{port}", "NEURON_RANK_ID": str(node), "NEURON_LOCAL_TP": "2"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **variables}
+        nodes.append(
+            subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    try:
+        outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    except subprocess.TimeoutExpired:
+        for node in nodes:
+            node.kill()
+        outputs = [node.communicate()[0] for node in nodes]
+        pytest.fail(f"the node drivers did not finish within 240 s:\n{outputs}")
+    assert [n.returncode for n in nodes] == [0, 0], outputs
+    lines = [line.split(" ", 2) for out in outputs for line in out.splitlines() if line.startswith("TOKENS ")]
+    assert sorted(int(node) for _, node, _ in lines) == [0, 1], outputs
+    expected = nxdi_generate(loaded_model("llama", batch_size=2), PROMPTS[:2], max_new_tokens=NEW_TOKENS)
+    for _, node, tokens in lines:
+        assert torch.equal(torch.tensor(json.loads(tokens)), expected), f"node {node}"
+
+
+def test_node_variables_that_cannot_take_effect_are_refused(
+    tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tiny_checkpoint("llama")
+    monkeypatch.setenv("NEURON_PP_STAGES", "2")
+    with pytest.raises(IncompatibleConfigError, match=r"NEURON_PP_STAGES=2.*pipeline parallelism.*NEURON_LOCAL_TP"):
+        load_model(path, "llama", batch_size=2)
+    monkeypatch.delenv("NEURON_PP_STAGES")
+    for key, value in (("NEURON_RT_ROOT_COMM_ID", "127.0.0.1:1"), ("NEURON_RANK_ID", "1"), ("NEURON_LOCAL_TP", "3")):
+        monkeypatch.setenv(key, value)
+    with pytest.raises(IncompatibleConfigError, match=r"NEURON_LOCAL_TP=3.*tp_degree=4.*divide"):
+        load_model(path, "llama", batch_size=2, tp_degree=4)

@@ -6,6 +6,10 @@
   (run under torchrun; NODE is the node rank, so start_rank_id = 2 * NODE): compile into FOLDER
   (rank 0 compiles, the others wait), load, greedy-generate from two prompts and print
   `TOKENS <rank> <json>`.
+- `node CHECKPOINT FOLDER`: one node's driver of a tp_degree 4 llama spread over nodes by the
+  transformers-neuronx guide's variables (NEURON_RT_ROOT_COMM_ID, NEURON_RANK_ID, NEURON_LOCAL_TP,
+  set by the test): compile into FOLDER, load, greedy-generate from two prompts and print
+  `TOKENS <node> <json>`.
 """
 
 from __future__ import annotations
@@ -49,11 +53,23 @@ def torchrun(checkpoint: str, folder: str, node: int) -> None:
     sys.stdout.flush()
 
 
+def node(checkpoint: str, folder: str) -> None:
+    model = _model(checkpoint, tp_degree=4)
+    model.compile(folder)  # type: ignore[attr-defined]
+    model.load(folder)  # type: ignore[attr-defined]
+    tokens = nxdi_generate(model, PROMPTS[:2], max_new_tokens=NEW_TOKENS)
+    sys.stdout.write(f"TOKENS {os.environ['NEURON_RANK_ID']} {json.dumps(tokens.tolist())}\n")
+    sys.stdout.flush()
+    model.close()  # type: ignore[attr-defined]
+
+
 if __name__ == "__main__":
     match sys.argv[1:]:
         case ["driver", checkpoint]:
             driver(checkpoint)
-        case ["torchrun", checkpoint, folder, node]:
-            torchrun(checkpoint, folder, int(node))
+        case ["torchrun", checkpoint, folder, rank]:
+            torchrun(checkpoint, folder, int(rank))
+        case ["node", checkpoint, folder]:
+            node(checkpoint, folder)
         case _:
             sys.exit(__doc__)

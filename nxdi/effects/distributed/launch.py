@@ -10,6 +10,10 @@ in rank processes this process starts and drives. Effects: joins process groups,
 - Otherwise this process is the driver: it starts tp_degree rank processes on this host
   (`nxdi.effects.distributed.ranks`) and forwards every step to them; the node must then run every
   rank (start_rank_id 0, local_ranks_size tp_degree).
+- Or, with the transformers-neuronx guide's variables (NEURON_RT_ROOT_COMM_ID=<master>:<port>,
+  NEURON_RANK_ID=<node>, NEURON_LOCAL_TP=<ranks per node>; `Env.neuron_nodes`), every node runs
+  the same script as a driver of its own ranks of one world, which meets at the master; each
+  driver gets the outputs from its first rank. NEURON_PP_STAGES (pipeline parallelism) is refused.
 - A folder compiled by the xla or neuron backend at tp_degree > 1 runs in one process the driver
   starts, SPMD over one XLA device per rank (virtual CPU devices on XLA:CPU, NeuronCores on
   Neuron; `nxdi.effects.distributed.spmd`); not under torchrun.
@@ -50,10 +54,66 @@ def runs_spmd(model: engine.EngineModel, backend: Backend | None) -> bool:
     return backend is not None and backend.name in ("xla", "neuron") and model.tp > 1
 
 
+def node_of(model: engine.EngineModel, env: Env) -> ranks.Node | None:
+    """This host's ranks when the guide's multi-node variables spread `model` over nodes (see
+    `Env.neuron_nodes`; checked by `check_placement`), else None."""
+    nodes = env.neuron_nodes if model.tp > 1 and env.torchrun is None else None
+    if nodes is None:
+        return None
+    first = nodes.node_rank * nodes.local_tp
+    return ranks.Node(first=first, count=nodes.local_tp, master_addr=nodes.root_addr, master_port=nodes.root_port)
+
+
+def _node_problems(model: engine.EngineModel, env: Env, backend: Backend | None) -> list[Problem]:
+    """What contradicts the multi-node variables (or pipeline stages, which nxdi does not split)."""
+    problems = []
+    if env.pp_stages is not None and env.pp_stages > 1:
+        why = (
+            "asks for pipeline parallelism over nodes, which nxdi does not run (it splits models by tensor parallelism)"
+        )
+        fix = "unset it, and spread tp_degree over the nodes with NEURON_RT_ROOT_COMM_ID, NEURON_RANK_ID and NEURON_LOCAL_TP"
+        problems.append(Problem.of("NEURON_PP_STAGES", env.pp_stages, why, fix))
+    nodes, spec = env.neuron_nodes, model.spec
+    if nodes is None or model.tp == 1:
+        return problems
+    if env.torchrun is not None:
+        why = "spreads the ranks over nodes, and so does torchrun (RANK, WORLD_SIZE): one launcher at a time"
+        problems.append(
+            Problem.of(
+                "NEURON_RANK_ID", nodes.node_rank, why, "unset the NEURON_* node variables, or run without torchrun"
+            )
+        )
+        return problems
+    if runs_spmd(model, backend):
+        why = "spreads rank processes over nodes, but this backend runs every rank in one process (SPMD)"
+        problems.append(Problem.of("NEURON_LOCAL_TP", nodes.local_tp, why, "use the cpu backend, or one node"))
+    if spec.tp_degree % nodes.local_tp or (nodes.node_rank + 1) * nodes.local_tp > spec.tp_degree:
+        nodes_needed = spec.tp_degree // nodes.local_tp if spec.tp_degree % nodes.local_tp == 0 else None
+        why = f"with NEURON_RANK_ID={nodes.node_rank} names ranks {nodes.node_rank * nodes.local_tp}.."
+        why += f"{(nodes.node_rank + 1) * nodes.local_tp - 1}, which tp_degree={spec.tp_degree} does not split into"
+        fix = (
+            f"give each of the {nodes_needed} nodes NEURON_RANK_ID 0..{nodes_needed - 1}"
+            if nodes_needed
+            else f"make NEURON_LOCAL_TP divide tp_degree={spec.tp_degree}"
+        )
+        problems.append(Problem.of("NEURON_LOCAL_TP", nodes.local_tp, why, fix))
+    first, count = nodes.node_rank * nodes.local_tp, nodes.local_tp
+    if (spec.start_rank_id, spec.local_ranks_size) not in ((0, spec.tp_degree), (first, count)):
+        why = (
+            f"with local_ranks_size={spec.local_ranks_size} differs from this node's ranks {first}..{first + count - 1}"
+        )
+        fix = f"set start_rank_id={first} and local_ranks_size={count}, or leave them unset"
+        problems.append(Problem.of("start_rank_id", spec.start_rank_id, why, fix))
+    return problems
+
+
 def _placement_problems(model: engine.EngineModel, env: Env, backend: Backend | None) -> list[Problem]:
     spec, run = model.spec, _torchrun(model, env)
     first, count = spec.start_rank_id, spec.local_ranks_size
     last = first + count - 1
+    nodes = _node_problems(model, env, backend)
+    if nodes or node_of(model, env) is not None:
+        return nodes
     if run is not None and runs_spmd(model, backend):
         why = "runs tensor parallelism in one process over one XLA device per rank, not as torchrun ranks"
         fix = "start one process without torchrun, or use the cpu backend under torchrun"
@@ -187,6 +247,7 @@ def open_runtime(
         host_kib=env.host_collectives_kib,
         # XLA on the host CPU, with a device per rank (set before the process first uses torch-xla)
         environment=_spmd_environment(model, backend) if spmd else None,
+        node=node_of(model, env),
     )
 
 

@@ -34,6 +34,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from returns.result import Failure, Result, Success
 from torch import Tensor
@@ -81,12 +82,24 @@ def _stop(
         host.close()
 
 
+@attrs.frozen(kw_only=True)
+class Node:
+    """This host's share of a world spread over nodes: its ranks, and where the world meets."""
+
+    first: int
+    """The first rank this host runs (its ranks are `first .. first + count - 1`)."""
+    count: int
+    master_addr: str
+    master_port: int
+
+
 class RankGroup:
-    """`world` rank processes and the pipes to them.
+    """This host's rank processes of a `world`, and the pipes to them: every rank, or with `node`
+    the node's ranks of a world spread over hosts.
 
     `host_kib` is the shared-memory slot of the ranks' collectives, in KiB (0: gloo only; see
-    `host_world`); `threads` the intra-op threads of each rank (default: this process's torch
-    threads shared out, so tensor parallelism uses the cores one rank would).
+    `host_world`; one host only); `threads` the intra-op threads of each rank (default: this
+    process's torch threads shared out, so tensor parallelism uses the cores one rank would).
     """
 
     def __init__(
@@ -97,19 +110,26 @@ class RankGroup:
         timeout: int | None = None,
         host_kib: int = HOST_KIB,
         environment: Mapping[str, str] | None = None,
+        node: Node | None = None,
     ) -> None:
         self.world = world
         self.timeout = STEP_TIMEOUT if timeout is None else timeout
         self.logs = Path(tempfile.mkdtemp(prefix="nxdi-ranks-"))
-        per_rank = threads or max(1, torch.get_num_threads() // world)
-        port = _free_port()
-        host = host_world.HostPlan(world, host_world.slot_bytes_for(host_kib)) if host_kib > 0 and world > 1 else None
+        local = range(world) if node is None else range(node.first, node.first + node.count)
+        self.ranks = tuple(local)
+        """The global rank of each process this group holds, in order."""
+        per_rank = threads or max(1, torch.get_num_threads() // len(local))
+        addr, port = ("127.0.0.1", _free_port()) if node is None else (node.master_addr, node.master_port)
+        host = None
+        if node is None and host_kib > 0 and world > 1:  # shared memory reaches this host's ranks only
+            host = host_world.HostPlan(world, host_world.slot_bytes_for(host_kib))
         self.procs: list[subprocess.Popen[bytes]] = []
         self.writers: list[Connection] = []
         self.readers: list[Connection] = []
-        for rank in range(world):
+        for rank in local:
             command = [sys.executable, "-m", "nxdi.effects.distributed.worker"]
             command += ["--rank", str(rank), "--world", str(world), "--master-port", str(port)]
+            command += ["--master-addr", addr, "--lead", str(local[0])]
             command += ["--threads", str(per_rank), "--timeout", str(max(self.timeout, 60))]
             command += ["--parent", str(os.getpid())]
             if host is not None:
@@ -156,7 +176,9 @@ class RankGroup:
                 proc.kill()
         self.close()
 
-    def _fail(self, rank: int, why: str) -> RankError:
+    def _fail(self, index: int, why: str) -> RankError:
+        """Stop the group because its `index`-th process (global rank `self.ranks[index]`) failed."""
+        rank = self.ranks[index]
         tail = self._log_tail(rank)
         self.abort()
         quoted = "\n".join(f"    {line}" for line in tail.splitlines()) if tail else "    (empty)"
@@ -167,7 +189,7 @@ class RankGroup:
         return RankError(message, rank)
 
     def call(self, request: protocol.Request, *, timeout: float | None = None) -> list[protocol.Reply]:
-        """Send `request` to every rank and return their replies in rank order.
+        """Send `request` to every rank of this group and return their replies in rank order.
 
         Raises:
             RankError: the group is closed, a rank process exited, or a rank did not answer within
@@ -180,8 +202,8 @@ class RankGroup:
                 protocol.send(writer, request)
             except OSError:
                 raise self._fail(rank, f"is gone (exit code {self.procs[rank].poll()})") from None
-        replies: list[Any] = [None] * self.world
-        pending = set(range(self.world))
+        replies: list[Any] = [None] * len(self.procs)
+        pending = set(range(len(self.procs)))
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while pending:
             for conn in wait([self.readers[r] for r in pending], timeout=_POLL):
@@ -205,7 +227,7 @@ class RankGroup:
 
 
 def _unexpected(group: RankGroup, replies: list[protocol.Reply]) -> RankError | None:
-    for rank, reply in enumerate(replies):
+    for rank, reply in zip(group.ranks, replies, strict=True):
         if not reply.ok and reply.value is None:
             group.abort()
             return RankError(f"tensor-parallel rank {rank} failed:\n{reply.traceback}", rank)
@@ -305,9 +327,11 @@ def start(
     timeout: int | None = None,
     host_kib: int | None = None,
     environment: Mapping[str, str] | None = None,
+    node: Node | None = None,
 ) -> Result[RemoteRuntime, Any]:
     """Start `build.spec.tp_degree` rank processes (one for a Build of kind "spmd", which runs
-    every rank) in `environment` (default: this process's) and build the model's runtime in each.
+    every rank; with `node`, this node's ranks of the world) in `environment` (default: this
+    process's) and build the model's runtime in each; outputs come from this host's first rank.
 
     Returns:
         The remote runtime, or the expected failure a rank reported (a ConfigError, CheckpointError
@@ -318,7 +342,7 @@ def start(
     """
     kib = HOST_KIB if host_kib is None else host_kib
     world = 1 if build.kind == "spmd" else build.spec.tp_degree
-    group = RankGroup(world, threads=threads, timeout=timeout, host_kib=kib, environment=environment)
+    group = RankGroup(world, threads=threads, timeout=timeout, host_kib=kib, environment=environment, node=node)
     replies = group.call(build, timeout=START_TIMEOUT)
     error = _unexpected(group, replies)
     if error is not None:

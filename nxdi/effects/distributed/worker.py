@@ -59,8 +59,10 @@ def _die_with_parent(parent: int) -> None:
 class _Rank:
     """The state of one rank: its runtime, once built."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, lead: int = 0) -> None:
         self.rank = rank
+        self.lead = lead
+        """The rank that answers with a step's outputs: the first this driver started (0 on one node)."""
         self.runtime: Runtime | None = None
         self.memory: dict[str, int] = {}
         """Anonymous resident bytes before the last build and at its peak."""
@@ -85,7 +87,7 @@ class _Rank:
                     params=request.params,
                     uniforms=request.uniforms,
                 )
-                return protocol.Reply(ok=True, value=outs if self.rank == 0 else None)
+                return protocol.Reply(ok=True, value=outs if self.rank == self.lead else None)
             case protocol.RunBlocks():
                 assert self.runtime is not None, "a rank runs only after it is built"
                 ids, positions, last = request.inputs
@@ -97,7 +99,7 @@ class _Rank:
                     params=request.params,
                     uniforms=request.uniforms,
                 )
-                return protocol.Reply(ok=True, value=outs if self.rank == 0 else None)
+                return protocol.Reply(ok=True, value=outs if self.rank == self.lead else None)
             case protocol.WriteLoraSlots():
                 assert self.runtime is not None, "a rank takes adapters only after it is built"
                 self.runtime.write_lora_slots(request.writes)
@@ -158,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for flag in ("--rank", "--world", "--master-port", "--threads", "--timeout", "--parent"):
         p.add_argument(flag, type=int, required=True)
     p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--lead", type=int, default=0, help="the rank that returns outputs to this driver")
     p.add_argument("--host-world", default=None, help="shared-memory collectives (HostWorldSpec.to_arg)")
     args = p.parse_args(argv)
     _die_with_parent(args.parent)
@@ -175,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ops.register()
     if args.host_world is not None:
         ops.use_host_world(HostWorld(args.rank, args.world, HostWorldSpec.from_arg(args.host_world)))
-    rank = _Rank(args.rank)
+    rank = _Rank(args.rank, args.lead)
     try:
         while True:
             try:
