@@ -67,6 +67,17 @@ class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
     _supports_cache_class = False
 
     def __init__(self, model: NeuronBaseForCausalLM, input_start_offsets: list[int] | None = None) -> None:
+        if isinstance(model, PretrainedConfig):  # transformers-neuronx's (config, model) order
+            raise TypeError(
+                "HuggingFaceGenerationAdapter(config, model) is transformers-neuronx's signature; nxdi's adapter "
+                "takes the model alone and reads its config from it. Fix: HuggingFaceGenerationAdapter(model), or "
+                "for a transformers-neuronx model nxdi.shell.tnx.HuggingFaceGenerationModelAdapter(config, model)"
+            )
+        if not isinstance(model, NeuronBaseForCausalLM) and hasattr(model, "nxdi_model"):  # nxdi.shell.tnx's
+            raise TypeError(
+                f"HuggingFaceGenerationAdapter(model): got transformers-neuronx's {type(model).__name__}. Fix: "
+                "HuggingFaceGenerationAdapter(model.nxdi_model), or HuggingFaceGenerationModelAdapter(config, model)"
+            )
         super().__init__(_hf_config(model))
         self.neuron_model = model
         self.input_start_offsets = input_start_offsets
@@ -126,7 +137,8 @@ class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
         samples_on_device = ods.do_sample or ods.dynamic
         needs_host = bool(extra) or (generation_config.do_sample and not samples_on_device)
         if needs_host and not spec.output_logits:
-            # Only fixes that work: device sampling settings cannot run other processors.
+            # Each case names only the fixes that work for it: a processor the device lacks runs
+            # on the host only (do_sample / dynamic on device would refuse it again).
             if extra:
                 why = f"logits processors {extra} cannot run inside the compiled model"
                 fix = "compile with output_logits=True so they run on the host, or drop those options"
@@ -137,7 +149,7 @@ class HuggingFaceGenerationAdapter(PreTrainedModel, GenerationMixin):
                 )
                 fix = (
                     "compile with on_device_sampling_config(do_sample=True) or dynamic=True, or with "
-                    "output_logits=True, or generate with do_sample=False"
+                    "output_logits=True to sample on the host, or generate with do_sample=False"
                 )
             raise IncompatibleConfigError(f"generate(): {why}. Fix: {fix}")
         return needs_host

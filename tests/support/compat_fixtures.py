@@ -1,10 +1,10 @@
 """The optional `nxdi-compat` distribution (`compat/`), importable for one test without installing it.
 
-`compat_package` puts `compat/` first on `sys.path`, so `neuronx_distributed_inference.*` resolves
-to this checkout's copy, and afterwards removes the path and every `neuronx_distributed_inference`
-module it imported (the next test starts from a clean slate, and nothing leaks into other tests).
+`compat_package` puts `compat/` first on `sys.path`, so `neuronx_distributed_inference.*` (and
+`transformers_neuronx.*`) resolve to this checkout's copy, and afterwards removes the path and every
+module of those packages it imported (the next test starts from a clean slate, and nothing leaks into other tests).
 Registered for every test directory by `tests/conftest.py`; each use checks, before it starts, that
-no `neuronx_distributed_inference` module is left over from an earlier test.
+no module of them is left over from an earlier test.
 
 `CLIENT_IMPORTS` lists what vLLM's Neuron plugin imports from NxDI (its model loader and model
 runner, `vllm_neuron/worker/neuronx_distributed_model_{loader,runner}.py`, and its tests), plus the
@@ -21,6 +21,8 @@ import pytest
 
 COMPAT_ROOT = Path(__file__).resolve().parents[2] / "compat"
 PACKAGE = "neuronx_distributed_inference"
+TNX_PACKAGE = "transformers_neuronx"
+"""transformers-neuronx's module paths, which the same distribution provides (`nxdi.shell.tnx`)."""
 
 CLIENT_IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
@@ -37,14 +39,14 @@ CLIENT_IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def _ours(name: str) -> bool:
-    return name == PACKAGE or name.startswith(f"{PACKAGE}.")
+    return any(name == p or name.startswith(f"{p}.") for p in (PACKAGE, TNX_PACKAGE))
 
 
 @pytest.fixture
 def compat_package() -> Iterator[Path]:
     """`compat/` on sys.path for the test (its path is the fixture's value); cleaned up afterwards."""
     leftover = sorted(name for name in sys.modules if _ours(name))
-    assert not leftover, f"{PACKAGE} already imported from {sys.modules[leftover[0]]!r}: cannot test compat/"
+    assert not leftover, f"{leftover[0]} already imported from {sys.modules[leftover[0]]!r}: cannot test compat/"
     sys.path.insert(0, str(COMPAT_ROOT))
     try:
         yield COMPAT_ROOT

@@ -27,7 +27,7 @@ from nxdi.shell import (
     sampling_inputs,
     tensor_padding,
 )
-from tests.support.compat_fixtures import CLIENT_IMPORTS, PACKAGE
+from tests.support.compat_fixtures import CLIENT_IMPORTS, PACKAGE, TNX_PACKAGE
 
 WITH_CLASSES = tuple(r for r in families.RECORDS if r.classes is not None)
 
@@ -66,10 +66,11 @@ def test_compat_is_its_own_distribution_depending_on_nxdi(compat_package: Path) 
     """Not installed by default: nxdi's distribution packages only `nxdi*`; compat's depends on nxdi."""
     tomllib = pytest.importorskip("tomllib")
     ours = tomllib.loads((compat_package.parent / "pyproject.toml").read_text())
-    assert not any(fnmatch.fnmatch(PACKAGE, p) for p in ours["tool"]["setuptools"]["packages"]["find"]["include"])
+    for package in (PACKAGE, TNX_PACKAGE):
+        assert not any(fnmatch.fnmatch(package, p) for p in ours["tool"]["setuptools"]["packages"]["find"]["include"])
     theirs = tomllib.loads((compat_package / "pyproject.toml").read_text())
     assert theirs["project"]["dependencies"] == ["nxdi"]
-    assert theirs["tool"]["setuptools"]["packages"]["find"]["include"] == [f"{PACKAGE}*"]
+    assert theirs["tool"]["setuptools"]["packages"]["find"]["include"] == [f"{PACKAGE}*", f"{TNX_PACKAGE}*"]
 
 
 @pytest.mark.parametrize(("module", "names"), CLIENT_IMPORTS, ids=[m for m, _ in CLIENT_IMPORTS])
@@ -138,9 +139,33 @@ def test_bases_and_other_reference_paths(compat_package: Path) -> None:
 
 def test_compat_modules_only_re_export(compat_package: Path) -> None:
     """No logic in the compat package: docstrings, imports from nxdi and `__all__` only."""
-    for path in sorted((compat_package / PACKAGE).rglob("*.py")):
+    for path in sorted([*(compat_package / PACKAGE).rglob("*.py"), *(compat_package / TNX_PACKAGE).rglob("*.py")]):
         for node in ast.parse(path.read_text()).body:
             docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
             nxdi_import = isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nxdi.")
             all_list = isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["__all__"]
             assert docstring or nxdi_import or all_list, f"{path}:{node.lineno}: {ast.unparse(node)[:80]}"
+
+
+def test_transformers_neuronx_paths_resolve_to_nxdi_shell_tnx(compat_package: Path) -> None:
+    """The guide's imports: `transformers_neuronx`, `.config`, `.stopping_criteria`, `.speculation`."""
+    import transformers_neuronx
+    from transformers_neuronx import config as tnx_config
+    from transformers_neuronx.speculation import SpeculativeGenerator
+    from transformers_neuronx.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+
+    from nxdi.shell import tnx
+    from nxdi.shell.tnx import speculation, stopping_criteria
+
+    assert Path(transformers_neuronx.__file__).is_relative_to(compat_package)
+    for name in transformers_neuronx.__all__:
+        assert getattr(transformers_neuronx, name) is getattr(tnx, name), name
+    for name in tnx_config.__all__:
+        assert getattr(tnx_config, name) is getattr(tnx, name), name
+    assert SpeculativeGenerator is speculation.SpeculativeGenerator
+    assert (StoppingCriteria, StoppingCriteriaList) == (
+        stopping_criteria.StoppingCriteria,
+        stopping_criteria.StoppingCriteriaList,
+    )
+    declared = {n for r in families.RECORDS if r.classes is not None for n in r.classes.tnx}
+    assert declared <= set(transformers_neuronx.__all__)  # a record's tnx class is importable by its guide path

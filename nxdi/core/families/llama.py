@@ -126,6 +126,7 @@ RECORD = FamilyRecord(
         inference_config="LlamaInferenceConfig",
         causal_lm="NeuronLlamaForCausalLM",
         neuron_config="LlamaNeuronConfig",
+        tnx=("LlamaForSampling",),
     ),
     weights=LLAMA_WEIGHTS,
     program=ProgramKind.DECODER,

@@ -14,7 +14,9 @@ RECORD = FamilyRecord(
     model_types=("mistral",),
     read=lambda r: read_llama_like(r, "mistral", sliding_window=r.opt_int("sliding_window")),
     required_attributes=REQUIRED,
-    classes=ClassNames(inference_config="MistralInferenceConfig", causal_lm="NeuronMistralForCausalLM"),
+    classes=ClassNames(
+        inference_config="MistralInferenceConfig", causal_lm="NeuronMistralForCausalLM", tnx=("MistralForSampling",)
+    ),
     weights=LLAMA_WEIGHTS,
     program=ProgramKind.DECODER,
     tiny_config={"sliding_window": 8},

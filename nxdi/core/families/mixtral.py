@@ -27,6 +27,7 @@ RECORD = FamilyRecord(
         inference_config="MixtralInferenceConfig",
         causal_lm="NeuronMixtralForCausalLM",
         neuron_config="MixtralNeuronConfig",
+        tnx=("MixtralForSampling",),
     ),
     moe=True,
     weights=moe_weights(

@@ -39,6 +39,8 @@ class ClassNames:
     """A NeuronConfig subclass the family documents (`LlamaNeuronConfig`), if any."""
     inner_model: str | None = None
     """The inner model's name where NxDI does not derive it from `causal_lm` (`NeuronGemma3TextModel`)."""
+    tnx: tuple[str, ...] = ()
+    """Its transformers-neuronx classes (`LlamaForSampling`), which `nxdi.shell.tnx` makes."""
 
     @property
     def model(self) -> str | None:
