@@ -79,6 +79,28 @@ def test_left_padded_batch_through_start_ids(llama2: Any, tiny_model: Callable[[
     torch.testing.assert_close(out, _hf(tiny_model, ids, mask))
 
 
+def test_a_prompt_past_the_largest_context_length_estimate_still_gives_transformers_tokens(
+    tiny_checkpoint: Callable[..., Path], tiny_model: Callable[[str], Any]
+) -> None:
+    """context_length_estimate=4 with 6- and 3-token (left-padded) prompts: the first 4 columns are
+    encoded in parallel, the rest one per token step, as transformers-neuronx does."""
+    model = LlamaForSampling.from_pretrained(
+        str(tiny_checkpoint("llama")), n_positions=64, batch_size=2, context_length_estimate=4
+    )
+    model.to_neuron()
+    try:
+        ids = torch.tensor([[0, 0, 0, 1, 5, 7], [1, 5, 7, 9, 11, 3]])
+        mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+        out = model.sample(ids, LENGTH, top_k=1, start_ids=torch.tensor([3, 0]))
+        torch.testing.assert_close(out, _hf(tiny_model, ids, mask))
+        with pytest.raises(nxdi.IncompatibleConfigError, match=r"start_ids=\[4, 0\].*padding fills the whole first 4"):
+            model.sample(
+                torch.tensor([[0, 0, 0, 0, 1, 5], [1, 5, 7, 9, 11, 3]]), LENGTH, start_ids=torch.tensor([4, 0])
+            )
+    finally:
+        model.nxdi_model.close()
+
+
 def test_no_repeat_ngram_size_bans_as_transformers(llama: Any, tiny_model: Callable[[str], Any]) -> None:
     plain = llama.sample(PROMPT, LENGTH, top_k=1)
     banned = llama.sample(PROMPT, LENGTH, top_k=1, no_repeat_ngram_size=2)

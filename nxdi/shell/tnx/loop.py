@@ -1,7 +1,8 @@
 """The transformers-neuronx sampling loop, on an nxdi causal LM's context and token steps.
 
 `run` encodes the prompts once, then asks `pick` for each next token and runs one token step per
-token, as transformers-neuronx's `sample` does: the result is the prompts followed by the new
+token, as transformers-neuronx's `sample` does (a prompt longer than the largest
+`context_length_estimate`: its first that many tokens in parallel, the rest one per token step): the result is the prompts followed by the new
 tokens, [B, <= sequence_length]; once a row has produced an EOS token, its later tokens are EOS
 too; the streamer gets each step's tokens ([B, 1]) and `end()` at the end; the stopping criteria
 are asked `(input_ids, probs)` after each step and stop the loop when they return True.
@@ -85,9 +86,13 @@ def run(
     eos = torch.tensor([] if eos_token_id is None else eos_token_id, dtype=torch.long).reshape(-1)
     done = torch.zeros(batch, 1, dtype=torch.bool)
     tokens = [input_ids]
-    positions = mask.to(torch.int64).sum(-1, keepdim=True)  # [B, 1] each row's next position
+    head = min(width, model.spec.max_context_length)
+    positions = mask[:, :head].to(torch.int64).sum(-1, keepdim=True)  # [B, 1] each row's next position
     model.reset()
-    out = model.forward(input_ids, attention_mask=mask, **extra)
+    out = model.forward(input_ids[:, :head], attention_mask=mask[:, :head], **extra)
+    for column in range(head, width):  # past the largest context bucket: the rest one token per step
+        out = model.forward(input_ids[:, column : column + 1], position_ids=positions, **extra)
+        positions = positions + 1
     for length in range(width, sequence_length):
         token, probs = pick(out, torch.cat(tokens, dim=-1))
         at_eos = torch.isin(token, eos)

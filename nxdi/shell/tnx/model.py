@@ -301,6 +301,12 @@ class SamplingModel:
         elif start_ids is not None:
             pads = torch.as_tensor(start_ids, dtype=torch.int64).reshape(-1, 1)
             mask = (torch.arange(width)[None, :] >= pads).to(input_ids.dtype)
+            longest = model.spec.max_context_length
+            if width > longest and bool((pads >= longest).any()):
+                problems.append(
+                    f"start_ids={pads.reshape(-1).tolist()}: a row's padding fills the whole first {longest} tokens "
+                    "(the largest context_length_estimate) that are encoded in parallel; pad less, or raise it"
+                )
         generation = self.neuron_config.on_device_generation
         if generation is not None:
             pick: loop.Pick = loop.device_pick
