@@ -44,13 +44,22 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "path": path, "paths": paths, "peft": reference.eval()}
 
 
-def _lora_model(world: dict[str, Any], *, compiled: bool = False, tp: int = 1, **lora: Any) -> Any:
+def _lora_model(
+    world: dict[str, Any], *, compiled: bool = False, tp: int = 1, fused_qkv: bool = False, **lora: Any
+) -> Any:
     config = LoraServingConfig(
         **{"max_loras": 3, "lora_ckpt_paths": world["paths"], "enable_base_model_only": True, **lora}
     )
     backend = {"backend": "cpu"} if compiled else {}
     return load_model(
-        world["path"], "llama", workdir=world["root"], batch_size=4, lora_config=config, tp_degree=tp, **backend
+        world["path"],
+        "llama",
+        workdir=world["root"],
+        batch_size=4,
+        lora_config=config,
+        tp_degree=tp,
+        fused_qkv=fused_qkv,
+        **backend,
     )
 
 
@@ -126,9 +135,10 @@ def test_each_layout_and_tensor_parallel_ranks_give_each_row_its_adapters_tokens
 ) -> None:
     """Rank processes, the adapters' plain matrices split (`lora_shard_linear_layer=True`, gathered each
     step) or duplicated, stored `[in, out]` (`lora_memory_transpose=True`, the default) or `[out, in]`;
-    at tp 4 the tiny model's 2 KV heads are replicated, and its adapters' K and V rows with them."""
+    at tp 4 the tiny model's 2 KV heads are replicated, and its adapters' K and V rows with them; the
+    duplicated case also reads a fused-QKV checkpoint layout (`fused_qkv=True`)."""
     lora = {"lora_shard_linear_layer": shard, "lora_memory_transpose": transpose}
-    model = _lora_model(world, compiled=compiled, tp=tp, **lora)
+    model = _lora_model(world, compiled=compiled, tp=tp, fused_qkv=tp == 2 and not shard, **lora)
     try:
         names = [adapter or 0 for adapter in ROWS]
         tokens = nxdi_generate(model, PROMPTS, max_new_tokens=NEW, adapter_ids=names)
