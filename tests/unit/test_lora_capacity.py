@@ -73,3 +73,13 @@ def test_bad_requests_list_every_problem() -> None:
     assert err.fields() == {"max_lora_rank", "target_modules", "dtype"}
     bad = lora.max_adapters(lora.adapter_size_of(0), reserved_bytes=-1, tp=0, shard_linear_layer=True).failure()
     assert len(bad.problems) == 3
+
+
+def test_a_family_without_multi_lora_serving_is_refused_naming_the_served_ones() -> None:
+    from nxdi.core.config.sub_specs import LoraSpec
+    from tests.support.planner_configs import GPT2_XL
+
+    found = lora.layout_for(spec(GPT2_XL), LoraSpec(max_loras=2))
+    text = str(found.failure())
+    assert "lora_config" in text and "gpt2" in text and "llama" in text and "without lora_config" in text
+    assert lora.layout_for(spec(LLAMA_31_8B), LoraSpec(max_loras=2)).unwrap().model.model_type == "llama"

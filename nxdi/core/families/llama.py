@@ -130,4 +130,5 @@ RECORD = FamilyRecord(
     ),
     weights=LLAMA_WEIGHTS,
     program=ProgramKind.DECODER,
+    lora=True,
 )

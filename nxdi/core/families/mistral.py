@@ -19,5 +19,6 @@ RECORD = FamilyRecord(
     ),
     weights=LLAMA_WEIGHTS,
     program=ProgramKind.DECODER,
+    lora=True,
     tiny_config={"sliding_window": 8},
 )

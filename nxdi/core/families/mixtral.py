@@ -37,5 +37,6 @@ RECORD = FamilyRecord(
         down=_EXPERT + "w2.weight",
     ),
     program=ProgramKind.DECODER,
+    lora=True,
     tiny_config={"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
 )

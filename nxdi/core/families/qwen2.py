@@ -49,5 +49,6 @@ RECORD = FamilyRecord(
     classes=ClassNames(inference_config="Qwen2InferenceConfig", causal_lm="NeuronQwen2ForCausalLM"),
     weights=LLAMA_WEIGHTS,
     program=ProgramKind.DECODER,
+    lora=True,
     tiny_config={"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
 )

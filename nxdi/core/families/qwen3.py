@@ -19,5 +19,6 @@ RECORD = FamilyRecord(
     classes=ClassNames(inference_config="Qwen3InferenceConfig", causal_lm="NeuronQwen3ForCausalLM"),
     weights=LLAMA_WEIGHTS,
     program=ProgramKind.DECODER,
+    lora=True,
     tiny_config={"head_dim": 32, "use_sliding_window": False},
 )

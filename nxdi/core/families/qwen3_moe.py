@@ -56,6 +56,7 @@ RECORD = FamilyRecord(
         down=_EXPERT + "down_proj.weight",
     ),
     program=ProgramKind.DECODER,
+    lora=True,
     tiny_config={
         "head_dim": 32,
         "use_sliding_window": False,

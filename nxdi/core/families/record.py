@@ -78,6 +78,9 @@ class FamilyRecord:
     """Its checkpoint layout; None while no program runs it."""
     program: ProgramKind | None = None
     """The program that runs it on the engine; None when it can be planned but not run yet."""
+    lora: bool = False
+    """Multi-LoRA serving runs on it: PEFT adapters name its attention and MLP projections as the
+    programs' q/k/v/o and gate/up/down (tested against PEFT for the Llama layout)."""
     tiny_config: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_map, hash=False)
     """Overrides that make a tiny valid HF config of this family (with the shared tiny sizes of
     `nxdi.testing.checkpoints`): what the family-parametrized tests build and compare."""

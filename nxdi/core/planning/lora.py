@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 from returns.result import Failure, Result, Success
 
+from nxdi.core import families
 from nxdi.core.config.neuron_spec import DTYPE_BYTES
 from nxdi.core.config.sub_specs import LoraSpec
 from nxdi.core.errors import ConfigError, Problem
@@ -281,6 +282,11 @@ def layout_for(model: ModelSpec, spec: LoraSpec) -> Result[LoraLayout, ConfigErr
         kind = "a mixture of experts" if model.is_moe else "a plain (ungated) MLP"
         why = f"targets {mlp}, which this base model lacks: it has {kind}"
         problems.append(Problem.of(field, list(modules), why, "target the attention projections only"))
+    record = families.by_model_type().get(model.model_type)
+    if record is not None and not record.lora:
+        served = ", ".join(r.model_type for r in families.RECORDS if r.lora)
+        why = f"is set on a {model.model_type} model; multi-LoRA serving runs on {served}"
+        problems.append(Problem.of("lora_config", "LoraServingConfig(...)", why, "serve this model without lora_config"))
     if problems:
         return Failure(ConfigError(problems=tuple(problems)))
     return Success(
