@@ -472,6 +472,13 @@ def test_two_node_drivers_set_up_as_the_neuronx_guide_says_generate_the_tokens_o
     assert [n.returncode for n in nodes] == [0, 0], outputs
     lines = [line.split(" ", 2) for out in outputs for line in out.splitlines() if line.startswith("TOKENS ")]
     assert sorted(int(node) for _, node, _ in lines) == [0, 1], outputs
+    started = {
+        line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2])
+        for out in outputs
+        for line in out.splitlines()
+        if line.startswith("RANKS ")
+    }
+    assert started == {"0": [0, 1], "1": [2, 3]}, outputs  # each node ran its half of one world
     expected = nxdi_generate(loaded_model("llama", batch_size=2), PROMPTS[:2], max_new_tokens=NEW_TOKENS)
     for _, node, tokens in lines:
         assert torch.equal(torch.tensor(json.loads(tokens)), expected), f"node {node}"

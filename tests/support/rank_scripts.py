@@ -9,7 +9,7 @@
 - `node CHECKPOINT FOLDER`: one node's driver of a tp_degree 4 llama spread over nodes by the
   transformers-neuronx guide's variables (NEURON_RT_ROOT_COMM_ID, NEURON_RANK_ID, NEURON_LOCAL_TP,
   set by the test): compile into FOLDER, load, greedy-generate from two prompts and print
-  `TOKENS <node> <json>`.
+  `RANKS <node> <the ranks it started>` and `TOKENS <node> <json>`.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ def node(checkpoint: str, folder: str) -> None:
     model.compile(folder)  # type: ignore[attr-defined]
     model.load(folder)  # type: ignore[attr-defined]
     tokens = nxdi_generate(model, PROMPTS[:2], max_new_tokens=NEW_TOKENS)
+    ranks = list(model._runtime.group.ranks)  # type: ignore[attr-defined]  # the ranks this node started
+    sys.stdout.write(f"RANKS {os.environ['NEURON_RANK_ID']} {json.dumps(ranks)}\n")
     sys.stdout.write(f"TOKENS {os.environ['NEURON_RANK_ID']} {json.dumps(tokens.tolist())}\n")
     sys.stdout.flush()
     model.close()  # type: ignore[attr-defined]
