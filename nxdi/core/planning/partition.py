@@ -14,7 +14,7 @@ from returns.result import Result, Success
 from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.config.sub_specs import MoESpec
 from nxdi.core.errors import ConfigError, Problem, problems_of, problems_result
-from nxdi.core.model_spec import ModelSpec
+from nxdi.core.model_spec import ModelSpec, PositionKind
 from nxdi.core.planning import buckets, gqa
 from nxdi.core.planning.sharding import ShardPlan, check_sequence_parallel, round_up, shard_plan_for
 
@@ -176,7 +176,12 @@ def check_partition(model: ModelSpec, spec: NeuronSpec) -> Result[Partition, Con
     group = (
         plan.bind(lambda p: _flash_decoding_group(p, model)) if spec.flash_decoding_enabled and tp > 1 else Success(1)
     )
-    problems = (*problems_of(plan, sequence, group), *_moe_problems(model, spec))
+    problems = (
+        *problems_of(plan, sequence, group),
+        *_moe_problems(model, spec),
+        *_alibi_problems(model, spec),
+        *_older_family_problems(model, spec),
+    )
     if problems:
         return problems_result(Partition.single(model), problems)
     return Success(
@@ -190,6 +195,41 @@ def check_partition(model: ModelSpec, spec: NeuronSpec) -> Result[Partition, Con
             moe=spec.moe,
         )
     )
+
+
+_OLDER_FAMILIES = frozenset({"gpt2", "opt", "bloom", "gptj", "gpt_neox"})
+"""Families whose layers multi-LoRA serving and EAGLE do not know yet: a plain MLP, projections
+stored transposed, per head or with reordered rows (an adapter would have to follow those
+layouts), learned positions or ALiBi (which an EAGLE draft's layers would have to take too)."""
+
+
+def _older_family_problems(model: ModelSpec, spec: NeuronSpec) -> list[Problem]:
+    """Multi-LoRA serving and EAGLE on a family they do not run yet (`_OLDER_FAMILIES`)."""
+    if model.model_type not in _OLDER_FAMILIES:
+        return []
+    others = (
+        ("lora_config", "set", spec.lora_config is not None, "None"),
+        ("enable_eagle_speculation", True, spec.enable_eagle_speculation, "False"),
+        ("is_eagle_draft", True, spec.is_eagle_draft, "False"),
+    )
+    why = f"is not supported for {model.model_type} models on the CPU engine yet"
+    return [Problem.of(name, value, why, f"set {name}={fix}") for name, value, on, fix in others if on]
+
+
+def _alibi_problems(model: ModelSpec, spec: NeuronSpec) -> list[Problem]:
+    """What ALiBi attention (BLOOM) cannot run with yet: its bias is built from the contiguous
+    cache's slot order, per whole head, so not over a flash-decoding sequence shard, a block cache,
+    a token tree or heads split unevenly over the ranks."""
+    if model.position is not PositionKind.ALIBI:
+        return []
+    others = (
+        ("flash_decoding_enabled", True, spec.flash_decoding_enabled, "False"),
+        ("is_block_kv_layout", True, spec.is_block_kv_layout, "False"),
+        ("token_tree_config", spec.token_tree_config, spec.token_tree_config is not None, "None"),
+        ("tp_degree", spec.tp_degree, model.num_attention_heads % spec.tp_degree != 0, "a divisor of the heads"),
+    )
+    why = f"does not run with ALiBi attention ({model.model_type}) on the CPU engine yet"
+    return [Problem.of(name, value, why, f"set {name}={fix}") for name, value, on, fix in others if on]
 
 
 def _moe_problems(model: ModelSpec, spec: NeuronSpec) -> list[Problem]:
