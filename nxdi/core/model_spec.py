@@ -33,6 +33,9 @@ class NormKind(enum.Enum):
 class PositionKind(enum.Enum):
     ROPE = "rope"
     LEARNED = "learned"
+    """A learned position table added to the token embeddings (GPT-2, OPT)."""
+    ALIBI = "alibi"
+    """Attention scores biased by a per-head slope times the key's position (BLOOM)."""
 
 
 class RopeKind(enum.Enum):
@@ -91,6 +94,22 @@ class ModelSpec:
     position_offset: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     """Learned positions: rows of the position table before position 0 (OPT reserves 2)."""
     rope: RopeSpec | None = RopeSpec()
+    rotary_dim: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.gt(0)))
+    """RoPE rotates the first `rotary_dim` dims of each head, even and passes the rest (GPT-J's
+    `rotary_dim`, GPT-NeoX's `rotary_pct`); None: all `head_dim` of them."""
+    parallel_residual: bool = False
+    """Attention and MLP both read the layer's input and both outputs join the residual at once
+    (GPT-J; GPT-NeoX's `use_parallel_residual`); False: the MLP reads the attention's output."""
+    shared_layer_norm: bool = False
+    """With `parallel_residual`: one norm feeds both attention and MLP (GPT-J's `ln_1`); False: each has its own."""
+    post_layer_norm: bool = False
+    """Norms after each residual add (OPT with `do_layer_norm_before=False`); False: before each block."""
+    final_norm: bool = True
+    """A norm before the lm_head (OPT's post-norm variant has none)."""
+    embed_norm: bool = False
+    """A LayerNorm right after the token embeddings (BLOOM's `word_embeddings_layernorm`)."""
+    lm_head_bias: bool = False
+    """The lm_head has a bias (GPT-J)."""
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
@@ -111,6 +130,9 @@ class ModelSpec:
         default=None, validator=attrs.validators.optional(attrs.validators.gt(0))
     )
     """Softmax scale of the attention scores q.k (Gemma: query_pre_attn_scalar**-0.5); None: head_dim**-0.5."""
+    attention_upcast: bool = False
+    """Attention scores, softmax and the mix of values in fp32 whatever the activation dtype (GPT-J
+    computes its scores in fp32); False: in the activation dtype."""
     final_logit_softcap: float | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.gt(0))
     )
@@ -201,8 +223,19 @@ class ModelSpec:
         if self.is_moe:
             mlp = mlp * self.num_experts + e * self.num_experts
         norm = 2 * e if self.norm is NormKind.LAYER and self.norm_bias else e
-        layers = self.num_layers * (attn + mlp + (4 if self.sandwich_norms else 2) * norm)
+        layers = self.num_layers * (attn + mlp + self.layer_norms * norm)
         embed = v * e + (0 if self.tie_word_embeddings else v * e)
         rows = self.max_position_embeddings + self.position_offset
         learned = rows * e if self.position is PositionKind.LEARNED else 0
-        return layers + embed + learned + norm
+        extra = (norm if self.final_norm else 0) + (norm if self.embed_norm else 0) + (v if self.lm_head_bias else 0)
+        return layers + embed + learned + extra
+
+    @property
+    def layer_norms(self) -> int:
+        """Norms per layer: 4 with sandwich norms, 1 when attention and MLP share one, else 2."""
+        return 4 if self.sandwich_norms else 1 if self.shared_layer_norm else 2
+
+    @property
+    def rotary_dims(self) -> int:
+        """The dims of each head RoPE rotates (`rotary_dim`, or all of `head_dim`)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim

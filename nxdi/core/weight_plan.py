@@ -45,8 +45,14 @@ from nxdi.core.weight_table import (
     scale_name,
 )
 
-IGNORED_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
-"""Checkpoint keys ending so are derived buffers some old checkpoints carry; they are skipped."""
+IGNORED_SUFFIXES: tuple[str, ...] = (
+    "rotary_emb.inv_freq",
+    ".attn.bias",  # GPT-2's and GPT-J's causal-mask buffers in their hub checkpoints
+    ".attn.masked_bias",
+    ".attention.bias",  # GPT-NeoX's (Pythia's) likewise
+    ".attention.masked_bias",
+)
+"""Checkpoint keys ending so (and read by no step) are derived buffers some old checkpoints carry; they are skipped."""
 CAST_TYPES = ("config", "as-declared")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 QUANT_TYPES = ("per_tensor_symmetric", "per_channel_symmetric", "blockwise_symmetric")
@@ -149,7 +155,15 @@ class SplitExperts:
         return self.rows.split_shape(shape, self.experts)
 
 
-Transform = SplitExperts | Rows | CastFloat
+@attrs.frozen(kw_only=True)
+class Transpose:
+    """A 2-D tensor stored `[in, out]` (GPT-2's Conv1D) as the program's `[out, in]`."""
+
+    def out_shape(self, shape: Shape) -> Shape:
+        return shape[::-1]
+
+
+Transform = SplitExperts | Rows | CastFloat | Transpose
 """The transforms a step applies to its combined weight, in order."""
 
 
@@ -272,11 +286,22 @@ def _step(name: str, weight: Weight, *, prefix: str, spec: ModelSpec, casts: tup
     combine = Combine.STACK if weight.experts else Combine.CONCAT if len(weight.sources) > 1 else Combine.COPY
     rows = weight.expert_rows
     split: tuple[Transform, ...] = () if rows is None else (SplitExperts(experts=spec.num_experts, rows=rows),)
+    if weight.transposed:  # a Conv1D weight: one source, its rows in order (a RowOrder would index its columns)
+        assert len(weight.sources) == 1 and weight.sources[0].rows is None, f"{name}: one plain transposed source"
+        split += (Transpose(),)
+    shapes = weight.source_shapes(spec)
+    # A source ordering its rows otherwise is read through a Take putting them in the program's order
+    # (which a rank's Take composes with, `rank_weights`).
+    takes = tuple(
+        None if src.rows is None else Take(dim=0, indices=src.rows.indices(spec, shape[0]))
+        for src, shape in zip(weight.sources, shapes, strict=False)  # an experts weight repeats its one source
+    )
     return WeightStep(
         name=name,
         sources=weight.source_names(spec, prefix),
-        source_shapes=weight.source_shapes(spec),
+        source_shapes=shapes,
         combine=combine,
+        takes=takes if any(takes) else (),
         transforms=split + (() if name.endswith("scale") else casts),
     )
 
@@ -370,6 +395,10 @@ def weight_plan_for(
     untied: set[str] = set()
     for entry in table.placed(spec):
         name, slot, weight, prefix = entry.name, entry.slot, entry.weight, entry.source_prefix
+        if quant is not None and weight.linear and (weight.transposed or any(s.rows for s in weight.sources)):
+            why = f"is stored in a layout nxdi reads only in float ({', '.join(weight.source_names(spec, prefix))})"
+            problems.append(Problem.of("quantized", True, why, "use a float checkpoint of this family"))
+            continue
         if quant is not None and weight.linear:
             quantized = _quantized_steps(name, weight, prefix=prefix, spec=spec, quant=quant, problems=problems)
             if quantized:

@@ -10,9 +10,14 @@ A weight's sources are copied (one), concatenated along dim 0 (fused QKV: `Wqkv 
 stacked along a new dim 0 (one source per expert, `experts.{x}.w1` for every expert x: [X, F, E]),
 or split (one source holding every expert's rows one above the other, DBRX's `w1` [X*F, E]).
 
-Dimension letters: E hidden (2E: twice that), F ffn, V vocab, D head dim, Q = H*D (query heads times head dim),
-KV = K*D (kv heads times head dim), QKV = Q + 2*KV (a fused projection), X experts, XF = X*F
-(every expert's rows), 1 a dimension of size one (a scale).
+Dimension letters: E hidden (2E: twice that), F ffn, V vocab, P learned positions (offset rows
+included), D head dim, Q = H*D (query heads times head dim), KV = K*D (kv heads times head dim),
+QKV = Q + 2*KV (a fused projection), X experts, XF = X*F (every expert's rows), 1 a dimension of
+size one (a scale).
+
+A source may be stored in another layout than the program's weight: transposed (GPT-2's Conv1D,
+`Source.transposed`) or with its rows in another order (`RowOrder`: a fused QKV stored head by
+head, GPT-J's rotary pairs); the weight plan reads it through a Transpose or a Take.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ def dims(spec: ModelSpec) -> Mapping[str, int]:
         "2E": 2 * spec.hidden_size,  # an EAGLE draft's fc input: [embedding; target hidden state]
         "F": spec.intermediate_size,
         "V": spec.vocab_size,
+        "P": spec.max_position_embeddings + spec.position_offset,  # a learned position table's rows
         "D": spec.head_dim,
         "Q": spec.q_size,
         "KV": spec.kv_size,
@@ -87,6 +93,28 @@ class ExpertRows(enum.Enum):
         return (experts, f, e) if self is ExpertRows.AS_IS else (experts, e, f)
 
 
+class RowOrder(enum.Enum):
+    """How a checkpoint tensor orders the rows (dim 0) of the program's weight, when not alike."""
+
+    PER_HEAD_QKV = "per_head_qkv"
+    """A fused QKV stored head by head, `[H, 3, D]` (GPT-NeoX, BLOOM): the program's `[Q; K; V]`
+    row (part p, head h, dim d) is stored row `(h * 3 + p) * D + d`. Needs as many kv heads as heads."""
+    ROTARY_PAIRS = "rotary_pairs"
+    """A q or k projection whose RoPE rotates neighbouring dims (GPT-J's `rotate_every_two`): within
+    each head, the first `rotary_dims` rows are put evens first, then odds, which turns its rotation
+    into the program's rotate-half one; q.k is unchanged, as q and k are permuted alike."""
+
+    def indices(self, spec: ModelSpec, rows: int) -> tuple[int, ...]:
+        """The stored row of every program row of a source of `rows` rows, in program order."""
+        d = spec.head_dim
+        if self is RowOrder.PER_HEAD_QKV:
+            h = rows // (3 * d)
+            return tuple((head * 3 + p) * d + i for p in range(3) for head in range(h) for i in range(d))
+        r = spec.rotary_dims
+        within = (*range(0, r, 2), *range(1, r, 2), *range(r, d))
+        return tuple(head * d + i for head in range(rows // d) for i in within)
+
+
 @attrs.frozen(kw_only=True)
 class Source:
     """One checkpoint tensor a weight is made from."""
@@ -94,7 +122,11 @@ class Source:
     name: str
     """Its renamed checkpoint key (relative to the layer prefix for layer weights)."""
     shape: tuple[str, ...]
-    """Its shape in dimension letters, e.g. `("Q", "E")`."""
+    """Its shape in dimension letters, e.g. `("Q", "E")`, as stored."""
+    rows: RowOrder | None = None
+    """How it orders the program's rows, when not as the program does (None: alike)."""
+    transposed: bool = False
+    """Stored `[in, out]` (GPT-2's Conv1D), the program's `[out, in]` transposed; 2-D only."""
 
 
 @attrs.frozen(kw_only=True)
@@ -127,14 +159,21 @@ class Weight:
         return tuple(prefix + s.name for s in self.sources)
 
     def source_shapes(self, spec: ModelSpec) -> tuple[Shape, ...]:
-        """The sources' shapes in sizes (one per expert for an experts weight)."""
+        """The sources' shapes in sizes, as stored (one per expert for an experts weight)."""
         sizes = dims(spec)
         shapes = tuple(tuple(sizes[d] for d in s.shape) for s in self.sources)
         return shapes * spec.num_experts if self.experts else shapes
 
+    @property
+    def transposed(self) -> bool:
+        """Its (one) source is stored transposed (`Source.transposed`)."""
+        return any(s.transposed for s in self.sources)
+
     def shape(self, spec: ModelSpec) -> Shape:
         """The produced shape: the source's, the sources' concatenated along dim 0, stacked, or split."""
         shapes = self.source_shapes(spec)
+        if self.transposed:  # one source (the weight plan refuses more)
+            shapes = tuple(s[::-1] for s in shapes)
         if self.experts:
             return (len(shapes), *shapes[0])
         if self.expert_rows is not None:
@@ -150,9 +189,12 @@ def copy(
     source: str | None = None,
     when: str | None = None,
     linear: bool = False,
+    rows: RowOrder | None = None,
+    transposed: bool = False,
 ) -> Weight:
-    """A weight copied from one checkpoint tensor: `source`, or the tensor of the same name."""
-    parts = (Source(name=name if source is None else source, shape=shape),)
+    """A weight copied from one checkpoint tensor: `source`, or the tensor of the same name; `shape`
+    is the stored one (`transposed`: the program's reversed), `rows` its row order if not the program's."""
+    parts = (Source(name=name if source is None else source, shape=shape, rows=rows, transposed=transposed),)
     return Weight(slot=slot, name=name, sources=parts, when=when, linear=linear)
 
 

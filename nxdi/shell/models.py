@@ -62,13 +62,17 @@ def _build(record: FamilyRecord) -> None:
 
 
 def model_types() -> dict[str, dict[str, type]]:
-    """`MODEL_TYPES[model_type]["causal-lm"]` -> the application class, for every family the engine runs."""
-    return {
-        t: {"causal-lm": __getattr__(r.classes.causal_lm)}
-        for r in families.runnable()
-        if r.classes is not None and r.classes.causal_lm is not None
-        for t in r.model_types
-    }
+    """`MODEL_TYPES[model_type]["causal-lm"]` -> the application class, for every family the engine runs;
+    also under the name a serving client derives from the Hugging Face architecture where it differs
+    from the model_type (`GPTNeoXForCausalLM` -> `gptneox`: the architecture's model part, lowercased)."""
+    out: dict[str, dict[str, type]] = {}
+    for r in families.runnable():
+        if r.classes is not None and r.classes.causal_lm is not None:
+            entry = {"causal-lm": __getattr__(r.classes.causal_lm)}
+            out.update({t: entry for t in r.model_types})
+            architecture = r.classes.causal_lm.removeprefix("Neuron").split("For", 1)[0].lower()
+            out.setdefault(architecture, dict(entry))
+    return out
 
 
 def config_types() -> dict[str, type]:

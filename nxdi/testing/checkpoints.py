@@ -28,7 +28,7 @@ import torch
 import transformers
 
 from nxdi.core import families
-from nxdi.core.families import gemma3
+from nxdi.core.families import gemma3, gpt_neox, opt
 from nxdi.effects import checkpoint
 
 
@@ -57,6 +57,8 @@ _BASE: Mapping[str, Any] = {
 }
 
 TEST_VARIANTS: Mapping[str, tuple[str, Mapping[str, Any]]] = {
+    "opt-post-ln": ("opt", {**opt.RECORD.tiny_config, "do_layer_norm_before": False}),
+    "gpt_neox-sequential": ("gpt_neox", {**gpt_neox.RECORD.tiny_config, "use_parallel_residual": False}),
     "gemma3-softcap": ("gemma3_text", {**gemma3.RECORD.tiny_config, "final_logit_softcapping": 3.0}),
     "llama3-tied": (
         "llama",
@@ -73,8 +75,9 @@ TEST_VARIANTS: Mapping[str, tuple[str, Mapping[str, Any]]] = {
         },
     ),
 }
-"""Variants beyond the families' own tiny configs: Gemma 3 with soft-capped logits (a cap the tiny
-model's logits exceed; real Gemma 3 configs have none), Llama-3 RoPE scaling with tied embeddings."""
+"""Variants beyond the families' own tiny configs: OPT's post-norm layers (`do_layer_norm_before`
+false), GPT-NeoX's sequential residual, Gemma 3 with soft-capped logits (a cap the tiny model's
+logits exceed; real Gemma 3 configs have none), Llama-3 RoPE scaling with tied embeddings."""
 
 VARIANTS: Mapping[str, tuple[str, Mapping[str, Any]]] = {
     **{r.name: (r.model_type, r.tiny_config) for r in families.runnable()},

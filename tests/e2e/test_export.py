@@ -40,7 +40,7 @@ class BoundStep(torch.nn.Module):
         return (logits, *new.to_tensors())
 
 
-@pytest.mark.parametrize("variant", ["llama3-tied", "qwen3"])
+@pytest.mark.parametrize("variant", ["llama3-tied", "qwen3", "gpt2", "opt-post-ln", "bloom", "gptj", "gpt_neox"])
 @pytest.mark.parametrize("phase", ["token", "context"])
 def test_steps_export_and_match_eager(variant: str, phase: str, tiny_checkpoint: Callable[..., Path]) -> None:
     path = tiny_checkpoint(variant)

@@ -1,6 +1,6 @@
 """Tensor parallelism end to end: rank processes (gloo) driven through the documented API, and torchrun.
 
-- Every family at tp 2 and 4, the mixtures of experts included (with sequence parallelism, vocabulary-parallel embeddings and flash
+- Every family at tp 2 and 4, the mixtures of experts and GPT-2, OPT, BLOOM, GPT-J and GPT-NeoX included (with sequence parallelism, vocabulary-parallel embeddings and flash
   decoding switched on in some of them): greedy tokens equal transformers' (batch 1 and a padded
   batch of 4), logits within 1e-5 of the largest logit against tp 1.
 - GQA layouts: KV heads replicated (2 KV heads at tp 4), Q heads zero padded (6 Q heads at tp 4),
@@ -113,6 +113,19 @@ CASES = [  # (family, tp_degree, compiled batch, settings): each family at tp 2 
     ("qwen3_moe", 2, 4, (VP,)),
     ("qwen3_moe", 4, 1, ()),
     ("dbrx", 2, 1, ()),  # experts stored fused [X*F, E]: each rank reads its rows of every expert
+    # GPT-2 (Conv1D weights read transposed, learned positions), OPT (both LayerNorm placements),
+    # BLOOM (per-head fused QKV, ALiBi slopes of the rank's heads), GPT-J (q/k rows reordered for
+    # its rotary pairs, parallel residual, lm_head bias), GPT-NeoX (per-head QKV, partial rotary)
+    ("gpt2", 2, 4, (VP,)),
+    ("gpt2", 4, 1, (SP,)),
+    ("opt", 2, 4, (SP, VP)),
+    ("opt-post-ln", 2, 1, ()),
+    ("bloom", 2, 4, (SP,)),
+    ("bloom", 4, 1, (VP,)),
+    ("gptj", 2, 4, ()),
+    ("gptj", 4, 4, (SP, VP)),
+    ("gpt_neox", 2, 4, (VP,)),
+    ("gpt_neox-sequential", 4, 1, (SP,)),
     # expert parallelism: (moe_tp_degree, moe_ep_degree) = (1, 2), then (2, 2)
     ("mixtral", 2, 4, (("moe_tp_degree", 1), ("moe_ep_degree", 2))),
     ("dbrx", 2, 4, (SP, VP, ("moe_tp_degree", 1), ("moe_ep_degree", 2))),

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from returns.result import Failure, Success
 
 from nxdi.core import families
-from nxdi.core.model_spec import ModelSpec, NormKind
+from nxdi.core.model_spec import ModelSpec, NormKind, PositionKind
 from nxdi.core.programs import catalog, inputs, kv_cache
 from nxdi.core.programs import decoder as llama
 from nxdi.testing.strategies.decoders import dense_specs, program_of, random_weights
@@ -135,11 +135,15 @@ def test_every_decoder_family_has_a_program_and_other_specs_are_refused(spec: Mo
             assert program.record is record and program.forward is llama.forward
         case Failure(err):
             raise AssertionError(err.render())
-    plain = attrs.evolve(spec, gated_mlp=False)
-    refused = catalog.program_for(record, attrs.evolve(plain, norm=NormKind.LAYER, norm_bias=True))
-    assert isinstance(refused, Failure) and refused.failure().fields() == {"mlp", "norm_bias"}
+    gpt2_like = attrs.evolve(spec, gated_mlp=False, norm=NormKind.LAYER, norm_bias=True)
+    assert isinstance(catalog.program_for(record, gpt2_like), Success)
     dbrx_like = attrs.evolve(spec, norm=NormKind.LAYER, norm_bias=False, clip_qkv=8.0)
     assert isinstance(catalog.program_for(record, dbrx_like), Success)
     assert isinstance(catalog.program_for(record, attrs.evolve(spec, num_experts=4, num_experts_per_tok=2)), Success)
-    opt = catalog.program_for(families.record_for("opt").unwrap(), spec)
-    assert isinstance(opt, Failure) and opt.failure().fields() == {"model_type"}
+    gptj_like = attrs.evolve(spec, shared_layer_norm=True, rotary_dim=spec.head_dim + 2)
+    refused = catalog.program_for(record, gptj_like)
+    assert isinstance(refused, Failure) and refused.failure().fields() == {"shared_layer_norm", "rotary_dim"}
+    alibi = attrs.evolve(spec, position=PositionKind.ALIBI, rope=None)
+    assert isinstance(
+        catalog.program_for(record, alibi), Success if spec.num_kv_heads == spec.num_attention_heads else Failure
+    )

@@ -489,6 +489,45 @@ TINY_MODELS: dict[str, tuple[Callable[[], transformers.PretrainedConfig], type[t
         ),
         transformers.GPT2LMHeadModel,
     ),
+    "opt-post-ln": (
+        lambda: transformers.OPTConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            ffn_dim=96,
+            vocab_size=128,
+            max_position_embeddings=64,
+            do_layer_norm_before=False,
+        ),
+        transformers.OPTForCausalLM,
+    ),
+    "bloom": (
+        lambda: transformers.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=128),
+        transformers.BloomForCausalLM,
+    ),
+    "gptj": (
+        lambda: transformers.GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=128, n_positions=64),
+        transformers.GPTJForCausalLM,
+    ),
+    "gpt_neox": (
+        lambda: transformers.GPTNeoXConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, vocab_size=128
+        ),
+        transformers.GPTNeoXForCausalLM,
+    ),
+    "gpt_neox-sequential-tied": (
+        lambda: transformers.GPTNeoXConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=96,
+            vocab_size=128,
+            use_parallel_residual=False,
+            tie_word_embeddings=True,
+            attention_bias=False,
+        ),
+        transformers.GPTNeoXForCausalLM,
+    ),
 }
 
 

@@ -13,7 +13,21 @@ from typing import Any
 from returns.result import Failure, Result, Success
 
 from nxdi.core.errors import ConfigError
-from nxdi.core.families import dbrx, gemma3, gpt2, llama, mistral, mixtral, opt, qwen2, qwen3, qwen3_moe
+from nxdi.core.families import (
+    bloom,
+    dbrx,
+    gemma3,
+    gpt2,
+    gpt_neox,
+    gptj,
+    llama,
+    mistral,
+    mixtral,
+    opt,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
 from nxdi.core.families.reader import ConfigReader
 from nxdi.core.families.record import FamilyRecord
 from nxdi.core.model_spec import ModelSpec
@@ -29,6 +43,9 @@ RECORDS: tuple[FamilyRecord, ...] = (
     dbrx.RECORD,
     opt.RECORD,
     gpt2.RECORD,
+    gpt_neox.RECORD,
+    gptj.RECORD,
+    bloom.RECORD,
 )
 """Every known family, in the order they are listed to users."""
 

@@ -78,6 +78,9 @@ class FamilyRecord:
     """Its checkpoint layout; None while no program runs it."""
     program: ProgramKind | None = None
     """The program that runs it on the engine; None when it can be planned but not run yet."""
+    eagle: bool = True
+    """An EAGLE draft of it can be built from its layers (False where they take learned positions or
+    ALiBi, or another layout, which a draft's layers would have to follow)."""
     lora: bool = False
     """Multi-LoRA serving runs on it: PEFT adapters name its attention and MLP projections as the
     programs' q/k/v/o and gate/up/down (tested against PEFT for the Llama layout)."""

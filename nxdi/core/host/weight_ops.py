@@ -54,6 +54,8 @@ def apply_transform(t: Tensor, transform: weights.Transform) -> Tensor:
             return cast_float(t, torch_dtype(name))
         case weights.Rows():
             return t.reshape(-1)
+        case weights.Transpose():
+            return t.t().contiguous()
     raise AssertionError(f"unknown transform {transform!r}")
 
 

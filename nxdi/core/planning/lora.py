@@ -286,7 +286,9 @@ def layout_for(model: ModelSpec, spec: LoraSpec) -> Result[LoraLayout, ConfigErr
     if record is not None and not record.lora:
         served = ", ".join(r.model_type for r in families.RECORDS if r.lora)
         why = f"is set on a {model.model_type} model; multi-LoRA serving runs on {served}"
-        problems.append(Problem.of("lora_config", "LoraServingConfig(...)", why, "serve this model without lora_config"))
+        problems.append(
+            Problem.of("lora_config", "LoraServingConfig(...)", why, "serve this model without lora_config")
+        )
     if problems:
         return Failure(ConfigError(problems=tuple(problems)))
     return Success(

@@ -11,11 +11,12 @@ from __future__ import annotations
 import attrs
 from returns.result import Result, Success
 
+from nxdi.core import families
 from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.config.sub_specs import MoESpec
 from nxdi.core.errors import ConfigError, Problem, problems_of, problems_result
-from nxdi.core.model_spec import ModelSpec
-from nxdi.core.planning import buckets, gqa
+from nxdi.core.model_spec import ModelSpec, PositionKind
+from nxdi.core.planning import buckets, gqa, lora
 from nxdi.core.planning.sharding import ShardPlan, check_sequence_parallel, round_up, shard_plan_for
 
 
@@ -163,8 +164,8 @@ def check_partition(model: ModelSpec, spec: NeuronSpec) -> Result[Partition, Con
 
     Returns:
         `Failure` listing every reason the ranks cannot be laid out: head counts that do not shard
-        over tp_degree, context buckets that sequence parallelism cannot split, and a flash-decoding
-        group the layout does not give.
+        over tp_degree, context buckets that sequence parallelism cannot split, a flash-decoding
+        group the layout does not give, and a LoRA layout the model cannot take (`lora.layout_for`).
     """
     tp = spec.tp_degree
     plan = program_shard_plan(model, spec)
@@ -176,7 +177,13 @@ def check_partition(model: ModelSpec, spec: NeuronSpec) -> Result[Partition, Con
     group = (
         plan.bind(lambda p: _flash_decoding_group(p, model)) if spec.flash_decoding_enabled and tp > 1 else Success(1)
     )
-    problems = (*problems_of(plan, sequence, group), *_moe_problems(model, spec))
+    adapters = lora.layout_for(model, spec.lora_config) if spec.lora_config is not None else Success(None)
+    problems = (
+        *problems_of(plan, sequence, group, adapters),
+        *_moe_problems(model, spec),
+        *_alibi_problems(model, spec),
+        *_older_family_problems(model, spec),
+    )
     if problems:
         return problems_result(Partition.single(model), problems)
     return Success(
@@ -190,6 +197,36 @@ def check_partition(model: ModelSpec, spec: NeuronSpec) -> Result[Partition, Con
             moe=spec.moe,
         )
     )
+
+
+def _older_family_problems(model: ModelSpec, spec: NeuronSpec) -> list[Problem]:
+    """EAGLE on a family whose record says a draft cannot be built from its layers (`FamilyRecord.eagle`;
+    multi-LoRA serving is refused by `lora.layout_for`, from `FamilyRecord.lora`, in `check_partition`)."""
+    record = families.by_model_type().get(model.model_type)
+    if record is None or record.eagle:
+        return []
+    others = (
+        ("enable_eagle_speculation", True, spec.enable_eagle_speculation, "False"),
+        ("is_eagle_draft", True, spec.is_eagle_draft, "False"),
+    )
+    why = f"is not supported for {model.model_type} models on the CPU engine yet"
+    return [Problem.of(name, value, why, f"set {name}={fix}") for name, value, on, fix in others if on]
+
+
+def _alibi_problems(model: ModelSpec, spec: NeuronSpec) -> list[Problem]:
+    """What ALiBi attention (BLOOM) cannot run with yet: its bias is built from the contiguous
+    cache's slot order, per whole head, so not over a flash-decoding sequence shard, a block cache,
+    a token tree or heads split unevenly over the ranks."""
+    if model.position is not PositionKind.ALIBI:
+        return []
+    others = (
+        ("flash_decoding_enabled", True, spec.flash_decoding_enabled, "False"),
+        ("is_block_kv_layout", True, spec.is_block_kv_layout, "False"),
+        ("token_tree_config", spec.token_tree_config, spec.token_tree_config is not None, "None"),
+        ("tp_degree", spec.tp_degree, model.num_attention_heads % spec.tp_degree != 0, "a divisor of the heads"),
+    )
+    why = f"does not run with ALiBi attention ({model.model_type}) on the CPU engine yet"
+    return [Problem.of(name, value, why, f"set {name}={fix}") for name, value, on, fix in others if on]
 
 
 def _moe_problems(model: ModelSpec, spec: NeuronSpec) -> list[Problem]:

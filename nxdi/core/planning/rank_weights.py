@@ -31,7 +31,7 @@ from returns.result import Failure, Result, Success
 
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.planning.sharding import ShardPlan, WeightShard
-from nxdi.core.weight_plan import Combine, SplitExperts, Take, WeightPlan, WeightStep
+from nxdi.core.weight_plan import Combine, SplitExperts, Take, Transpose, WeightPlan, WeightStep
 from nxdi.core.weight_table import ExpertRows, scale_name, tkg_twin
 
 _LAYER = re.compile(r"^layers\.\d+\.")
@@ -73,6 +73,22 @@ def _takes(step: WeightStep, shard: WeightShard, rank: int) -> tuple[Take, ...]:
         assert all(i is None or 0 <= i < size for i in local), "a fused span must lie in its own source"
         takes.append(Take(dim=shard.dim, indices=local))
     return tuple(takes)
+
+
+def _in_source_order(step: WeightStep, takes: tuple[Take, ...]) -> tuple[Take, ...]:
+    """A rank's Takes (indices of the program's layout) as indices of the stored sources: through
+    the step's own Takes (a source ordering its rows otherwise, `RowOrder`), and along the other dim
+    of a source stored transposed (GPT-2's Conv1D: the program's rows are its columns)."""
+    if any(isinstance(t, Transpose) for t in step.transforms):
+        takes = tuple(attrs.evolve(t, dim=1 - t.dim) for t in takes)
+    out = []
+    for k, take in enumerate(takes):
+        base = step.take(k)
+        if base is not None:
+            assert base.dim == take.dim, "a source's row order and the rank's split are along one dim"
+            take = Take(dim=take.dim, indices=[None if i is None else base.indices[i] for i in take.indices])
+        out.append(take)
+    return tuple(out)
 
 
 def _expert_span(shard: WeightShard, rank: int, experts: int) -> range:
@@ -165,7 +181,7 @@ def rank_plan(plan: WeightPlan, shard: ShardPlan, rank: int) -> Result[WeightPla
             # Split differently from the tensor it aliases: read that tensor's source again, as this weight.
             step = attrs.evolve(step, sources=target.sources, combine=Combine.COPY, transforms=target.transforms)
         if entry.dim is not None:
-            step = attrs.evolve(step, takes=_takes(step, entry, rank))
+            step = attrs.evolve(step, takes=_in_source_order(step, _takes(step, entry, rank)))
         steps.append(_own_experts(step, entry, rank))
     # The model's keys this rank does not read (other expert groups' experts) stay known, unused.
     read = {k for s in steps if s.combine is not Combine.ALIAS for k in s.sources}

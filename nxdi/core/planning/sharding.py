@@ -268,8 +268,11 @@ def _norms(model: ModelSpec, tp: int) -> list[WeightShard]:
     names: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     if model.sandwich_norms:  # Gemma: the MLP's input and output have norms of their own
         names += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+    if model.shared_layer_norm:  # GPT-J: attention and MLP read one norm
+        names = ("input_layernorm",)
     layer = [_copy(f"layers.{{i}}.{n}.{k}", (e,), tp) for n in names for k in kinds]
-    return [*layer, *(_copy(f"norm.{k}", (e,), tp, per_layer=False) for k in kinds)]
+    tops = (("norm",) if model.final_norm else ()) + (("embed_norm",) if model.embed_norm else ())
+    return [*layer, *(_copy(f"{n}.{k}", (e,), tp, per_layer=False) for n in tops for k in kinds)]
 
 
 def _embeddings(model: ModelSpec, tp: int, *, vocab_parallel: bool) -> list[WeightShard]:
@@ -282,6 +285,8 @@ def _embeddings(model: ModelSpec, tp: int, *, vocab_parallel: bool) -> list[Weig
             "embed_tokens.weight", ShardRule.COLUMN_PARALLEL, (v, e), 1, tp, per_layer=False, padded=round_up(e, tp)
         )
     out = [embed, _split("lm_head.weight", ShardRule.COLUMN_PARALLEL, (v, e), 0, tp, per_layer=False, padded=vp)]
+    if model.lm_head_bias:
+        out.append(_split("lm_head.bias", ShardRule.COLUMN_PARALLEL, (v,), 0, tp, per_layer=False, padded=vp))
     if model.position is PositionKind.LEARNED:
         rows = model.max_position_embeddings + model.position_offset
         out.append(_copy("embed_positions.weight", (rows, e), tp, per_layer=False))

@@ -10,11 +10,12 @@ sliding-window layers have their own).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from torch import Tensor
 
-from nxdi.core.model_spec import ModelSpec, RopeSpec
+from nxdi.core.model_spec import ModelSpec, PositionKind, RopeSpec
 from nxdi.core.planning.partition import Partition
 from nxdi.core.programs import block_kv, flash_decoding, kv_cache, layers, token_tree
 from nxdi.core.programs.block_kv import BlockInputs
@@ -44,7 +45,7 @@ def attend(
     k_cache: Tensor,
     v_cache: Tensor,
     *,
-    rope: tuple[Tensor, Tensor],
+    rope: tuple[Tensor, Tensor] | None,
     mask: Tensor | None,
     window: int | None,
     slots: Tensor,
@@ -66,7 +67,14 @@ def attend(
         qkv = qkv.clamp(-spec.clip_qkv, spec.clip_qkv)
     qkv = qkv.view(b, s, h + 2 * kh, d)
     v = qkv[:, :, h + kh :]
-    if spec.qk_norm:
+    if rope is None:  # positions enter elsewhere (learned, ALiBi)
+        q, k = qkv[:, :, :h], qkv[:, :, h : h + kh]
+    elif spec.rotary_dim is not None:  # partial rotary: the first rotary_dim dims of each head turn
+        qk = qkv[:, :, : h + kh]
+        r = spec.rotary_dims
+        qk = torch.cat((layers.apply_rope(qk[..., :r], *rope), qk[..., r:]), dim=-1)
+        q, k = qk[:, :, :h], qk[:, :, h:]
+    elif spec.qk_norm:
         assert w.q_norm is not None and w.k_norm is not None, "qk_norm needs q_norm and k_norm weights"
         q = layers.rms_norm(qkv[:, :, :h], w.q_norm, spec.norm_eps, offset=spec.norm_offset)
         k = layers.rms_norm(qkv[:, :, h : h + kh], w.k_norm, spec.norm_eps, offset=spec.norm_offset)
@@ -74,6 +82,8 @@ def attend(
     else:  # q and k heads roped together: the same elementwise ops, half the calls
         qk = layers.apply_rope(qkv[:, :, : h + kh], *rope)
         q, k = qk[:, :, :h], qk[:, :, h:]
+    dtype = q.dtype
+    q = q.float() if spec.attention_upcast else q  # scores, softmax and mix in fp32 (GPT-J); the cache is read as fp32
     if blocks is not None:
         assert mask is not None, "a block step has a mask per layer"
         o, k_cache, v_cache = _block_attention(q, k, v, k_cache, v_cache, mask, blocks, scale=spec.attention_scale)
@@ -95,6 +105,7 @@ def attend(
         k_cache = kv_cache.write(k_cache, k.transpose(1, 2), slots)
         v_cache = kv_cache.write(v_cache, v.transpose(1, 2), slots)
         o = layers.attend(q, k_cache, v_cache, mask, scale=spec.attention_scale)  # [B, S, H_r*D]
+    o = o.to(dtype)
     bias = w.o_bias if part.tp == 1 else None  # with ranks, the bias is added once, after the sum
     return linear(o.view(b * s, h * d), w.o, bias), k_cache, v_cache  # this rank's share of [N, E]
 
@@ -147,6 +158,44 @@ def masks(
     return out
 
 
+def alibi_slopes(heads: int) -> Tensor:
+    """[heads] fp32: BLOOM's ALiBi slopes, a geometric sequence for the largest power of two of heads
+    and, past it, every other slope of the sequence twice as long (the ALiBi paper's rule)."""
+    closest = 2 ** math.floor(math.log2(heads))
+
+    def powers(base: float, exponents: range) -> Tensor:  # in fp32, as BLOOM computes them
+        return torch.pow(torch.tensor(base, dtype=torch.float32), torch.tensor(exponents, dtype=torch.int32))
+
+    slopes = powers(2 ** (-(2 ** -(math.log2(closest) - 3))), range(1, closest + 1))
+    if closest == heads:
+        return slopes
+    extra = powers(2 ** (-(2 ** -(math.log2(2 * closest) - 3))), range(1, 1 + 2 * min(closest, heads - closest), 2))
+    return torch.cat((slopes, extra))
+
+
+def alibi_masks(
+    masks: list[Tensor | None], spec: ModelSpec, part: Partition, coll: Collectives, dtype: torch.dtype
+) -> list[Tensor | None]:
+    """The layers' boolean masks [B, 1, S, T] as ALiBi's additive ones [B, H_r, S, T] in `dtype`:
+    `slope(head) * t` for a visible slot t (slot t holds position t: softmax ignores the query's own
+    offset), -inf elsewhere. Every query head has its own kv head (MHA), so masks are not folded.
+    Under tensor parallelism rank r holds heads r*H_r .. r*H_r + H_r - 1 (the heads divide tp,
+    which the configuration checks)."""
+    slopes = alibi_slopes(spec.num_attention_heads)
+    if part.tp > 1:
+        slopes = slopes.index_select(0, coll.rank() * part.q_heads + torch.arange(part.q_heads))
+    built: dict[int, Tensor] = {}
+    out: list[Tensor | None] = []
+    for m in masks:
+        assert m is not None, "ALiBi runs without flash decoding (checked by the configuration)"
+        if id(m) not in built:
+            t = torch.arange(m.shape[-1], dtype=torch.float32)
+            bias = (slopes[:, None] * t)[None, :, None, :].to(dtype)  # [1, H_r, 1, T]
+            built[id(m)] = torch.where(m, bias, torch.tensor(float("-inf"), dtype=dtype))
+        out.append(built[id(m)])
+    return out
+
+
 def block_masks(
     positions: Tensor, blocks: BlockInputs, block_size: int, spec: ModelSpec, part: Partition
 ) -> list[Tensor | None]:
@@ -161,19 +210,24 @@ def block_masks(
     return [built[spec.layer_window(i)] for i in range(spec.num_layers)]
 
 
-def rope_tables(positions: Tensor, seq_len: Tensor, spec: ModelSpec, dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
-    """Each layer's cos and `layers.signed_sin` [B, S, 1, D] at `positions` [B, S]; layers with the same
-    RoPE (`spec.layer_rope`) share one pair. `seq_len`: the longest real sequence (dynamic NTK)."""
+def rope_tables(
+    positions: Tensor, seq_len: Tensor, spec: ModelSpec, dtype: torch.dtype
+) -> list[tuple[Tensor, Tensor] | None]:
+    """Each layer's cos and `layers.signed_sin` [B, S, 1, R] at `positions` [B, S] (R: the rotated
+    dims, `spec.rotary_dims`); layers with the same RoPE (`spec.layer_rope`) share one pair; None for
+    every layer of a model without RoPE. `seq_len`: the longest real sequence (dynamic NTK)."""
+    if spec.position is not PositionKind.ROPE:
+        return [None] * spec.num_layers
     built: dict[RopeSpec, tuple[Tensor, Tensor]] = {}
-    out = []
+    out: list[tuple[Tensor, Tensor] | None] = []
     for i in range(spec.num_layers):
         rope = spec.layer_rope(i)
-        assert rope is not None, "the dense decoder uses rotary positions"
+        assert rope is not None, "a rotary model has a RoPE"
         if rope not in built:
             cos, sin = layers.rope_cos_sin(
                 rope,
                 positions,
-                head_dim=spec.head_dim,
+                head_dim=spec.rotary_dims,
                 max_positions=spec.max_position_embeddings,
                 dtype=dtype,
                 seq_len=seq_len,

@@ -17,7 +17,7 @@ from torch import Tensor
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.families import runnable
 from nxdi.core.families.record import FamilyRecord, ProgramKind
-from nxdi.core.model_spec import MlpKind, ModelSpec, NormKind, PositionKind
+from nxdi.core.model_spec import ModelSpec, PositionKind
 from nxdi.core.programs import decoder
 from nxdi.core.programs.kv_cache import KVCache
 from nxdi.core.weight_table import WeightTable
@@ -46,14 +46,46 @@ class Program:
 
 
 def _decoder_gaps(spec: ModelSpec) -> list[Problem]:
-    """What the decoder program does not implement yet, one problem each."""
+    """What the decoder program does not implement, one problem each."""
+    rotary = spec.rotary_dim
     gaps = [
-        (spec.mlp_kind is MlpKind.PLAIN, "mlp", spec.mlp_kind.value, "a gated MLP or a mixture of gated experts"),
-        (spec.norm is NormKind.LAYER and spec.norm_bias, "norm_bias", True, "RMSNorm and LayerNorm without a bias"),
-        (spec.position is not PositionKind.ROPE or spec.rope is None, "position", spec.position.value, "RoPE"),
+        (spec.position is PositionKind.ROPE and spec.rope is None, "rope", None, "RoPE with its parameters"),
+        (spec.position is not PositionKind.ROPE and spec.rope is not None, "rope", "set", "RoPE or other positions"),
+        (
+            spec.position is PositionKind.ALIBI and spec.num_kv_heads != spec.num_attention_heads,
+            "num_key_value_heads",
+            spec.num_kv_heads,
+            "ALiBi with one kv head per query head",
+        ),
+        (
+            rotary is not None and (rotary > spec.head_dim or rotary % 2 == 1),
+            "rotary_dim",
+            rotary,
+            f"an even rotary_dim up to head_dim={spec.head_dim}",
+        ),
+        (
+            spec.shared_layer_norm and not spec.parallel_residual,
+            "shared_layer_norm",
+            True,
+            "one norm for attention and MLP only with a parallel residual",
+        ),
+        (
+            spec.parallel_residual and (spec.sandwich_norms or spec.post_layer_norm),
+            "parallel_residual",
+            True,
+            "a parallel residual with norms before each block only",
+        ),
+        (spec.post_layer_norm and spec.sandwich_norms, "post_layer_norm", True, "post-norms or sandwich norms"),
+        (spec.qk_norm and rotary is not None, "rotary_dim", rotary, "q/k norms with RoPE on every dim of a head"),
+        (
+            spec.attention_upcast and spec.position is PositionKind.ALIBI,
+            "attention_upcast",
+            True,
+            "ALiBi in the activation dtype",
+        ),
     ]
     return [
-        Problem.of(field, value, f"is not supported by the decoder program yet (it implements {what})")
+        Problem.of(field, value, f"is not supported by the decoder program (it implements {what})")
         for bad, field, value, what in gaps
         if bad
     ]

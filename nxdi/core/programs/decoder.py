@@ -6,7 +6,10 @@ layer with `spec.full_attention_layers`), projection biases (`spec.qkv_bias`, `o
 `mlp_bias`), per-head q/k RMSNorm (`spec.qk_norm`), an explicit `spec.head_dim`, RMSNorm or
 bias-free LayerNorm (`spec.norm`), clamped q/k/v (`spec.clip_qkv`), and Gemma's parts (`1 + w`
 norms, norms around the attention and MLP outputs, scaled embeddings, a per-layer RoPE, an
-attention scale, soft-capped logits: see `ModelSpec`): every difference between the families it
+attention scale, soft-capped logits), and the pre-Llama families' parts (LayerNorm with a bias,
+before or after each block (`spec.post_layer_norm`), a plain MLP, learned positions, ALiBi,
+partial rotary, a parallel residual with one norm or two, an embedding norm, an lm_head bias,
+fp32 attention: see `ModelSpec`): every difference between the families it
 runs is a field of the `ModelSpec`, decided when the program is traced, never from tensor values;
 a family that does not ask for a feature runs no op for it. The weights come in one layout (fused
 QKV), built from the family's weight table by `weights_from_slots`. Self-attention lives in
@@ -14,8 +17,11 @@ QKV), built from the family's weight table by `weights_from_slots`. Self-attenti
 
 One step, context encoding or token generation alike (the shapes say which):
     h = embed[input_ids]                                   [B*S, E]
+    (+ learned positions[position + offset]; then normed, with `spec.embed_norm`)
     per layer: h += o(attn(rope(q), cache <- rope(k), v))  then  h += down(act(gate h) * up h)
-               (with the inputs normed; Gemma also norms both outputs before the residual adds)
+               (with the inputs normed; Gemma also norms both outputs before the residual adds;
+               post-norm layers norm h after each add; a parallel residual adds both to the
+               layer's input; a plain MLP is down(act(up h)); ALiBi biases the scores instead of RoPE)
     logits = lm_head(norm(h at last_index))                [B, 1, V] fp32 (or [B, S, V])
 Keys/values are written into the cache view at each token's slot before attention reads it, so
 the current token attends to itself; the mask allows slots `<= position` (within the sliding
@@ -45,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nxdi.core.model_spec import MlpKind, ModelSpec, NormKind
+from nxdi.core.model_spec import MlpKind, ModelSpec, NormKind, PositionKind
 from nxdi.core.planning.partition import Partition
 from nxdi.core.programs import attention, inputs, layers, moe, moe_settings
 from nxdi.core.programs.block_kv import BlockInputs
@@ -72,9 +78,18 @@ class GatedMLP:
     down_bias: Tensor | None = None
 
 
-MLP = GatedMLP | moe.Experts
-"""The feed-forward block of a layer, one case per `ModelSpec.mlp_kind` the program runs (the plain
-two-matrix MLP joins as a further case, handled by a `match` in `_mlp`)."""
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
+class PlainMLP:
+    """`down(act(up x))`: up [F, E], down [E, F], optional biases (GPT-2, OPT, BLOOM, GPT-J, GPT-NeoX)."""
+
+    up: Weight
+    down: Weight
+    up_bias: Tensor | None = None
+    down_bias: Tensor | None = None
+
+
+MLP = GatedMLP | PlainMLP | moe.Experts
+"""The feed-forward block of a layer, one case per `ModelSpec.mlp_kind` (a `match` in `_mlp`)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True, slots=True)
@@ -82,11 +97,16 @@ class Layer:
     """One decoder layer."""
 
     input_norm: Tensor | None
-    """[E]; None: the attention reads the residual stream unnormed (an EAGLE draft's layers)."""
+    """[E]; None: the attention reads the residual stream unnormed (an EAGLE draft's layers). With
+    `spec.post_layer_norm`, the norm of the residual after the attention's add instead."""
     attn: attention.Attention
-    post_norm: Tensor
-    """[E] the norm of the MLP input (Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm)."""
+    post_norm: Tensor | None
+    """[E] the norm of the MLP input (Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm;
+    with `spec.post_layer_norm`, of the residual after the MLP's add); None with `spec.shared_layer_norm`."""
     mlp: MLP
+    input_norm_bias: Tensor | None = None
+    """[E] LayerNorm biases (`spec.norm_bias`)."""
+    post_norm_bias: Tensor | None = None
     attn_out_norm: Tensor | None = None
     """[E] the norm of the attention output before the residual add (`spec.sandwich_norms`)."""
     mlp_out_norm: Tensor | None = None
@@ -107,9 +127,18 @@ class DecoderWeights:
     """[V, E]"""
     layers: tuple[Layer, ...]
     norm: Tensor | None
-    """[E]; None: the lm_head reads the last layer's output unnormed (an EAGLE draft)."""
+    """[E]; None: the lm_head reads the last layer's output unnormed (an EAGLE draft; `spec.final_norm` off)."""
     lm_head: Weight
     """[V, E]"""
+    norm_bias: Tensor | None = None
+    """[E] the final LayerNorm's bias."""
+    lm_head_bias: Tensor | None = None
+    """[V] (`spec.lm_head_bias`)."""
+    embed_positions: Tensor | None = None
+    """[P + offset, E] learned positions (`PositionKind.LEARNED`): position p reads row p + offset."""
+    embed_norm: Tensor | None = None
+    """[E] the LayerNorm after the token embeddings (`spec.embed_norm`)."""
+    embed_norm_bias: Tensor | None = None
 
 
 def _group(slots: Mapping[str, Any], prefix: str) -> dict[str, Any]:
@@ -121,6 +150,8 @@ def _mlp_weights(parts: Mapping[str, Any], spec: ModelSpec) -> MLP:
     match spec.mlp_kind:
         case MlpKind.GATED:
             return GatedMLP(**parts)
+        case MlpKind.PLAIN:
+            return PlainMLP(**parts)
         case MlpKind.MOE:
             return moe.Experts(**parts)
     raise ValueError(f"the decoder program has no {spec.mlp_kind.value} MLP (checked by programs.catalog)")
@@ -154,7 +185,9 @@ def weights_from_slots(slots: Mapping[str, Tensor], *, spec: ModelSpec) -> Decod
         return Layer(
             input_norm=parts.get("input_norm"),
             attn=attention.Attention(**_group(parts, "attn")),
-            post_norm=parts["post_norm"],
+            post_norm=parts.get("post_norm"),
+            input_norm_bias=parts.get("input_norm_bias"),
+            post_norm_bias=parts.get("post_norm_bias"),
             mlp=_mlp_weights(mlp, spec),
             attn_out_norm=parts.get("attn_out_norm"),
             mlp_out_norm=parts.get("mlp_out_norm"),
@@ -167,6 +200,11 @@ def weights_from_slots(slots: Mapping[str, Tensor], *, spec: ModelSpec) -> Decod
         layers=tuple(layer(i) for i in range(spec.num_layers)),
         norm=folded.get("norm"),
         lm_head=folded["lm_head"],
+        norm_bias=folded.get("norm_bias"),
+        lm_head_bias=folded.get("lm_head_bias"),
+        embed_positions=folded.get("embed_positions"),
+        embed_norm=folded.get("embed_norm"),
+        embed_norm_bias=folded.get("embed_norm_bias"),
     )
 
 
@@ -196,6 +234,10 @@ def _mlp(
             after = m.down_bias if part.tp > 1 else None
             biases = (m.gate_bias, m.up_bias, m.down_bias if part.tp == 1 else None)
             return layers.gated_mlp(x, m.gate, m.up, m.down, activation=spec.activation, biases=biases), after, None
+        case PlainMLP():
+            after = m.down_bias if part.tp > 1 else None
+            up = layers.ACTIVATION_FNS[spec.activation](linear(x, m.up, m.up_bias))
+            return linear(up, m.down, m.down_bias if part.tp == 1 else None), after, None
         case moe.Experts():
             assert part.moe is not None, "a mixture of experts' partition carries its settings"
             options = moe_settings.moe_options(spec, part.moe)
@@ -230,18 +272,32 @@ def token_embeddings(
     return _scaled_embeddings(_embed(w, input_ids.reshape(-1), spec, part, coll), spec).view(b, s, -1)
 
 
-def _norm(x: Tensor, weight: Tensor | None, spec: ModelSpec) -> Tensor:
+def _norm(x: Tensor, weight: Tensor | None, spec: ModelSpec, bias: Tensor | None = None) -> Tensor:
     """The norm of x [N, E] as `spec` computes it: RMSNorm (Gemma's `1 + w` with `spec.norm_offset`)
-    or bias-free LayerNorm (DBRX)."""
+    or LayerNorm, with a bias (GPT-2, OPT, ...) or without (DBRX)."""
     assert weight is not None, "the spec asks for a norm the weights lack"
     if spec.norm is NormKind.LAYER:
-        return layers.layer_norm(x, weight, spec.norm_eps)
+        return layers.layer_norm(x, weight, spec.norm_eps, bias)
     return layers.rms_norm(x, weight, spec.norm_eps, offset=spec.norm_offset)
 
 
 def _final_norm(h: Tensor, w: DecoderWeights, spec: ModelSpec) -> Tensor:
-    """h normed as the lm_head reads it; h itself for weights without a final norm (an EAGLE draft)."""
-    return h if w.norm is None else _norm(h, w.norm, spec)
+    """h normed as the lm_head reads it; h itself for weights without a final norm (an EAGLE draft,
+    OPT's post-norm variant)."""
+    return h if w.norm is None else _norm(h, w.norm, spec, w.norm_bias)
+
+
+def _positioned(embeds: Tensor, positions: Tensor, w: DecoderWeights, spec: ModelSpec) -> Tensor:
+    """The layers' input [B, S, E]: embeddings plus learned positions (`PositionKind.LEARNED`; row
+    `position + spec.position_offset`, clamped into the table for padding tokens, whose positions
+    are arbitrary), then normed where `spec.embed_norm` asks (BLOOM); embeds itself otherwise."""
+    if spec.position is PositionKind.LEARNED:
+        assert w.embed_positions is not None, "learned positions need their table"
+        rows = (positions + spec.position_offset).clamp(0, w.embed_positions.shape[0] - 1)
+        embeds = embeds + F.embedding(rows, w.embed_positions)
+    if spec.embed_norm:
+        embeds = _norm(embeds, w.embed_norm, spec, w.embed_norm_bias)
+    return embeds
 
 
 def _scaled_embeddings(h: Tensor, spec: ModelSpec) -> Tensor:
@@ -350,12 +406,16 @@ def forward_outputs(
         longest = (slots.gather(1, x.last_index[:, None]) if tree is None else rotary).max() + 1
         ropes = attention.rope_tables(rotary, longest, spec, w.embed.dtype)
         masks = attention.masks(slots, cache.length, spec, part, tree=tree)
+        if spec.position is PositionKind.ALIBI:
+            masks = attention.alibi_masks(masks, spec, part, coll, w.embed.dtype)
+        positions = rotary
         out_index = x.last_index[:, None]  # [B, 1]
     else:
         assert part.kv_group == 1, "a block cache is not split over the sequence (flash decoding)"
         slots = x.position_ids.clamp(min=0)  # a padding token's position is any value
         ropes = attention.rope_tables(slots, torch.where(blocks.segment >= 0, slots, 0).max() + 1, spec, w.embed.dtype)
         masks = attention.block_masks(slots, blocks, int(cache.k[0].shape[1]), spec, part)
+        positions = slots
         out_index = blocks.out_index  # [B, R]
     token_mask = None  # moe_mask_padded_tokens: padding takes no expert capacity and outputs zero
     if part.moe is not None and part.moe.moe_mask_padded_tokens:
@@ -368,6 +428,7 @@ def forward_outputs(
     embeds = (
         token_embeddings(w, x.input_ids, spec=spec, part=part, coll=coll) if inputs_embeds is None else inputs_embeds
     )
+    embeds = _positioned(embeds, positions, w, spec)
     h = embeds.reshape(b * s, -1)  # [B*S, E]
     if sp:
         h = coll.scatter(h.view(b, s, -1), 1).reshape(-1, h.shape[-1])  # [B*S/tp, E]
@@ -375,7 +436,8 @@ def forward_outputs(
     wanted = moe_settings.routing_outputs(part)
     routed: list[moe.MoEOutput] = []
     for i, (lw, mask, k_cache, v_cache) in enumerate(zip(w.layers, masks, cache.k, cache.v, strict=True)):
-        normed = h if lw.input_norm is None else _norm(h, lw.input_norm, spec)
+        pre = lw.input_norm is not None and not spec.post_layer_norm
+        normed = _norm(h, lw.input_norm, spec, lw.input_norm_bias) if pre else h
         normed = _gather_sequence(normed, coll, b=b) if sp else normed
         a, k_cache, v_cache = attention.attend(
             lw.attn,
@@ -392,9 +454,17 @@ def forward_outputs(
             blocks=blocks,
         )
         a = _reduce(a, lw.attn.o_bias if part.tp > 1 else None, coll, part, b=b, sp=sp)
-        h = h + (_norm(a, lw.attn_out_norm, spec) if spec.sandwich_norms else a)
-        normed = _norm(h, lw.post_norm, spec)
-        normed = _gather_sequence(normed, coll, b=b) if sp else normed
+        if spec.parallel_residual:  # the MLP reads the layer's input too (normed by its own norm, or the same)
+            if lw.post_norm is not None:
+                normed = _norm(h, lw.post_norm, spec, lw.post_norm_bias)
+                normed = _gather_sequence(normed, coll, b=b) if sp else normed
+            h = h + a
+        else:
+            h = h + (_norm(a, lw.attn_out_norm, spec) if spec.sandwich_norms else a)
+            if spec.post_layer_norm:
+                h = _norm(h, lw.input_norm, spec, lw.input_norm_bias)
+            normed = h if spec.post_layer_norm else _norm(h, lw.post_norm, spec, lw.post_norm_bias)
+            normed = _gather_sequence(normed, coll, b=b) if sp else normed
         partial, bias, routing = _mlp(
             lw.mlp_for(decode=decode), normed, spec, part, coll, decode=decode, token_mask=token_mask
         )
@@ -403,6 +473,8 @@ def forward_outputs(
             routed.append(routing)
         m = _reduce(partial, bias, coll, part, b=b, sp=sp)
         h = h + (_norm(m, lw.mlp_out_norm, spec) if spec.sandwich_norms else m)
+        if spec.post_layer_norm:
+            h = _norm(h, lw.post_norm, spec, lw.post_norm_bias)
         ks.append(k_cache)
         vs.append(v_cache)
     h = (_gather_sequence(h, coll, b=b) if sp else h).view(b, s, -1)
@@ -410,7 +482,9 @@ def forward_outputs(
     head = h if states is None else states
     if not all_logits:
         head = head.gather(1, out_index[:, :, None].expand(b, out_index.shape[1], h.shape[-1]))  # [B, R, E]
-    logits = linear(head if states is not None else _final_norm(head, w, spec), w.lm_head)  # [B, S', V_r]
+    logits = linear(
+        head if states is not None else _final_norm(head, w, spec), w.lm_head, w.lm_head_bias
+    )  # [B, S', V_r]
     if part.tp > 1:
         logits = coll.all_gather(logits, -1)[..., : spec.vocab_size]  # [B, S', V] on every rank
     logits = _soft_cap(logits, spec.final_logit_softcap).float()

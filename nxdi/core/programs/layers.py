@@ -37,10 +37,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, offset: bool = False) -> 
     return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + weight.float(), eps=eps).to(x.dtype)
 
 
-def layer_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """LayerNorm over the last dim without a bias (DBRX): `weight * (x - mean(x)) / sqrt(var(x) + eps)`,
-    which is `nn.LayerNorm(N, bias=False)` (in x's dtype, as transformers runs it). x [..., N], weight [N]."""
-    return F.layer_norm(x, (x.shape[-1],), weight, None, eps)
+def layer_norm(x: Tensor, weight: Tensor, eps: float, bias: Tensor | None = None) -> Tensor:
+    """LayerNorm over the last dim: `weight * (x - mean(x)) / sqrt(var(x) + eps) + bias`, which is
+    `nn.LayerNorm(N)` (`bias=False` without one, DBRX), in x's dtype as transformers runs it. x [..., N], weight [N]."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
 # --- rotary position embeddings ----------------------------------------------------------------

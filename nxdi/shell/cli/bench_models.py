@@ -85,6 +85,9 @@ FAMILIES: Mapping[str, FamilyKeys] = {
     ),
 }
 """The families `small` and `tiny` know the keys of (every runnable family has `toy`)."""
+TOY_ONLY = frozenset({"gpt2", "opt", "bloom", "gptj", "gpt_neox"})
+"""Runnable families benchmarked at `toy` only: multi-head attention (the sized shapes have 4 kv
+heads) and configs that name their sizes their own way (`n_embd`, `ffn_dim`, ...)."""
 
 
 def model_types() -> tuple[str, ...]:

@@ -1,35 +1,21 @@
 """The transformers-neuronx model classes (`LlamaForSampling`, ...), made from the family records.
 
-A family declares its transformers-neuronx class names once, in its record
-(`ClassNames.tnx`, `nxdi.core.families.llama`). `PENDING` names the classes of the families the
-guide documents whose records do not declare them yet (GPT-2, OPT, BLOOM, GPT-J, GPT-NeoX): each
-class is keyed by its family's `model_type`, so it starts working as soon as a runnable record
-answers to that model_type; until then `from_pretrained` refuses naming the model_type. A name a
-record declares wins over `PENDING`. Classes are built on first attribute access (importing does
-no work), with this module as their `__module__`.
+A family declares its transformers-neuronx class names once, in its record (`ClassNames.tnx`,
+`nxdi.core.families.llama`, `nxdi.core.families.gpt2`, ...). Classes are built on first attribute
+access (importing does no work), with this module as their `__module__`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from nxdi.core import families
 from nxdi.shell.tnx.model import SamplingModel
 
-PENDING: Mapping[str, tuple[str, ...]] = {
-    "gpt2": ("GPT2ForSampling", "GPT2ForSamplingWithContextBroadcasting", "GPT2ForSamplingWithContextBeforeAfter"),
-    "opt": ("OPTForSampling",),
-    "bloom": ("BloomForSampling",),
-    "gptj": ("GPTJForSampling",),
-    "gpt_neox": ("GPTNeoXForSampling",),
-}
-"""model_type -> the guide's class names, for families whose records declare none (yet)."""
-
 
 def class_names() -> dict[str, tuple[str, ...]]:
-    """transformers-neuronx class name -> the model_types it loads (the record's, else `PENDING`'s)."""
-    out: dict[str, tuple[str, ...]] = {name: (model_type,) for model_type, names in PENDING.items() for name in names}
+    """transformers-neuronx class name -> the model_types it loads (its record's)."""
+    out: dict[str, tuple[str, ...]] = {}
     for record in families.RECORDS:
         for name in record.classes.tnx if record.classes is not None else ():
             out[name] = record.model_types

@@ -1,0 +1,1 @@
+"""NxDI's `models.opt` package."""
