@@ -181,17 +181,19 @@ def alibi_masks(
     offset), -inf elsewhere. Every query head has its own kv head (MHA), so masks are not folded.
     Under tensor parallelism rank r holds heads r*H_r .. r*H_r + H_r - 1 (the heads divide tp,
     which the configuration checks)."""
-    slopes = alibi_slopes(spec.num_attention_heads)
+    device = next(m.device for m in masks if m is not None)  # constants made where the step runs (XLA)
+    slopes = alibi_slopes(spec.num_attention_heads).to(device)
     if part.tp > 1:
-        slopes = slopes.index_select(0, coll.rank() * part.q_heads + torch.arange(part.q_heads))
+        own = coll.rank().to(device) * part.q_heads + torch.arange(part.q_heads, device=device)
+        slopes = slopes.index_select(0, own)
     built: dict[int, Tensor] = {}
     out: list[Tensor | None] = []
     for m in masks:
         assert m is not None, "ALiBi runs without flash decoding (checked by the configuration)"
         if id(m) not in built:
-            t = torch.arange(m.shape[-1], dtype=torch.float32)
+            t = torch.arange(m.shape[-1], dtype=torch.float32, device=device)
             bias = (slopes[:, None] * t)[None, :, None, :].to(dtype)  # [1, H_r, 1, T]
-            built[id(m)] = torch.where(m, bias, torch.tensor(float("-inf"), dtype=dtype))
+            built[id(m)] = torch.where(m, bias, float("-inf"))
         out.append(built[id(m)])
     return out
 
