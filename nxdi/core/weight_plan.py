@@ -188,6 +188,11 @@ class Take:
         return tuple(len(self.indices) if d == self.dim else n for d, n in enumerate(shape))
 
 
+def transposes(step: WeightStep) -> bool:
+    """True when `step` reads its source stored `[in, out]` (a Transpose among its transforms)."""
+    return any(isinstance(t, Transpose) for t in step.transforms)
+
+
 @attrs.frozen(kw_only=True)
 class WeightStep:
     """How one nxdi weight is made from renamed checkpoint keys."""
@@ -311,9 +316,12 @@ def _quantized_steps(
 ) -> tuple[WeightStep, ...]:
     """The values step and the scale step of a quantized linear; () when it stays in float.
 
-    Scales are read as stored and cast to `quant.scale_dtype`; per-tensor and per-channel scales become one value
-    per output row (`Rows`; a per-tensor scale is repeated over its source's rows by a Take), so a
-    fused weight whose sources have different per-tensor scales is still one weight.
+    The values are read as stored, through the weight's own layout steps (a Transpose, a Take
+    putting rows in the program's order). Scales are those of the program's [out, in] weight
+    (`nxdi.core.host.quant.layout`), read as stored and cast to `quant.scale_dtype`; per-tensor and
+    per-channel scales become one value per output row (`Rows`; a per-tensor scale is repeated over
+    its source's rows by a Take, a per-row one reordered as its rows are), so a fused weight whose
+    sources have different per-tensor scales is still one weight.
     """
     sources = weight.source_names(spec, prefix)
     kept = [s for s in sources if quant.excludes(s)]
@@ -323,7 +331,7 @@ def _quantized_steps(
         why = f"keeps {kept} in float but not the rest of {list(sources)}, which nxdi fuses into {name}"
         problems.append(Problem.of("modules_to_not_convert", list(quant.skip), why, "list all of them or none"))
         return ()
-    shapes = weight.source_shapes(spec)
+    shapes = [s[::-1] if weight.transposed else s for s in weight.source_shapes(spec)]  # [out, in] each
     scale_shapes = []
     for source, shape in zip(sources, shapes, strict=True):
         match quant.scale_shape(shape, source):
@@ -331,20 +339,28 @@ def _quantized_steps(
                 scale_shapes.append(scale_shape)
             case Failure(problem):
                 problems.append(problem)
+    reordered = [s.name for s in weight.sources if s.rows is not None]
+    if reordered and quant.type == "blockwise_symmetric" and quant.block()[0] != 1:
+        why = f"blocks rows, but {reordered} store their rows in another order than nxdi's {name}"
+        fix = "block along the input axis only (quantization_block_axis=[1])"
+        problems.append(Problem.of("quantization_block_axis", list(quant.block_axis), why, fix))
+        return ()
     if len(scale_shapes) != len(sources):
         return ()
-    combine = Combine.CONCAT if len(sources) > 1 else Combine.COPY
-    blockwise = quant.type == "blockwise_symmetric"
-    takes = tuple(Take(dim=0, indices=(0,) * s[0]) for s in shapes) if quant.type == "per_tensor_symmetric" else ()
-    rows: tuple[Transform, ...] = () if blockwise else (Rows(),)
+    values = attrs.evolve(_step(name, weight, prefix=prefix, spec=spec, casts=()), quantized=True)
+    if quant.type == "per_tensor_symmetric":
+        takes: tuple[Take | None, ...] = tuple(Take(dim=0, indices=(0,) * s[0]) for s in shapes)
+    else:  # one scale row per stored row (a block grid's rows are rows when blocks span one row)
+        takes = tuple(values.take(i) for i in range(len(sources)))
+    rows: tuple[Transform, ...] = () if quant.type == "blockwise_symmetric" else (Rows(),)
     return (
-        WeightStep(name=name, sources=sources, source_shapes=shapes, combine=combine, quantized=True),
+        values,
         WeightStep(
             name=scale_name(name),
             sources=tuple(scale_name(s) for s in sources),
             source_shapes=tuple(scale_shapes),
-            combine=combine,
-            takes=takes,
+            combine=Combine.CONCAT if len(sources) > 1 else Combine.COPY,
+            takes=takes if any(takes) else (),
             transforms=(*rows, CastFloat(dtype=quant.scale_dtype)),
         ),
     )
@@ -395,10 +411,6 @@ def weight_plan_for(
     untied: set[str] = set()
     for entry in table.placed(spec):
         name, slot, weight, prefix = entry.name, entry.slot, entry.weight, entry.source_prefix
-        if quant is not None and weight.linear and (weight.transposed or any(s.rows for s in weight.sources)):
-            why = f"is stored in a layout nxdi reads only in float ({', '.join(weight.source_names(spec, prefix))})"
-            problems.append(Problem.of("quantized", True, why, "use a float checkpoint of this family"))
-            continue
         if quant is not None and weight.linear:
             quantized = _quantized_steps(name, weight, prefix=prefix, spec=spec, quant=quant, problems=problems)
             if quantized:

@@ -330,6 +330,23 @@ class WeightTable:
         """The names of `shapes`, in binding order."""
         return tuple(name for name, _, _ in self.entries(spec))
 
+    def linear_sources(self, spec: ModelSpec) -> dict[str, Source]:
+        """Renamed checkpoint key -> source, for every source of a linear weight (what a quantized
+        checkpoint stores as values plus a scale), in binding order."""
+        return {e.source_prefix + s.name: s for e in self.placed(spec) if e.weight.linear for s in e.weight.sources}
+
+    def tied_sources(self, spec: ModelSpec) -> tuple[str, str] | None:
+        """(renamed key of the tied weight's source, renamed key of the source it aliases) when `spec`
+        ties its word embeddings (`("lm_head.weight", "embed_tokens.weight")` for Llama), else None."""
+        if not spec.tie_word_embeddings:
+            return None
+        by_slot = {e.slot: e for e in self.placed(spec)}
+        slot, target = self.tied
+        if slot not in by_slot or target not in by_slot:
+            return None
+        keys = [by_slot[s].weight.source_names(spec, by_slot[s].source_prefix)[0] for s in (slot, target)]
+        return keys[0], keys[1]
+
     def slots(self, tensors: Mapping[str, object], spec: ModelSpec) -> dict[str, object]:
         """Slot path -> value for the named values given (a tied slot missing from `tensors` is aliased).
         A quantized linear's scale (`scale_name(name)`) goes to `<slot>.scale`."""

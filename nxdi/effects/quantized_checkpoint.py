@@ -23,7 +23,8 @@ from returns.result import Failure, Result, Success
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.host.quant import layout
 from nxdi.core.host.quant.weights import QuantScheme
-from nxdi.core.weight_table import Wrapper
+from nxdi.core.model_spec import ModelSpec
+from nxdi.core.weight_table import WeightTable
 from nxdi.effects import checkpoint, files
 
 SAFETENSORS_NAME = "model.safetensors"
@@ -42,10 +43,11 @@ def save_quantized(
     scheme: QuantScheme,
     modules_to_not_convert: tuple[str, ...] | None,
     *,
-    tie_word_embeddings: bool,
-    wrapper: Wrapper | None = None,
+    table: WeightTable,
+    spec: ModelSpec,
 ) -> Result[Path, ConfigError]:
-    """Quantize the checkpoint at `model_path` and write it to `out` (see the module docstring).
+    """Quantize the checkpoint at `model_path`, of `spec`'s family (`table`), and write it to `out`
+    (see the module docstring).
 
     Returns:
         Success(the file written), or Failure(ConfigError) naming `quantized_checkpoints_path` when
@@ -62,11 +64,10 @@ def save_quantized(
         fix = "point quantized_checkpoints_path at another folder or file"
         return Failure(ConfigError.of("neuron_config.quantized_checkpoints_path", str(out), why, fix))
     state = checkpoint.read_state_dict(model_path)
+    wrapper = table.wrapper_for(spec.model_type)
     if wrapper is not None:  # the language model's tensors, keyed as in the model's own checkpoints
         state = {wrapper.unwrap(k): t for k, t in state.items() if not wrapper.skips(k)}
-    quantized = layout.quantize_state_dict(
-        state, scheme, modules_to_not_convert, tie_word_embeddings=tie_word_embeddings
-    )
+    quantized = layout.quantize_state_dict(state, scheme, modules_to_not_convert, table=table, spec=spec)
     match quantized:
         case Success(tensors):
             if target.suffix == ".safetensors":

@@ -78,9 +78,10 @@ def _quant_problems(plan: weights.WeightPlan, ckpt: checkpoint.Checkpoint) -> li
         plan.rename(k): layout.TensorMeta(shape=shape, dtype=ckpt.torch_dtype(k)) for k, shape in ckpt.shapes().items()
     }
     quantized = [k for s in plan.steps if s.quantized for k in s.sources]
+    transposed = [k for s in plan.steps if s.quantized and weights.transposes(s) for k in s.sources]
     kept = [k for s in plan.steps if not s.quantized for k in s.sources if k.endswith(".weight") and q.excludes(k)]
     checked = layout.check_quantized_checkpoint(
-        metas, layout.QuantPlan(quantized=quantized, excluded=kept), scheme.unwrap()
+        metas, layout.QuantPlan(quantized=quantized, excluded=kept, transposed=frozenset(transposed)), scheme.unwrap()
     )
     return list(checked.failure().problems) if isinstance(checked, Failure) else []
 

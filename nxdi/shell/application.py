@@ -229,14 +229,14 @@ class NeuronApplicationBase:
         program = cls._program_of(config)  # a model nxdi runs
         unwrap(quant_config.save_config(spec), "Cannot save a quantized checkpoint")
         scheme = unwrap(quant_config.scheme(spec), "Cannot save a quantized checkpoint")
-        model = config.model_spec()
+        cls._weight_plan(config)  # what would not read the quantized layout back is refused before writing
         saved = quantized_checkpoint.save_quantized(
             model_path,
             str(spec.quantized_checkpoints_path),
             scheme,
             spec.modules_to_not_convert,
-            tie_word_embeddings=model.tie_word_embeddings,
-            wrapper=program.table.wrapper_for(model.model_type),
+            table=program.table,
+            spec=config.model_spec(),
         )
         unwrap(saved, "Cannot save a quantized checkpoint")
 

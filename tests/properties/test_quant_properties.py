@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import attrs
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,7 +15,7 @@ from nxdi.core.host.quant.weights import QuantDtype, QuantScheme, QuantType, par
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.programs.linear import QuantizedWeight
 from nxdi.core.weight_plan import WeightQuant, scale_name
-from nxdi.testing.strategies.decoders import dense_specs
+from nxdi.testing.strategies.decoders import dense_specs, program_of
 
 DIVISORS = [1, 2, 4, 8, 16]
 
@@ -118,16 +119,49 @@ def test_quantize_is_idempotent_on_dequantized(data: st.DataObject, w: torch.Ten
 # --- quantized weight plans: what a program (and each tensor-parallel rank) gets ------------------
 
 
-@given(
-    spec=dense_specs(),
-    tp=st.integers(1, 4),
-    qtype=st.sampled_from(["per_tensor_symmetric", "per_channel_symmetric"]),
-    seed=st.integers(0, 2**31 - 1),
-)
+@st.composite
+def classic_specs(draw: st.DrawFn, family: str) -> ModelSpec:
+    """The tiny spec of `family` (GPT-2's Conv1D [in, out] weights, BLOOM's and GPT-NeoX's fused QKV
+    stored head by head, GPT-J's reordered rotary rows) with 2 to 8 heads and drawn sizes."""
+    from nxdi.core import families
+    from nxdi.testing import checkpoints
+
+    spec = families.parse_model_spec(checkpoints.tiny_config(family).to_dict()).unwrap()
+    heads = draw(st.sampled_from([2, 4, 8]))
+    return attrs.evolve(
+        spec,
+        num_attention_heads=heads,
+        num_kv_heads=heads,
+        hidden_size=heads * spec.head_dim,
+        num_layers=draw(st.integers(1, 2)),
+        vocab_size=draw(st.integers(8, 48)),
+        intermediate_size=draw(st.integers(4, 40)),
+        tie_word_embeddings=draw(st.booleans()),
+    )
+
+
+QTYPES = st.sampled_from(["per_tensor_symmetric", "per_channel_symmetric"])
+
+
+@given(spec=dense_specs(), tp=st.integers(1, 4), qtype=QTYPES, seed=st.integers(0, 2**31 - 1))
 @settings(max_examples=25, deadline=None)
 def test_quantized_rank_weights_dequantize_to_the_rank_slice_of_the_float_weights(
     spec: ModelSpec, tp: int, qtype: str, seed: int
 ) -> None:
+    _check_rank_weights(spec, tp, qtype, seed)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt", "bloom", "gptj", "gpt_neox"])
+@given(data=st.data(), tp=st.integers(1, 4), qtype=QTYPES, seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=10, deadline=None)
+def test_other_stored_layouts_quantize_to_the_rank_slice_of_the_float_weights(
+    family: str, data: st.DataObject, tp: int, qtype: str, seed: int
+) -> None:
+    """As above, for the families whose checkpoints store linears transposed or rows reordered."""
+    _check_rank_weights(data.draw(classic_specs(family)), tp, qtype, seed)
+
+
+def _check_rank_weights(spec: ModelSpec, tp: int, qtype: str, seed: int) -> None:
     """A rank's quantized linear (values and scales read through the rank plan) dequantizes to
     exactly what the float rank plan reads from the dequantized checkpoint: scales follow their
     rows through fused Q/K/V, GQA replication, zero padding and row- or column-wise splits."""
@@ -140,9 +174,12 @@ def test_quantized_rank_weights_dequantize_to_the_rank_slice_of_the_float_weight
 
     scheme = parse_quant_scheme(quantization_type=qtype).unwrap()
     state = random_state_dict(spec, seed)
-    quantized = layout.quantize_state_dict(state, scheme, tie_word_embeddings=spec.tie_word_embeddings).unwrap()
+    table = program_of(spec).table
+    quantized = layout.quantize_state_dict(state, scheme, table=table, spec=spec).unwrap()
+    keys = layout.table_keys(table, spec)
+    assert all(quantized[k].dtype == torch.int8 for k in keys.quantized)
     restored = {
-        k: dequantize_state(quantized, k) if layout.is_linear_weight(k) and quantized[k].dtype == torch.int8 else t
+        k: dequantize_state(quantized, k, transposed=k in keys.transposed) if k in keys.quantized else t
         for k, t in quantized.items()
         if not k.endswith(".scale")
     }
@@ -163,7 +200,10 @@ def test_quantized_rank_weights_dequantize_to_the_rank_slice_of_the_float_weight
                 assert torch.equal(weight, want[step.name]), step.name
 
 
-def dequantize_state(tensors: dict[str, Tensor], key: str) -> Tensor:
-    """The float weight of quantized `key` (values times their scale, in float32)."""
+def dequantize_state(tensors: dict[str, Tensor], key: str, *, transposed: bool = False) -> Tensor:
+    """The float weight of quantized `key` (values times their scale, in float32); a transposed
+    one's [out, 1] scale scales its columns."""
     scale = tensors[scale_name(key)]
-    return tensors[key].float() * (scale if scale.numel() == 1 else scale.reshape(-1, 1))
+    if scale.numel() == 1:
+        return tensors[key].float() * scale
+    return tensors[key].float() * (scale.reshape(1, -1) if transposed else scale.reshape(-1, 1))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from returns.result import Failure, Success
@@ -167,19 +169,37 @@ NAMES = [
     "layers.1.mlp.up_proj.weight",
     "layers.10.mlp.up_proj.weight",
 ]
+LINEAR = [k for k in NAMES if "_proj" in k or k.startswith("lm_head")]
+"""The linear weights of NAMES (what `WeightTable.linear_sources` gives for a Llama checkpoint)."""
 
 
 def test_default_quantized_keys() -> None:
-    plan = layout.quantized_keys(NAMES)
-    assert "embed_tokens.weight" not in plan.quantized and "norm.weight" not in plan.quantized
-    assert "layers.0.input_layernorm.weight" not in plan.quantized
-    assert "lm_head.weight" in plan.quantized
-    assert "layers.0.self_attn.q_proj.weight" in plan.quantized
-    assert plan.excluded == ()
+    plan = layout.quantized_keys(LINEAR)
+    assert plan.quantized == tuple(sorted(LINEAR)) and plan.excluded == () and plan.transposed == frozenset()
+
+
+def test_a_familys_linear_weights_are_its_tables() -> None:
+    """Which weights a checkpoint quantizes comes from the family's weight table: OPT's out_proj and
+    fc1/fc2, GPT-2's Conv1D c_attn/c_proj/c_fc (stored [in, out]), never embeddings or norms."""
+    from nxdi.core import families
+    from nxdi.testing import checkpoints
+
+    def keys(family: str) -> layout.QuantPlan:
+        spec = families.parse_model_spec(checkpoints.tiny_config(family).to_dict()).unwrap()
+        return layout.table_keys(families.record_for(family).unwrap().weights, spec)
+
+    llama = keys("llama")
+    assert "layers.0.mlp.gate_proj.weight" in llama.quantized and "lm_head.weight" in llama.quantized
+    assert not any("norm" in k or "embed" in k for k in llama.quantized) and not llama.transposed
+    opt = keys("opt")
+    assert {"layers.1.self_attn.out_proj.weight", "layers.1.fc1.weight", "layers.1.fc2.weight"} <= set(opt.quantized)
+    gpt2 = keys("gpt2")
+    assert {"h.0.attn.c_attn.weight", "h.0.mlp.c_fc.weight"} <= gpt2.transposed and "lm_head.weight" in gpt2.quantized
+    assert "lm_head.weight" not in gpt2.transposed and not any(k.startswith(("wte", "wpe")) for k in gpt2.quantized)
 
 
 def test_modules_to_not_convert_substring_semantics() -> None:
-    plan = layout.quantized_keys(NAMES, ["lm_head", "layers.0.self_attn", "layers.1."])
+    plan = layout.quantized_keys(LINEAR, ["lm_head", "layers.0.self_attn", "layers.1."])
     assert set(plan.excluded) == {
         "lm_head.weight",
         "layers.0.self_attn.q_proj.weight",
@@ -188,12 +208,12 @@ def test_modules_to_not_convert_substring_semantics() -> None:
     }
     assert "layers.10.mlp.up_proj.weight" in plan.quantized
     # The reference's plain substring match: "layers.1" also catches layers.10.
-    assert "layers.10.mlp.up_proj.weight" in layout.quantized_keys(NAMES, ["layers.1"]).excluded
+    assert "layers.10.mlp.up_proj.weight" in layout.quantized_keys(LINEAR, ["layers.1"]).excluded
 
 
 def _state_dict(s: weights.QuantScheme, skip: list[str]) -> dict[str, torch.Tensor]:
     sd = {k: torch.randn(8, 16) for k in NAMES}
-    for key in layout.quantized_keys(NAMES, skip).quantized:
+    for key in layout.quantized_keys(LINEAR, skip).quantized:
         q = quantize_ok(sd[key], s)
         sd[key], sd[scale_name(key)] = q.values, q.scale
     return sd
@@ -202,7 +222,7 @@ def _state_dict(s: weights.QuantScheme, skip: list[str]) -> dict[str, torch.Tens
 @pytest.mark.parametrize("qtype", ["per_tensor_symmetric", "per_channel_symmetric"])
 def test_check_accepts_what_quantize_writes(qtype: str) -> None:
     s = scheme(qtype)
-    plan = layout.quantized_keys(NAMES, ["lm_head"])
+    plan = layout.quantized_keys(LINEAR, ["lm_head"])
     assert layout.check_quantized_checkpoint(layout.metas_of(_state_dict(s, ["lm_head"])), plan, s) == Success(plan)
 
 
@@ -214,7 +234,7 @@ def test_check_lists_every_problem_naming_tensors() -> None:
     sd["layers.0.self_attn.o_proj.scale"] = torch.ones(1)
     del sd["layers.1.mlp.up_proj.weight"]
     sd["lm_head.weight"] = sd["lm_head.weight"].float().to(torch.float8_e4m3fn)
-    result = layout.check_quantized_checkpoint(layout.metas_of(sd), layout.quantized_keys(NAMES), s)
+    result = layout.check_quantized_checkpoint(layout.metas_of(sd), layout.quantized_keys(LINEAR), s)
     assert isinstance(result, Failure)
     by_field = {p.field: p for p in result.failure().problems}
     assert set(by_field) == {
@@ -262,3 +282,29 @@ def test_fp8_per_tensor_0d_scale_accepted() -> None:
     }
     plan = layout.QuantPlan(quantized=["a.q_proj.weight"], excluded=[])
     assert isinstance(layout.check_quantized_checkpoint(meta, plan, s), Success)
+
+
+def test_a_transposed_weights_scale_is_that_of_the_out_in_weight() -> None:
+    """A Conv1D weight stored [in, out] = [16, 8] is quantized per output column: its scale is [8, 1]."""
+    table, spec = _gpt2()
+    w = torch.randn(16, 8)
+    sd = layout.quantize_state_dict(
+        {"transformer.h.0.mlp.c_fc.weight": w}, scheme("per_channel_symmetric"), table=table, spec=spec
+    ).unwrap()
+    values, scale = sd["h.0.mlp.c_fc.weight"], sd["h.0.mlp.c_fc.scale"]
+    assert values.shape == (16, 8) and values.dtype == torch.int8 and scale.shape == (8, 1)
+    torch.testing.assert_close(values.float() * scale.T, w, atol=float(scale.max()) / 2 + 1e-6, rtol=0)
+    plan = layout.QuantPlan(quantized=["h.0.mlp.c_fc.weight"], excluded=[], transposed={"h.0.mlp.c_fc.weight"})
+    s = scheme("per_channel_symmetric")
+    assert isinstance(layout.check_quantized_checkpoint(layout.metas_of(sd), plan, s), Success)
+    wrong = sd | {"h.0.mlp.c_fc.scale": torch.ones(16, 1)}
+    problems = layout.check_quantized_checkpoint(layout.metas_of(wrong), plan, s).failure().problems
+    assert [p.field for p in problems] == ["h.0.mlp.c_fc.scale"] and "[8, 1]" in problems[0].reason
+
+
+def _gpt2() -> tuple[Any, Any]:
+    from nxdi.core import families
+    from nxdi.testing import checkpoints
+
+    spec = families.parse_model_spec(checkpoints.tiny_config("gpt2", n_inner=8, n_embd=16).to_dict()).unwrap()
+    return families.record_for("gpt2").unwrap().weights, spec

@@ -31,7 +31,7 @@ from returns.result import Failure, Result, Success
 
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.planning.sharding import ShardPlan, WeightShard
-from nxdi.core.weight_plan import Combine, SplitExperts, Take, Transpose, WeightPlan, WeightStep
+from nxdi.core.weight_plan import Combine, SplitExperts, Take, WeightPlan, WeightStep, transposes
 from nxdi.core.weight_table import ExpertRows, scale_name, tkg_twin
 
 _LAYER = re.compile(r"^layers\.\d+\.")
@@ -79,7 +79,7 @@ def _in_source_order(step: WeightStep, takes: tuple[Take, ...]) -> tuple[Take, .
     """A rank's Takes (indices of the program's layout) as indices of the stored sources: through
     the step's own Takes (a source ordering its rows otherwise, `RowOrder`), and along the other dim
     of a source stored transposed (GPT-2's Conv1D: the program's rows are its columns)."""
-    if any(isinstance(t, Transpose) for t in step.transforms):
+    if transposes(step):
         takes = tuple(attrs.evolve(t, dim=1 - t.dim) for t in takes)
     out = []
     for k, take in enumerate(takes):

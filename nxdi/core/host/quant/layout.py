@@ -4,11 +4,17 @@ Rules (NxDI `save_quantized_state_dict` / NxD `quantize.convert`):
 - A quantized linear `<prefix>` stores `<prefix>.weight` (values, in the quantization dtype, the
   float weight's shape) and `<prefix>.scale` (float32; [1], [out, 1] or the block grid, see
   `weights.scale_shape_for`). Bias, norms and embeddings stay as they are.
-- Quantized by default: every linear projection, i.e. attention q/k/v/o (or fused Wqkv), MLP
-  gate/up/down, and lm_head (NxD swaps every Column/RowParallelLinear, and lm_head is one).
-  Embeddings and norms are never quantized. NxDI's causal-LM saver writes the base model's state
-  dict (keys without `model.`) plus the lm_head module's (`lm_head.weight`, and `lm_head.scale`
-  when it was quantized; a tied model's lm_head is written as its own weight).
+- Quantized by default: every linear projection, i.e. the sources of the weights the family's
+  weight table marks `linear` (attention q/k/v/o or a fused QKV, the MLP's, and lm_head: NxD swaps
+  every Column/RowParallelLinear, and lm_head is one). Embeddings and norms are never quantized.
+  NxDI's causal-LM saver writes the base model's state dict (keys without the model prefix,
+  `model.` for Llama) plus the lm_head module's (`lm_head.weight`, and `lm_head.scale` when it
+  was quantized; a tied model's lm_head is written as its own weight).
+- A weight stored transposed (GPT-2's Conv1D, `[in, out]`) keeps its stored layout, its values
+  quantized per output channel (its columns); its scale is that of the `[out, in]` weight the
+  program takes (`[out, 1]` per channel, the block grid of `[out, in]`), so every family's scale
+  has one meaning. A weight stored with its rows in another order (a fused QKV head by head) is
+  quantized row by row as stored: its scale rows follow its rows.
 - `modules_to_not_convert` entries are *substrings* of the module path (the key without
   `.weight`): "layers.0.mlp" skips layers.0.mlp.{gate,up,down}_proj, and "lm_head" skips lm_head.
   As in the reference, "layers.1" also matches "layers.10...": write "layers.1." to be exact.
@@ -25,13 +31,9 @@ from returns.result import Failure, Result, Success
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.host.quant import weights
 from nxdi.core.host.quant.weights import QuantScheme, QuantType
+from nxdi.core.model_spec import ModelSpec
 from nxdi.core.weight_plan import kept_in_float, module_of
-from nxdi.core.weight_table import scale_name
-
-LINEAR_LEAVES = frozenset(
-    {"q_proj", "k_proj", "v_proj", "o_proj", "Wqkv", "gate_proj", "up_proj", "down_proj", "lm_head"}
-)
-"""Last module-path component of the linears that are quantized unless excluded."""
+from nxdi.core.weight_table import WeightTable, scale_name
 
 _QUANT_DTYPES = {d.torch_dtype: d for d in weights.QuantDtype}
 
@@ -61,27 +63,35 @@ class QuantPlan:
     """`<prefix>.weight` keys holding quantized values (each with a `<prefix>.scale`)."""
     excluded: tuple[str, ...] = attrs.field(converter=_strs)
     """Linear `.weight` keys kept in float because modules_to_not_convert matched them."""
+    transposed: frozenset[str] = frozenset()
+    """Quantized keys stored `[in, out]`: their scale is the `[out, in]` weight's."""
 
 
-def is_linear_weight(key: str) -> bool:
-    """True for `<...>.<leaf>.weight` with leaf one of `LINEAR_LEAVES`."""
-    parts = key.split(".")
-    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in LINEAR_LEAVES
-
-
-def quantized_keys(names: Iterable[str], modules_to_not_convert: Iterable[str] | None = None) -> QuantPlan:
+def quantized_keys(
+    linear: Iterable[str], modules_to_not_convert: Iterable[str] | None = None, *, transposed: Iterable[str] = ()
+) -> QuantPlan:
     """Split a checkpoint's linear weights into quantized and excluded, sorted by key.
 
     Args:
-        names: checkpoint keys, without a `model.` prefix (as NxDI's saver writes them).
+        linear: the keys of the linear weights (`WeightTable.linear_sources`), without the model
+            prefix (as NxDI's saver writes them).
         modules_to_not_convert: substrings of module paths to keep in float; None means none.
+        transposed: the linear keys stored `[in, out]`.
     """
     skip = tuple(modules_to_not_convert or ())
-    linear = sorted(k for k in set(names) if is_linear_weight(k))
+    keys = sorted(set(linear))
+    quantized = [k for k in keys if not kept_in_float(k, skip)]
     return QuantPlan(
-        quantized=[k for k in linear if not kept_in_float(k, skip)],
-        excluded=[k for k in linear if kept_in_float(k, skip)],
+        quantized=quantized,
+        excluded=[k for k in keys if kept_in_float(k, skip)],
+        transposed=frozenset(transposed) & frozenset(quantized),
     )
+
+
+def table_keys(table: WeightTable, spec: ModelSpec, modules_to_not_convert: Iterable[str] | None = None) -> QuantPlan:
+    """`quantized_keys` of the linear weights of a family's checkpoint (`table`, `spec`)."""
+    linear = table.linear_sources(spec)
+    return quantized_keys(linear, modules_to_not_convert, transposed=[k for k, s in linear.items() if s.transposed])
 
 
 def metas_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorMeta]:
@@ -123,7 +133,7 @@ def check_quantized_checkpoint(
     """
     problems: list[Problem] = []
     for key in plan.quantized:
-        problems.extend(_check_one(tensors, key, scheme))
+        problems.extend(_check_one(tensors, key, scheme, transposed=key in plan.transposed))
     for key in plan.excluded:
         meta = tensors.get(key)
         if meta is not None and meta.dtype in _QUANT_DTYPES:
@@ -138,7 +148,7 @@ def check_quantized_checkpoint(
     return Failure(ConfigError(problems=problems)) if problems else Success(plan)
 
 
-def _check_one(tensors: Mapping[str, TensorMeta], key: str, scheme: QuantScheme) -> list[Problem]:
+def _check_one(tensors: Mapping[str, TensorMeta], key: str, scheme: QuantScheme, *, transposed: bool) -> list[Problem]:
     out: list[Problem] = []
     regen = "regenerate the quantized checkpoint with this config"
     meta = tensors.get(key)
@@ -156,9 +166,10 @@ def _check_one(tensors: Mapping[str, TensorMeta], key: str, scheme: QuantScheme)
     if smeta is None:
         out.append(Problem.missing(skey, f"{regen}; every quantized weight needs its scale"))
         return out
-    match weights.scale_shape_for(scheme, meta.shape, name=key):
+    shape = meta.shape[::-1] if transposed else meta.shape  # the [out, in] weight the scale is of
+    match weights.scale_shape_for(scheme, shape, name=key):
         case Success(want) if not _shape_ok(scheme, smeta.shape, want):
-            out.append(_scale_shape_problem(skey, meta.shape, smeta.shape, want, scheme))
+            out.append(_scale_shape_problem(skey, shape, smeta.shape, want, scheme))
         case Failure(err):
             out.extend(err.problems)
     return out
@@ -190,28 +201,36 @@ def quantize_state_dict(
     scheme: QuantScheme,
     modules_to_not_convert: Iterable[str] | None = None,
     *,
-    tie_word_embeddings: bool = False,
-    model_prefix: str = "model.",
+    table: WeightTable,
+    spec: ModelSpec,
 ) -> Result[dict[str, torch.Tensor], ConfigError]:
-    """A Hugging Face causal-LM state dict in NxDI's quantized checkpoint layout.
+    """A Hugging Face causal-LM state dict of `spec`'s family (`table`) in NxDI's quantized
+    checkpoint layout.
 
-    The layout `save_quantized_state_dict` writes: the base model's keys without `model_prefix`
-    plus `lm_head.*` (a tied model's lm_head is written as its own `lm_head.weight`, as the
-    reference saves the lm_head module), every linear `quantized_keys` selects replaced by its
-    values and a `.scale`, everything else as given. `tensors` is not modified.
+    The layout `save_quantized_state_dict` writes: the base model's keys without the table's model
+    prefix plus `lm_head.*` (a tied model's lm_head is written as its own `lm_head.weight`, as the
+    reference saves the lm_head module), every linear `table_keys` selects replaced by its values
+    and a `.scale` (a transposed one quantized per output column, see the module docstring),
+    everything else as given. `tensors` is not modified; a linear it lacks is left for the load-time
+    check to name.
 
     Returns:
         Success(dict), or Failure(ConfigError) naming every weight the scheme cannot quantize
         (e.g. blocks that do not tile it).
     """
-    out = {k.removeprefix(model_prefix): t for k, t in tensors.items()}
-    if tie_word_embeddings and "lm_head.weight" not in out and "embed_tokens.weight" in out:
-        out["lm_head.weight"] = out["embed_tokens.weight"]
+    prefix = table.model_prefix
+    out = {k.removeprefix(prefix): t for k, t in tensors.items()}
+    tied = table.tied_sources(spec)
+    if tied is not None and tied[0] not in out and tied[1] in out:
+        out[tied[0]] = out[tied[1]]
+    plan = table_keys(table, spec, modules_to_not_convert)
     problems: list[Problem] = []
-    for key in quantized_keys(out, modules_to_not_convert).quantized:
-        match weights.quantize(out[key], scheme, name=key):
+    for key in (k for k in plan.quantized if k in out):
+        flip = key in plan.transposed
+        match weights.quantize(out[key].T if flip else out[key], scheme, name=key):
             case Success(q):
-                out[key], out[scale_name(key)] = q.values, q.scale
+                out[key] = q.values.T.contiguous() if flip else q.values
+                out[scale_name(key)] = q.scale
             case Failure(err):
                 problems.extend(err.problems)
     return Failure(ConfigError(problems=problems)) if problems else Success(out)
