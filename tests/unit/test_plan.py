@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 from returns.result import Failure
@@ -80,7 +79,8 @@ def test_speculation_table_and_lora_capacity() -> None:
     assert seeded.to_dict()["lora"]["max_adapters"] == 376
 
 
-def test_planning_405b_takes_under_50_ms() -> None:
+def test_planning_405b_on_trn2() -> None:
+    """The planner's speed on this case is measured by `nxdi bench plan` (target: median < 50 ms), not here."""
     model = spec(LLAMA_31_405B)
     neuron = _spec(
         Platform.TRN2,
@@ -91,14 +91,8 @@ def test_planning_405b_takes_under_50_ms() -> None:
         enable_bucketing=True,
         lora_config={"max_loras": 4},
     )
-    best = float("inf")
-    for _ in range(5):  # the best of a few runs: the machine is shared and timings are noisy
-        start = time.perf_counter()
-        result = plan.plan_for(model, neuron, instance="trn2.48xlarge")
-        best = min(best, time.perf_counter() - start)
-    p = result.unwrap()
+    p = plan.plan_for(model, neuron, instance="trn2.48xlarge").unwrap()
     assert p.sharding.counts.q_padded == 128 and p.kv_cache.shape_per_rank == (4, 1, 16384, 128)
-    assert best < 0.050, best
 
 
 def test_lnc_mismatch_is_a_warning() -> None:
