@@ -9,17 +9,19 @@ confident like real weights; the golden side is transformers in fp32 on the same
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from nxdi import NeuronConfig, OnDeviceSamplingConfig, load_pretrained_config
 from nxdi.core import families
-from nxdi.shell.accuracy import check_accuracy, check_accuracy_logits
+from nxdi.shell.accuracy import LogitReport, check_accuracy, check_accuracy_logits
 from nxdi.shell.exceptions import IncompatibleConfigError, LogitMatchingValidationError
 from nxdi.shell.models import CONFIG_TYPES, MODEL_TYPES
 from nxdi.testing import checkpoints
 from nxdi.testing.training import train_briefly
+from tests.support import moe_routing
 
 FAMILIES = tuple(r.name for r in families.runnable())
 INPUTS = {
@@ -50,12 +52,32 @@ def _model(path: Path, family: str, **neuron: object) -> object:
     return model
 
 
+def _passes_logit_matching(model: Any, family: str) -> LogitReport:
+    """check_accuracy_logits at the reference's tolerances over 2 x 32 positions. A mixture of
+    experts may fail only at a token the fp32 golden routes at a near-tie (`tests.support.moe_routing`),
+    where bf16 rounding rightly picks either expert."""
+    try:
+        report = check_accuracy_logits(model, inputs=INPUTS, num_tokens_to_check=32)
+    except LogitMatchingValidationError as e:
+        if not families.record_for(family).unwrap().moe:
+            raise
+        failed = {(row, r.index) for row, r in e.results.positions if not r.passed}
+        golden = model.load_hf_model(model.model_path).float()
+        ids, mask = INPUTS["input_ids"], INPUTS["attention_mask"]
+        sequences = golden.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=0)
+        ties = moe_routing.near_ties(golden, sequences, mask, model.model_spec.num_experts_per_tok)
+        assert failed <= ties, f"failed at {sorted(failed - ties)}, routed without a near-tie:\n{e}"
+        assert len(failed) <= 2, f"near-ties explain each failure, but {len(failed)} are more than chance:\n{e}"
+        report = e.results
+    assert len(report.positions) == 2 * 32
+    return report
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_passes_logit_matching(family: str, trained_bf16: dict[str, Path]) -> None:
     model = _model(trained_bf16[family], family)
     assert model.spec.torch_dtype == "bfloat16"  # taken from the checkpoint
-    report = check_accuracy_logits(model, inputs=INPUTS, num_tokens_to_check=32)
-    assert report.passed and len(report.positions) == 2 * 32
+    report = _passes_logit_matching(model, family)
     assert max(report.worst().values()) > 0  # bf16 is not bit-exact: the check compared real numbers
 
 
@@ -63,10 +85,9 @@ def test_bf16_passes_logit_matching(family: str, trained_bf16: dict[str, Path]) 
 def test_bf16_passes_logit_matching_at_tp2(family: str, trained_bf16: dict[str, Path]) -> None:
     model = _model(trained_bf16[family], family, tp_degree=2)
     try:
-        report = check_accuracy_logits(model, inputs=INPUTS, num_tokens_to_check=32)
+        _passes_logit_matching(model, family)
     finally:
         model.close()  # type: ignore[attr-defined]
-    assert report.passed and len(report.positions) == 2 * 32
 
 
 def test_bf16_with_on_device_sampling_and_output_logits(trained_bf16: dict[str, Path]) -> None:
