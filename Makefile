@@ -7,6 +7,7 @@
 #   make bench    set up, then `nxdi bench $(BENCH_ARGS)`
 #   make test-xla the XLA tier (tests/xla) in its own environment, .venv-xla: torch-xla 2.9 needs
 #                 torch 2.9 (a CUDA build from the package registry: ~4 GB download, ~7 GB installed)
+#   make test-examples  the examples tier (tests/examples): the documentation's examples as written
 #
 # The install step is recorded in a stamp file and reruns only when pyproject.toml or this Makefile
 # changes, so repeated runs start immediately.
@@ -26,7 +27,7 @@ XLA_BIN := $(XLA_VENV)/bin
 XLA_STAMP := $(XLA_VENV)/.nxdi-installed
 XLA_TORCH ?= torch==2.9.0 torch-xla==2.9.0
 
-.PHONY: setup demo test lint format bench clean test-xla setup-xla
+.PHONY: setup demo test lint format bench clean test-xla setup-xla test-examples
 
 setup: $(STAMP)
 
@@ -73,6 +74,12 @@ $(XLA_STAMP): pyproject.toml Makefile | $(XLA_BIN)/python
 test-xla: setup-xla
 	$(XLA_BIN)/pytest tests/xla -o addopts="-ra --strict-markers" $(PYTEST_ARGS); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no XLA tests (exit 5): treating as failure" >&2; fi; \
+	exit $$status
+
+# The examples tier: the guides' examples at the tensor-parallel degrees they name (slow on 2 cores).
+test-examples: setup
+	$(BIN)/pytest tests/examples -o addopts="-ra --strict-markers" $(PYTEST_ARGS); status=$$?; \
+	if [ $$status -eq 5 ]; then echo "pytest collected no example tests (exit 5): treating as failure" >&2; fi; \
 	exit $$status
 
 bench: setup

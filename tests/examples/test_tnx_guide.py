@@ -5,9 +5,9 @@ the optional compat distribution provides (`compat/transformers_neuronx`, re-exp
 `nxdi.shell.tnx`; the `compat_package` fixture puts it on sys.path). The only change made to an
 example is its hub ids, replaced by tiny local checkpoints (with a local word tokenizer) of the
 family the example names. Examples that name a family's own class (GPT-2, BLOOM) run for each
-runnable record of that family: until the engine runs it, the parameter set is empty and pytest
-reports the test skipped for that reason. Examples that only load a checkpoint through
-`NeuronAutoModelForCausalLM` run on Llama too.
+runnable record of that family; examples that only load a checkpoint through
+`NeuronAutoModelForCausalLM` run on Llama too. Models are built at the tensor-parallel degree an
+example names (tp_degree=8: eight rank processes), hence a tier of its own (`make test-examples`).
 """
 
 from __future__ import annotations
