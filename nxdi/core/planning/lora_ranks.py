@@ -19,12 +19,15 @@ Theory of operation (the layout `nxdi.core.planning.lora` counts for capacity):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from nxdi.core.planning import lora as lora_plan
 from nxdi.core.planning.lora import TARGET_OF, LoraLayout
 from nxdi.core.planning.sharding import ShardPlan, WeightShard
 from nxdi.core.weight_plan import Take
+
+T = TypeVar("T")
 
 _ATTN = "layers.{i}.self_attn"
 _MLP = "layers.{i}.mlp"
@@ -93,26 +96,55 @@ def _in_layer_0(name: str) -> str:
     return f"{lora_}.{layers}.0.{rest}"
 
 
-def _layer_takes(layout: LoraLayout, plan: ShardPlan, rank: int, *, shard_linear: bool) -> dict[str, Take | None]:
-    """The slices of layer 0's stacked tensors."""
-    out: dict[str, Take | None] = {}
-    layer = 0
+def _base_count(plan: ShardPlan, module: str, rank: int) -> int:
+    """`len(_base_indices(...))` without building the indices (what sizes need)."""
+    if TARGET_OF[module] == "qkv" and not any(w.name == f"{_ATTN}.Wqkv.weight" for w in plan.weights):
+        spans = plan.weight(f"{_ATTN}.{module}.weight").rank_spans[rank]
+    elif TARGET_OF[module] == "qkv":
+        part = lora_plan.QKV_MODULES.index(module)
+        spans = (plan.weight(f"{_ATTN}.Wqkv.weight").rank_spans[rank][part],)
+    else:
+        spans = plan.weight(_BASE[module]).rank_spans[rank]
+    return sum(stop - start for start, stop in spans)
+
+
+Shape3 = tuple[int, int, int]
+
+
+def _layer_parts(
+    layout: LoraLayout, *, shard_linear: bool, follow: Callable[[str], T], chunk: Callable[[int], T]
+) -> dict[str, tuple[Shape3, tuple[int, T] | None]]:
+    """Layer 0's stacked tensors -> (logical shape, None when a rank holds it whole, else the dim it is
+    split along and what `follow(module)` (the base layer's split) or `chunk(size)` (equal chunks) make
+    of that dim). One traversal serves the slices (`_layer_takes`) and the sizes (`bytes_per_slot`)."""
+    out: dict[str, tuple[Shape3, tuple[int, T] | None]] = {}
     for target in layout.targets():
         carried = [m for m in layout.modules if TARGET_OF[m] == target]
         fan_in = layout.dims(carried[0])[0]
-        a_name = lora_plan.weight_name(layer, target, "a")
+        a_shape = (layout.slots, layout.rank * len(carried), fan_in)
         if _row_parallel(carried[0]):  # o, down: A's columns follow the base's split
-            out[a_name] = Take(dim=2, indices=_base_indices(layout, plan, carried[0], rank))
+            out[lora_plan.weight_name(0, target, "a")] = (a_shape, (2, follow(carried[0])))
         else:
-            out[a_name] = Take(dim=2, indices=_chunk(fan_in, plan.tp, rank)) if shard_linear else None
+            out[lora_plan.weight_name(0, target, "a")] = (a_shape, (2, chunk(fan_in)) if shard_linear else None)
         for m in carried:
-            b_name = lora_plan.b_name(layer, m)
+            fan_out = layout.dims(m)[1]
+            b_shape = (layout.slots, fan_out, layout.rank)
             if _row_parallel(m):
-                fan_out = layout.dims(m)[1]
-                out[b_name] = Take(dim=1, indices=_chunk(fan_out, plan.tp, rank)) if shard_linear else None
+                out[lora_plan.b_name(0, m)] = (b_shape, (1, chunk(fan_out)) if shard_linear else None)
             else:  # q, k, v, gate, up: B's rows follow the base's split
-                out[b_name] = Take(dim=1, indices=_base_indices(layout, plan, m, rank))
+                out[lora_plan.b_name(0, m)] = (b_shape, (1, follow(m)))
     return out
+
+
+def _layer_takes(layout: LoraLayout, plan: ShardPlan, rank: int, *, shard_linear: bool) -> dict[str, Take | None]:
+    """The slices of layer 0's stacked tensors."""
+    parts = _layer_parts(
+        layout,
+        shard_linear=shard_linear,
+        follow=lambda m: _base_indices(layout, plan, m, rank),
+        chunk=lambda size: _chunk(size, plan.tp, rank),
+    )
+    return {name: None if split is None else Take(dim=split[0], indices=split[1]) for name, (_, split) in parts.items()}
 
 
 def rank_shapes(layout: LoraLayout, plan: ShardPlan, *, shard_linear: bool) -> dict[str, tuple[int, int, int]]:
@@ -159,11 +191,17 @@ def gathers(layout: LoraLayout, plan: ShardPlan, *, shard_linear: bool) -> Mappi
 
 
 def bytes_per_slot(layout: LoraLayout, plan: ShardPlan, *, shard_linear: bool, dtype_bytes: int) -> int:
-    """Bytes one adapter slot takes on one rank: what the engine allocates per slot."""
-    takes = _layer_takes(layout, plan, 0, shard_linear=shard_linear)
-    shapes = layout.logical_shapes()
+    """Bytes one adapter slot takes on one rank: what the engine allocates per slot. Counted from
+    the split sizes alone (the planner asks this for every TP degree it tries)."""
+    parts = _layer_parts(
+        layout,
+        shard_linear=shard_linear,
+        follow=lambda m: _base_count(plan, m, 0),
+        chunk=lambda size: -(-size // plan.tp),
+    )
     total = 0
-    for name, take in takes.items():
-        _, a, b = shapes[name] if take is None else take.out_shape(shapes[name])
+    for (_, a, b), split in parts.values():
+        if split is not None:
+            a, b = (split[1], b) if split[0] == 1 else (a, split[1])
         total += a * b
     return total * layout.model.num_layers * dtype_bytes
