@@ -181,10 +181,11 @@ class NeuronApplicationBase:
         return inner_model.program_of(config)
 
     @classmethod
-    def _weight_plan(cls, config: InferenceConfig) -> weight_plans.WeightPlan:
+    def _weight_plan(cls, config: InferenceConfig, spec: NeuronSpec | None = None) -> weight_plans.WeightPlan:
         """The plan that converts a checkpoint of `config`'s model into its program's weights (the
-        quantized checkpoint's layout with `quantized=True`, an EAGLE draft's with `is_eagle_draft`)."""
-        spec = config.neuron_config.spec
+        quantized checkpoint's layout with `quantized=True`, an EAGLE draft's with `is_eagle_draft`);
+        `spec` in place of `config.neuron_config.spec` (a fused draft's, as its pair runs it)."""
+        spec = config.neuron_config.spec if spec is None else spec
         draft = eagle_layout.eagle_draft_for(
             is_eagle_draft=spec.is_eagle_draft,
             input_norm=spec.enable_eagle_draft_input_norm,

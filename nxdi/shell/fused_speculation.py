@@ -130,8 +130,9 @@ class FusedModel:
         self.draft_path = str(fused.draft_model_path)
         self.draft_model = self.draft_config.model_spec()
         self.draft_program = inner_model.program_of(self.draft_config)
+        self.draft_spec = fused_checks.draft_spec(model.spec, self.draft_config.neuron_config.spec)
         self.draft_plan: weight_plans.WeightPlan = _draft_class(fused, self.draft_model.model_type)._weight_plan(
-            self.draft_config
+            self.draft_config, self.draft_spec
         )
         self.k = model.spec.speculation_length
         self.width = eagle_tree.fused_width(model.spec)  # tokens a step emits at most: fused_outputs[0] is [B, width]
@@ -139,10 +140,6 @@ class FusedModel:
     @property
     def spec(self) -> NeuronSpec:
         return self.target.spec
-
-    @property
-    def draft_spec(self) -> NeuronSpec:
-        return self.draft_config.neuron_config.spec
 
     # --- the engine ------------------------------------------------------------------------------
     def engine_model(self) -> fused_engine.FusedEngineModel:
@@ -157,11 +154,14 @@ class FusedModel:
 
     def source(self, checkpoint: str) -> fused_engine.FusedSource:
         """The target's checkpoint at `checkpoint` (its quantized one with quantized=True) and the
-        draft's at draft_model_path (likewise)."""
+        draft's at draft_model_path, as NxDI reads it: there the draft's quantized modules are
+        stored quantized (unless the draft's config names a quantized checkpoint of its own, one
+        that is not the target's: a draft config copied from the target's carries the target's)."""
         target = self.target._source(checkpoint)
-        path = self.draft_path
-        if self.draft_spec.quantized and self.draft_spec.quantized_checkpoints_path is not None:
-            path = str(self.draft_spec.quantized_checkpoints_path)
+        path, own = self.draft_path, self.draft_spec.quantized_checkpoints_path
+        quantized = any(step.quantized for step in self.draft_plan.steps)
+        if quantized and own is not None and own != self.spec.quantized_checkpoints_path:
+            path = str(own)
         draft = engine.CheckpointSource(path=path, plan=self.draft_plan, allow_nonfinite=target.allow_nonfinite)
         return fused_engine.FusedSource(target=target, draft=draft)
 

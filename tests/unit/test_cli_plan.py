@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
-from nxdi.shell.cli import bench_plan
+from nxdi.core.config.neuron_parse import parse_neuron_spec
+from nxdi.shell.cli import bench_plan, cmd_plan
 from nxdi.shell.cli.bench_timing import Timings
 from nxdi.shell.cli.main import main
 from tests.support.planner_configs import (
@@ -21,6 +23,7 @@ from tests.support.planner_configs import (
     OPT_13B,
     PLAN_JSON_KEYS,
 )
+from tests.support.planner_configs import spec as spec_of
 
 JSON_KEYS = PLAN_JSON_KEYS
 L8_TRN1 = ["--instance", "trn1.32xlarge", "--tp-degree", "32"]
@@ -323,3 +326,15 @@ def test_trace_tokengen_model_false_counts_no_token_generation_programs(
     assert "token_generation" not in untraced["programs"]["by_phase"]
     assert untraced["programs"]["total"] == traced["programs"]["total"] - 5
     assert any("trace_tokengen_model=False" in w for w in untraced["warnings"])
+
+
+def test_a_counted_fused_draft_keeps_in_float_what_draft_model_modules_to_not_convert_lists() -> None:
+    """The planner's draft is the target's settings with the draft's list (what the engine runs)."""
+    settings = {"seq_len": 64, "speculation_length": 4, "enable_fused_speculation": True, "quantized": True}
+    quant = {"quantized_checkpoints_path": "/q", "modules_to_not_convert": ["layers.1"]}
+    spec = parse_neuron_spec({**settings, **quant, "draft_model_modules_to_not_convert": ["lm_head"]}).unwrap().spec
+    model = spec_of(LLAMA_31_8B)
+    counted = cmd_plan._counted_draft((model, False), spec)
+    assert counted is not None and counted.spec.modules_to_not_convert == ("lm_head",)
+    unset = cmd_plan._counted_draft((model, False), attrs.evolve(spec, draft_model_modules_to_not_convert=None))
+    assert unset is not None and unset.spec.modules_to_not_convert == ("layers.1",)

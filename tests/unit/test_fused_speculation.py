@@ -8,12 +8,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from torch import Tensor
 
 import nxdi
-from nxdi.core.config.fused_checks import DraftSide, check_fused_pair
+from nxdi.core.config.fused_checks import DraftSide, check_fused_pair, draft_spec
 from nxdi.core.config.neuron_parse import parse_neuron_spec
 from nxdi.core.config.neuron_spec import NeuronSpec, Phase
 from nxdi.core.families import parse_model_spec
@@ -190,6 +191,23 @@ def test_the_pair_checks_list_every_disagreement() -> None:
     plain = _neuron_spec(seq_len=64)
     assert check_fused_pair(plain, _model(), None) == ()
     assert [p.field for p in check_fused_pair(plain, _model(), DraftSide(path="/d"))] == ["fused_spec_config"]
+
+
+def test_draft_model_modules_to_not_convert_is_the_drafts_list_under_fused_speculation() -> None:
+    quant = {"quantized": True, "quantized_checkpoints_path": "/q", "modules_to_not_convert": ["layers.3"]}
+    pair = {"seq_len": 64, "speculation_length": K, **quant}
+    target = _neuron_spec(**pair, enable_fused_speculation=True, draft_model_modules_to_not_convert=["lm_head"])
+    copied = _neuron_spec(**pair, draft_model_modules_to_not_convert=["lm_head"])
+    assert draft_spec(target, copied).modules_to_not_convert == ("lm_head",)
+    assert draft_spec(attrs.evolve(target, draft_model_modules_to_not_convert=None), copied) == copied
+    assert draft_spec(attrs.evolve(target, enable_fused_speculation=False), copied) == copied
+    side = DraftSide(spec=copied, model=_model(), path="/d")
+    assert check_fused_pair(target, _model(), side) == ()
+    own = attrs.evolve(copied, modules_to_not_convert=("layers.0",))
+    unquantized = attrs.evolve(copied, quantized=False, modules_to_not_convert=None)
+    for draft, reason in ((own, "would replace"), (unquantized, "is not quantized")):
+        (problem,) = check_fused_pair(target, _model(), DraftSide(spec=draft, model=_model(), path="/d"))
+        assert problem.field == "draft_model_modules_to_not_convert" and reason in problem.reason
 
 
 def test_fused_with_medusa_is_refused_when_the_config_is_made() -> None:

@@ -60,6 +60,8 @@ class OnCpu(enum.Enum):
     """It takes effect when quantized=True; without it it has none (a model warns, as for NO)."""
     WITH_MEDUSA = "with is_medusa=True"
     """It takes effect when is_medusa=True; without it it has none (a model warns, as for NO)."""
+    WITH_FUSED = "with enable_fused_speculation=True"
+    """It takes effect under fused speculation; without it it has none (a model warns, as for NO)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -38,6 +38,16 @@ class DraftSide:
     """`draft_model_path`: where its weights are read."""
 
 
+def draft_spec(target: NeuronSpec, draft: NeuronSpec) -> NeuronSpec:
+    """The draft's spec as the fused pair runs it: with the target's
+    `draft_model_modules_to_not_convert` set, that list replaces the draft's own
+    `modules_to_not_convert` (NxDI's rule: a draft config copied from the target carries the
+    target's list, which names the target's modules)."""
+    if not target.enable_fused_speculation or target.draft_model_modules_to_not_convert is None:
+        return draft
+    return attrs.evolve(draft, modules_to_not_convert=target.draft_model_modules_to_not_convert)
+
+
 def check_fused_pair(target: NeuronSpec, target_model: ModelSpec, draft: DraftSide | None) -> tuple[Problem, ...]:
     """Every reason the target (with `enable_fused_speculation`) cannot run with its draft.
 
@@ -52,7 +62,9 @@ def check_fused_pair(target: NeuronSpec, target_model: ModelSpec, draft: DraftSi
         speculation, or for a mixture of experts' routing outputs (a fused program returns none);
         with EAGLE (`enable_eagle_speculation`) a draft that is not `is_eagle_draft` or whose hidden
         size differs from the target's, and an `is_eagle_draft` draft of a target without EAGLE;
-        a token tree with a node of more children than the vocabulary has tokens.
+        a token tree with a node of more children than the vocabulary has tokens;
+        `draft_model_modules_to_not_convert` on a draft that is not quantized, or against a
+        modules_to_not_convert the draft config sets itself.
     """
     if not target.enable_fused_speculation:
         if draft is None:
@@ -93,6 +105,7 @@ def _pair(target: NeuronSpec, target_model: ModelSpec, draft: DraftSide | None) 
             why = f"differs from the target's {name}={getattr(t, name)}: the draft runs inside the target's programs"
             yield Problem.of(f"{DRAFT}.neuron_config.{name}", getattr(d, name), why, fix)
     yield from _eagle(target, target_model, draft)
+    yield from _draft_quantization(target, d)
     if d.enable_fused_speculation:
         why = "must be False on the draft: the target's config fuses the pair"
         yield Problem.of(f"{DRAFT}.neuron_config.enable_fused_speculation", True, why, "set it to False on the draft")
@@ -127,3 +140,21 @@ def _eagle(target: NeuronSpec, target_model: ModelSpec, draft: DraftSide) -> Ite
         yield Problem.of(
             f"{DRAFT}.hidden_size", draft.model.hidden_size, why, "use the EAGLE draft trained for this target"
         )
+
+
+def _draft_quantization(target: NeuronSpec, draft: NeuronSpec) -> Iterator[Problem]:
+    """`draft_model_modules_to_not_convert` chooses which of a quantized draft's modules stay in
+    float; on a draft that is not quantized it would do nothing, and it would silently override a
+    list the draft config sets itself (one that is not the target's copied list)."""
+    given = target.draft_model_modules_to_not_convert
+    if given is None:
+        return
+    name = "draft_model_modules_to_not_convert"
+    if not draft.quantized:
+        why = f"keeps draft modules in float, but the draft is not quantized ({DRAFT}.neuron_config.quantized=False)"
+        yield Problem.of(name, list(given), why, "unset it, or set quantized=True on the draft config")
+    own = draft.modules_to_not_convert
+    if own is not None and own != target.modules_to_not_convert and own != given:
+        why = f"would replace the draft config's own modules_to_not_convert={list(own)}"
+        fix = f"set one of them: unset {name}, or {DRAFT}.neuron_config.modules_to_not_convert"
+        yield Problem.of(name, list(given), why, fix)

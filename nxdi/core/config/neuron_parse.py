@@ -323,13 +323,14 @@ def without_effect_on_cpu(
     moe: bool = False,
 ) -> tuple[str, ...]:
     """The settings of `spec` declared `OnCpu.NO` (and `OnCpu.WITH_TP` when tp_degree is 1,
-    `OnCpu.WITH_QUANTIZED` when not quantized, `OnCpu.WITH_MEDUSA` without is_medusa) that
+    `OnCpu.WITH_QUANTIZED` when not quantized, `OnCpu.WITH_MEDUSA` without is_medusa, `OnCpu.WITH_FUSED` without fused speculation) that
     `given` (the kwargs `spec` was parsed from) moves off the value they would have had if not
     given, their derived defaults included; sub-spec fields are named `config.field`. The shell
     warns about them."""
     inert = (OnCpu.NO, *((OnCpu.WITH_TP,) if spec.tp_degree == 1 else ()))
     inert += () if spec.quantized else (OnCpu.WITH_QUANTIZED,)
     inert += () if spec.is_medusa else (OnCpu.WITH_MEDUSA,)
+    inert += () if spec.enable_fused_speculation else (OnCpu.WITH_FUSED,)
     no_effect = {n for n, i in infos(NeuronSpec).items() if i.cpu in inert}
     nested = {
         name: frozenset(n for n, i in infos(cls).items() if i.cpu is OnCpu.NO) for name, cls in _SUB_SPECS.items()

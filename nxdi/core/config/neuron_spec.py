@@ -345,8 +345,9 @@ class NeuronSpec:
     )
     draft_model_modules_to_not_convert: tuple[str, ...] | None = _quantization(
         None,
-        "Draft-model module names kept in full precision under fused speculation.",
-        cpu="the draft config's own modules_to_not_convert applies to the fused draft",
+        "The fused draft's modules_to_not_convert (replacing its own): draft modules kept in float; "
+        "list every layer for a float draft.",
+        cpu=OnCpu.WITH_FUSED,
     )
     kv_cache_quant: bool = _quantization(
         False, "Store the KV cache as float8_e4m3fn (half the bytes of bf16), dequantized to torch_dtype on read."

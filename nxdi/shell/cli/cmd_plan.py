@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 from returns.result import Failure, Result, Success
 
-from nxdi.core.config import codec
+from nxdi.core.config import codec, fused_checks
 from nxdi.core.config.fields import did_you_mean
 from nxdi.core.config.neuron_parse import parse_neuron_spec
 from nxdi.core.config.neuron_spec import DTYPE_BYTES, NeuronSpec
@@ -279,12 +279,18 @@ def _draft(args: argparse.Namespace, fused: bool) -> Result[tuple[ModelSpec, boo
 
 def _counted_draft(found: tuple[ModelSpec, bool] | None, spec: NeuronSpec) -> speculation_memory.Draft | None:
     """The draft to count: it runs with the target's settings (fused_spec_config's draft_config is a
-    copy of the target's NeuronConfig), as an EAGLE draft under enable_eagle_speculation."""
+    copy of the target's NeuronConfig), as an EAGLE draft under enable_eagle_speculation, its
+    modules_to_not_convert the target's draft_model_modules_to_not_convert when set."""
     if found is None:
         return None
     model, fc_bias = found
     eagle = spec.enable_eagle_speculation
-    own = attrs.evolve(spec, enable_fused_speculation=False, enable_eagle_speculation=False, is_eagle_draft=eagle)
+    own = attrs.evolve(
+        fused_checks.draft_spec(spec, spec),
+        enable_fused_speculation=False,
+        enable_eagle_speculation=False,
+        is_eagle_draft=eagle,
+    )
     return speculation_memory.Draft(model=model, spec=own, fc_bias=fc_bias)
 
 

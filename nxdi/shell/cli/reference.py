@@ -90,6 +90,8 @@ def _cpu_text(row: Row) -> str:
             return "yes with quantized=True (no effect without)"
         case OnCpu.WITH_MEDUSA:
             return "yes with is_medusa=True (no effect without)"
+        case OnCpu.WITH_FUSED:
+            return "yes with enable_fused_speculation=True (no effect without)"
 
 
 def render_text(rows: list[Row]) -> str:
@@ -145,5 +147,6 @@ def field_help(name: str, spec_cls: type = NeuronSpec) -> str:
         OnCpu.WITH_TP: " [on CPU with tp_degree > 1]",
         OnCpu.WITH_QUANTIZED: " [with quantized=True]",
         OnCpu.WITH_MEDUSA: " [with is_medusa=True]",
+        OnCpu.WITH_FUSED: " [with enable_fused_speculation=True]",
     }[info.cpu]
     return (describe(info) + cpu).replace("%", "%%")  # argparse formats help with %
