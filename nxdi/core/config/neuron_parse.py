@@ -323,10 +323,10 @@ def without_effect_on_cpu(
     moe: bool = False,
 ) -> tuple[str, ...]:
     """The settings of `spec` declared `OnCpu.NO` (and `OnCpu.WITH_TP` when tp_degree is 1,
-    `OnCpu.WITH_QUANTIZED` when not quantized, `OnCpu.WITH_MEDUSA` without is_medusa, `OnCpu.WITH_FUSED` without fused speculation) that
-    `given` (the kwargs `spec` was parsed from) moves off the value they would have had if not
-    given, their derived defaults included; sub-spec fields are named `config.field`. The shell
-    warns about them."""
+    `OnCpu.WITH_QUANTIZED` when not quantized, `OnCpu.WITH_MEDUSA` without is_medusa,
+    `OnCpu.WITH_FUSED` without fused speculation) that `given` (the kwargs `spec` was parsed from)
+    moves off the value they would have had if not given, their derived defaults included;
+    sub-spec fields are named `config.field`. The shell warns about them."""
     inert = (OnCpu.NO, *((OnCpu.WITH_TP,) if spec.tp_degree == 1 else ()))
     inert += () if spec.quantized else (OnCpu.WITH_QUANTIZED,)
     inert += () if spec.is_medusa else (OnCpu.WITH_MEDUSA,)
