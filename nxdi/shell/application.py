@@ -26,7 +26,7 @@ from nxdi.core.errors import ArtifactError, Problem, problems_of, problems_resul
 from nxdi.core.host import weight_ops
 from nxdi.core.host.quant import config as quant_config
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.planning import host_memory, medusa, partition
+from nxdi.core.planning import host_memory, medusa, partition, rank_weights
 from nxdi.core.planning import lora as lora_plan
 from nxdi.core.programs import catalog
 from nxdi.effects import backends, engine, fused_engine, medusa_heads, quantized_checkpoint, staging
@@ -158,7 +158,8 @@ class NeuronApplicationBase:
         """Require a neuron_config, and reject what the CPU engine cannot run (all listed): settings it
         does not implement yet, ranks it cannot lay out (heads over tp_degree, sequence-parallel
         buckets), a fused-speculation draft that does not fit the target (`fused_speculation.check_config`),
-        and LoRA target modules the model lacks (`lora_plan.layout_for`)."""
+        LoRA target modules the model lacks (`lora_plan.layout_for`), and blockwise scale blocks a rank's
+        share of a weight would cut (`rank_weights.block_problems`)."""
         if getattr(config, "neuron_config", None) is None:
             raise IncompatibleConfigError("neuron_config: is required but missing from the InferenceConfig")
         spec = config.neuron_config.spec
@@ -168,6 +169,9 @@ class NeuronApplicationBase:
             + tuple(medusa.model_problems(config.model_spec(), spec))
             + _lora_problems(config.model_spec(), spec)
         )
+        if not problems and spec.quantized and spec.tp_degree > 1:  # a rank's share of a weight cutting scale blocks
+            shard = partition.program_shard_plan(config.model_spec(), spec).unwrap()
+            problems = rank_weights.block_problems(cls._weight_plan(config), shard)
         unwrap(problems_result(spec, problems), "Cannot run on the CPU backend")
 
     def get_compiler_args(self) -> str | None:

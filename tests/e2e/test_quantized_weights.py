@@ -207,10 +207,16 @@ def test_bf16_compiled_decode_uses_the_int8_kernel(
     assert torch.equal(nxdi_generate(compiled, PROMPTS, max_new_tokens=32), eager)
 
 
-def test_tensor_parallel_gives_tp1_tokens(trained: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "quant",
+    [{"quantization_type": "per_tensor_symmetric"}, {"quantization_type": "blockwise_symmetric", **BLOCKWISE}],
+    ids=["per-tensor", "blockwise"],
+)
+def test_tensor_parallel_gives_tp1_tokens(trained: Path, tmp_path: Path, quant: dict[str, Any]) -> None:
+    """Each rank reads the scales of its own rows (per tensor: the repeated one) or, blockwise, of
+    its own blocks (o_proj and down_proj split along their input columns, in blocks of 8)."""
     out = tmp_path / "q"
     out.mkdir()
-    quant = {"quantization_type": "per_tensor_symmetric"}
     _save(trained, out, **quant)
     kw = {"batch_size": 2, "seq_len": 96, "quantized": True, "quantized_checkpoints_path": str(out), **quant}
     one = nxdi_generate(load_model(trained, "llama", **kw), PROMPTS, max_new_tokens=16)
@@ -267,6 +273,20 @@ def test_wrong_values_dtype_is_named(trained: Path, per_channel: Path) -> None:
 def test_half_excluded_fused_qkv_is_refused(trained: Path, per_channel: Path) -> None:
     with pytest.raises(IncompatibleConfigError, match=r"modules_to_not_convert.*fuses"):
         _load_quantized(trained, per_channel, modules_to_not_convert=["layers.0.self_attn.q_proj"])
+
+
+def test_a_rank_cutting_scale_blocks_is_refused(trained: Path, tmp_path: Path) -> None:
+    """Blocks of 64 input columns tile every linear; o_proj's 64 split over 2 ranks give each half a block."""
+    out = tmp_path / "q"
+    out.mkdir()
+    quant = {
+        "quantization_type": "blockwise_symmetric",
+        "quantization_block_axis": [1],
+        "quantization_block_size": [64],
+    }
+    _save(trained, out, **quant)
+    with pytest.raises(IncompatibleConfigError, match=r"quantization_block_size.*cuts blocks of layers\.0\."):
+        load_model(trained, "llama", tp_degree=2, quantized=True, quantized_checkpoints_path=str(out), **quant)
 
 
 def test_missing_quantized_checkpoint_names_the_field(trained: Path, tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from returns.result import Failure, Success
 from torch import Tensor
@@ -13,7 +13,7 @@ from torch import Tensor
 from nxdi.core.host.quant import weights
 from nxdi.core.host.quant.weights import QuantDtype, QuantScheme, QuantType, parse_quant_scheme
 from nxdi.core.model_spec import ModelSpec
-from nxdi.core.programs.linear import QuantizedWeight
+from nxdi.core.programs.linear import QuantizedWeight, dequantize
 from nxdi.core.weight_plan import WeightQuant, scale_name
 from nxdi.testing.strategies.decoders import dense_specs, program_of
 
@@ -161,25 +161,57 @@ def test_other_stored_layouts_quantize_to_the_rank_slice_of_the_float_weights(
     _check_rank_weights(data.draw(classic_specs(family)), tp, qtype, seed)
 
 
-def _check_rank_weights(spec: ModelSpec, tp: int, qtype: str, seed: int) -> None:
+BLOCKS = st.sampled_from([((1,), (2,)), ((1,), (4,)), ((0,), (2,)), ((0, 1), (2, 2))])
+"""(quantization_block_axis, quantization_block_size) of the blockwise cases."""
+
+
+@given(spec=dense_specs(), tp=st.integers(1, 4), block=BLOCKS, seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=40, deadline=None)
+def test_blockwise_rank_weights_dequantize_to_the_rank_slice_or_name_the_block_size(
+    spec: ModelSpec, tp: int, block: tuple[tuple[int, ...], tuple[int, ...]], seed: int
+) -> None:
+    """Blockwise scales follow their blocks through a rank's rows or columns; a rank whose share
+    cuts a block is refused, naming quantization_block_size."""
+    _check_rank_weights(spec, tp, "blockwise_symmetric", seed, block=block)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt", "bloom", "gptj", "gpt_neox"])
+@given(data=st.data(), tp=st.integers(1, 4), size=st.sampled_from([2, 4]), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=10, deadline=None)
+def test_other_stored_layouts_keep_their_column_blocks_on_every_rank(
+    family: str, data: st.DataObject, tp: int, size: int, seed: int
+) -> None:
+    """Blocks along the input columns, for the families storing linears transposed or rows reordered."""
+    _check_rank_weights(data.draw(classic_specs(family)), tp, "blockwise_symmetric", seed, block=((1,), (size,)))
+
+
+def _check_rank_weights(
+    spec: ModelSpec, tp: int, qtype: str, seed: int, *, block: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+) -> None:
     """A rank's quantized linear (values and scales read through the rank plan) dequantizes to
     exactly what the float rank plan reads from the dequantized checkpoint: scales follow their
-    rows through fused Q/K/V, GQA replication, zero padding and row- or column-wise splits."""
+    rows through fused Q/K/V, GQA replication, zero padding and row- or column-wise splits (and,
+    blockwise, their blocks, or the rank plan names the block size its share cuts)."""
     from nxdi.core.host import weight_ops
     from nxdi.core.host.quant import layout
     from nxdi.core.planning import sharding
     from nxdi.core.planning.rank_weights import rank_plan
-    from nxdi.core.programs.linear import dequantize
     from nxdi.testing.strategies.decoders import plan_of, random_state_dict
 
-    scheme = parse_quant_scheme(quantization_type=qtype).unwrap()
+    axes, sizes = block
+    blocks = {"quantization_block_axis": axes, "quantization_block_size": sizes} if axes else {}
+    scheme = parse_quant_scheme(quantization_type=qtype, **blocks).unwrap()
     state = random_state_dict(spec, seed)
     table = program_of(spec).table
-    quantized = layout.quantize_state_dict(state, scheme, table=table, spec=spec).unwrap()
+    saved = layout.quantize_state_dict(state, scheme, table=table, spec=spec)
+    assume(isinstance(saved, Success))  # blocks that tile every linear
+    quantized = saved.unwrap()
     keys = layout.table_keys(table, spec)
     assert all(quantized[k].dtype == torch.int8 for k in keys.quantized)
     restored = {
-        k: dequantize_state(quantized, k, transposed=k in keys.transposed) if k in keys.quantized else t
+        k: dequantize_state(quantized, k, transposed=k in keys.transposed, blockwise=bool(axes))
+        if k in keys.quantized
+        else t
         for k, t in quantized.items()
         if not k.endswith(".scale")
     }
@@ -188,22 +220,35 @@ def _check_rank_weights(spec: ModelSpec, tp: int, qtype: str, seed: int) -> None
         return  # a head layout tp cannot split (checked elsewhere)
     # A quantized lm_head is read as its own weight even when tied; so is the float one compared.
     untied = attrs.evolve(spec, tie_word_embeddings=False)
-    float_plan, quant_plan = plan_of(untied), plan_of(spec, quant=WeightQuant(type=qtype))
+    quant = WeightQuant(type=qtype, block_axis=axes, block_size=sizes)
+    float_plan, quant_plan = plan_of(untied), plan_of(spec, quant=quant)
     for rank in range(tp):
         want = weight_ops.convert(rank_plan(float_plan, shard.unwrap(), rank).unwrap(), restored).unwrap()
-        got = weight_ops.convert(rank_plan(quant_plan, shard.unwrap(), rank).unwrap(), quantized).unwrap()
+        planned = rank_plan(quant_plan, shard.unwrap(), rank)
+        if isinstance(planned, Failure):
+            assert axes and {p.field for p in planned.failure().problems} == {"quantization_block_size"}
+            continue
+        got = weight_ops.convert(planned.unwrap(), quantized).unwrap()
         for step in quant_plan.steps:
             if step.quantized:
                 values, scale = got[step.name], got[scale_name(step.name)]
-                assert values.dtype == torch.int8 and scale.shape == (values.shape[0],)
+                rows, cols = quant.block()
+                want_scale = (values.shape[0] // rows, values.shape[1] // cols) if axes else (values.shape[0],)
+                assert values.dtype == torch.int8 and scale.shape == want_scale
                 weight = dequantize(QuantizedWeight(values=values, scale=scale), torch.float32)
                 assert torch.equal(weight, want[step.name]), step.name
 
 
-def dequantize_state(tensors: dict[str, Tensor], key: str, *, transposed: bool = False) -> Tensor:
+def dequantize_state(
+    tensors: dict[str, Tensor], key: str, *, transposed: bool = False, blockwise: bool = False
+) -> Tensor:
     """The float weight of quantized `key` (values times their scale, in float32); a transposed
-    one's [out, 1] scale scales its columns."""
+    one's [out, 1] scale scales its columns; a blockwise one's scale is a block grid."""
     scale = tensors[scale_name(key)]
     if scale.numel() == 1:
         return tensors[key].float() * scale
+    if blockwise:  # a block grid over the [out, in] weight
+        values = tensors[key].T if transposed else tensors[key]
+        weight = dequantize(QuantizedWeight(values=values, scale=scale), torch.float32)
+        return weight.T if transposed else weight
     return tensors[key].float() * (scale.reshape(1, -1) if transposed else scale.reshape(-1, 1))

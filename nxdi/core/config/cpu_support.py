@@ -149,8 +149,8 @@ def _speculation_programs(spec: NeuronSpec) -> Iterator[Problem]:
 
 def _quantized_weights(spec: NeuronSpec) -> Iterator[Problem]:
     """What quantized weights cannot run with on the CPU engine: MXFP4 (a Neuron compute format),
-    and blockwise scales whose blocks are not one [rows, columns] grid over each linear weight, or
-    with tp_degree > 1 (a rank's rows would cut blocks)."""
+    and blockwise scales whose blocks are not one [rows, columns] grid over each linear weight. (A
+    rank whose share of a weight cuts its blocks is refused by its rank plan, `rank_weights`.)"""
     if not spec.quantized:
         return
     if spec.quantization_dtype == "mxfp4":
@@ -165,9 +165,6 @@ def _quantized_weights(spec: NeuronSpec) -> Iterator[Problem]:
     elif any(a not in (-2, -1, 0, 1) for a in axes) or len({a % 2 for a in axes}) != len(axes):
         why = "must name distinct axes of a [out, in] linear weight (0 or -2, 1 or -1)"
         yield Problem.of("quantization_block_axis", axes, why, fix)
-    if spec.tp_degree > 1:
-        why = f"is not supported with tp_degree={spec.tp_degree} on the CPU engine yet (ranks would cut scale blocks)"
-        yield Problem.of("quantization_type", "blockwise_symmetric", why, "use per_channel_symmetric, or tp_degree=1")
 
 
 HLO_BACKENDS = ("xla", "neuron")

@@ -19,7 +19,8 @@ only the range of rows a Take spans (`Take.bounds`), so a rank holds its shard a
   generation's layout of the same checkpoint tensors, sliced by its own sharding entry.
 - Replicated weights (norms, row-parallel biases) are read whole by every rank.
 - A quantized linear's scales follow its rows: split by output rows, a rank reads the scales of
-  the rows it holds; split by input columns, it reads them all.
+  the rows it holds; split by input columns, it reads them all. Blockwise scales follow their
+  blocks along the split dim, which a rank must hold whole.
 """
 
 from __future__ import annotations
@@ -127,21 +128,56 @@ def _expert_rows_take(
     return Take(dim=0, indices=[None if i is None else x * f + i for x in own for i in rows])
 
 
-def _scale_takes(step: WeightStep, values: WeightStep, shard: WeightShard, rank: int) -> WeightStep:
-    """A quantized linear's scale step, reading the scales of the rows `rank` holds of `values`.
+def _scale_takes(
+    step: WeightStep, values: WeightStep, shard: WeightShard, rank: int, block: tuple[int, int] | None
+) -> Result[WeightStep, Problem]:
+    """A quantized linear's scale step, reading the scales of the part of `values` that `rank` holds.
 
-    Split along its output rows (dim 0), the rank's scales are those of its rows (a per-tensor
-    scale, repeated over the rows by the plan's own Take, stays repeated); split along its input
-    (dim 1) or replicated, every rank holds every row, so every scale.
+    One scale per row (`block` None): split along its output rows (dim 0), the rank's scales are
+    those of its rows (a per-tensor scale, repeated over the rows by the plan's own Take, stays
+    repeated); split along its input (dim 1) or replicated, every rank holds every row, so every
+    scale. Blockwise (`block` = (rows, columns) per scale): the rank's rows or columns along the
+    split dim must be whole blocks (zero padding whole blocks of it), and it reads their scales.
+
+    Returns:
+        Failure naming `quantization_block_size` when the rank's share cuts a block.
     """
-    if shard.dim != 0:
-        return step
+    if shard.dim is None or (block is None and shard.dim != 0):
+        return Success(step)
+    size = 1 if block is None else block[shard.dim]
     takes = []
-    for k, rows in enumerate(_takes(values, shard, rank)):
-        base = step.take(k)
-        picked = [None if i is None else (base.indices[i] if base else i) for i in rows.indices]
-        takes.append(Take(dim=0, indices=picked))
-    return attrs.evolve(step, takes=tuple(takes))
+    for k, cells in enumerate(_takes(values, shard, rank)):
+        base = step.take(k)  # the scale rows of a source stored in another row order (one per row)
+        blocks = _blocks(cells.indices, size)
+        if blocks is None or (base is not None and shard.dim != 0):
+            axis = "rows" if shard.dim == 0 else "columns"
+            why = (
+                f"cuts blocks of {values.name}: rank {rank} holds {len(cells.indices)} of its {axis}, "
+                f"which are not whole blocks of {size}"
+            )
+            fix = "choose a block size that divides each rank's share, or another tp_degree"
+            return Failure(Problem.of("quantization_block_size", list(block or ()), why, fix))
+        picked = blocks if base is None else [None if b is None else base.indices[b] for b in blocks]
+        takes.append(Take(dim=shard.dim, indices=picked))
+    return Success(attrs.evolve(step, takes=tuple(takes)))
+
+
+def _blocks(indices: tuple[int | None, ...], size: int) -> list[int | None] | None:
+    """The block index of each run of `size` indices (None for a run of zero padding), or None
+    when a run is not one whole block (`size` consecutive indices from a multiple of `size`)."""
+    if len(indices) % size:
+        return None
+    out: list[int | None] = []
+    for start in range(0, len(indices), size):
+        run = indices[start : start + size]
+        if all(i is None for i in run):
+            out.append(None)
+            continue
+        first = run[0]
+        if first is None or first % size or list(run) != list(range(first, first + size)):
+            return None
+        out.append(first // size)
+    return out
 
 
 def _same_split(a: WeightShard, b: WeightShard) -> bool:
@@ -167,10 +203,15 @@ def rank_plan(plan: WeightPlan, shard: ShardPlan, rank: int) -> Result[WeightPla
         why = "has no entry in the sharding plan"
         return Failure(ConfigError(problems=tuple(Problem.of(n, "<missing>", why) for n in missing)))
     by_name = {s.name: s for s in plan.steps}
-    steps = []
+    block = plan.quant.block() if plan.quant is not None and plan.quant.type == "blockwise_symmetric" else None
+    steps, problems = [], []
     for step in plan.steps:
         if (values := values_of.get(step.name)) is not None:
-            steps.append(_scale_takes(step, values, table[_pattern(values.name)], rank))
+            match _scale_takes(step, values, table[_pattern(values.name)], rank, block):
+                case Success(scales):
+                    steps.append(scales)
+                case Failure(problem):
+                    problems.append(problem)
             continue
         entry = table[_pattern(step.name)]
         if step.combine is Combine.ALIAS:
@@ -183,7 +224,21 @@ def rank_plan(plan: WeightPlan, shard: ShardPlan, rank: int) -> Result[WeightPla
         if entry.dim is not None:
             step = attrs.evolve(step, takes=_in_source_order(step, _takes(step, entry, rank)))
         steps.append(_own_experts(step, entry, rank))
+    if problems:
+        return Failure(ConfigError(problems=tuple(problems)))
     # The model's keys this rank does not read (other expert groups' experts) stay known, unused.
     read = {k for s in steps if s.combine is not Combine.ALIAS for k in s.sources}
     optional = (plan.optional | plan.read_keys()) - read
     return Success(attrs.evolve(plan, steps=tuple(steps), optional=optional))
+
+
+def block_problems(plan: WeightPlan, shard: ShardPlan) -> tuple[Problem, ...]:
+    """Every blockwise scale block some rank's share cuts (the first such rank's list; nothing for
+    other schemes, which have no blocks to cut). What a model checks before it starts its ranks."""
+    if plan.quant is None or plan.quant.type != "blockwise_symmetric" or shard.tp == 1:
+        return ()
+    for rank in range(shard.tp):
+        ranked = rank_plan(plan, shard, rank)
+        if isinstance(ranked, Failure):
+            return ranked.failure().problems
+    return ()
