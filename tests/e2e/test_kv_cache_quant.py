@@ -4,6 +4,7 @@ The cache is allocated as float8 (half the bytes of bf16, what the planner repor
 stores the float8 cast of what an unquantized model stores, logits move a little, and greedy
 tokens of a briefly trained bf16 model stay those of the unquantized model. It runs with the block
 KV layout, over two rank processes, and from a compiled folder (written in place on the cpu backend).
+The xla backend's float8 cache is checked against this engine in tests/xla.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from nxdi.core.planning import memory
 from nxdi.core.programs import kv_cache
 from nxdi.shell.cli.main import main
 from nxdi.shell.config import NeuronConfig
-from nxdi.shell.exceptions import ArtifactIntegrityError, IncompatibleConfigError
+from nxdi.shell.exceptions import ArtifactIntegrityError
 from nxdi.shell.inference_config import load_pretrained_config
 from nxdi.shell.models import LlamaInferenceConfig, NeuronLlamaForCausalLM
 from nxdi.testing import checkpoints
@@ -193,20 +194,3 @@ def test_compile_then_load_from_the_folder_keeps_the_float8_cache(
     assert torch.equal(nxdi_generate(model, PROMPTS), nxdi_generate(eager, PROMPTS))
     with pytest.raises(ArtifactIntegrityError, match="graph_key"):  # a quantized cache is another graph
         NeuronLlamaForCausalLM(path, config()).load(tmp_path)
-
-
-@pytest.mark.parametrize("backend", ["xla", "neuron"])
-def test_the_backends_that_lower_to_hlo_refuse_a_float8_cache_before_compiling(
-    backend: str, tiny_checkpoint: Callable[..., Path], tmp_path: Path
-) -> None:
-    path = tiny_checkpoint("llama")
-    neuron = NeuronConfig(torch_dtype="float32", seq_len=64, kv_cache_quant=True)
-    model = NeuronLlamaForCausalLM(
-        path, LlamaInferenceConfig(neuron, load_config=load_pretrained_config(path)), backend=backend
-    )
-    for call in (model.compile, model.load):
-        with pytest.raises(
-            IncompatibleConfigError, match=rf"kv_cache_quant=True: runs on the cpu backend only yet, not {backend}"
-        ):
-            call(tmp_path)
-    assert not any(tmp_path.iterdir()), "nothing was compiled"

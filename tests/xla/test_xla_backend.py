@@ -187,6 +187,29 @@ def test_quantized_weights_lower_and_give_the_cpu_engine_tokens(
     assert not [name for name in met.counter_names() if name.startswith("aten::")]
 
 
+@pytest.mark.parametrize(
+    "kv", [{"kv_cache_quant": True}, {"kv_quant_config": {"quant_dtype": "float8_e5m2"}}], ids=["e4m3fn", "e5m2"]
+)
+def test_a_float8_kv_cache_lowers_and_gives_the_cpu_engine_tokens(
+    kv: dict[str, Any], tmp_path: Path, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    """A float8 KV cache is a float8 HLO parameter, written (scatter) and read (convert) in the
+    program, aliased in place across buckets: the CPU engine's tokens and logits, no host fallbacks."""
+    path = tiny_checkpoint("llama")
+    met.clear_all()
+    model = load_model(path, "llama", workdir=tmp_path, backend="xla", batch_size=4, **BUCKETS, **kv)
+    cpu = load_model(path, "llama", batch_size=4, **BUCKETS, **kv)
+    tokens = nxdi_generate(model, PROMPTS, max_new_tokens=40)
+    assert torch.equal(tokens, nxdi_generate(cpu, PROMPTS, max_new_tokens=40))
+    ours = teacher_forced(model, PROMPTS, tokens[:, : LOGIT_STEPS - 1])
+    theirs = teacher_forced(cpu, PROMPTS, tokens[:, : LOGIT_STEPS - 1])
+    assert max_relative_logit_error(theirs, ours) <= 1e-5
+    assert not [name for name in met.counter_names() if name.startswith("aten::")]
+    hlo = zipfile.ZipFile(next((tmp_path).rglob("token_generation_32.xla"))).read("module.hlo.txt").decode()
+    dtype = "f8e4m3fn" if "kv_cache_quant" in kv else "f8e5m2"
+    assert f"{dtype}[" in hlo.split("ENTRY")[1].split("\n")[0]  # a float8 cache parameter
+
+
 def _same_routing(ours: Any, theirs: Any) -> None:
     for a, b in zip(ours.router_logits, theirs.router_logits, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)

@@ -172,33 +172,19 @@ HLO_BACKENDS = ("xla", "neuron")
 
 
 def check_backend_support(spec: NeuronSpec, backend: str) -> Result[NeuronSpec, ConfigError]:
-    """What the backend named `backend` cannot run, beyond what `check_cpu_support` refuses: a
-    quantized (float8) KV cache runs on the cpu backend only, since torch-xla's HLO builder (2.9)
-    has no float8 parameter type to lower a float8 cache input with; dynamic multi-LoRA too (its
-    adapters are copied into the host tensors the cpu backend binds).
+    """What the backend named `backend` cannot run, beyond what `check_cpu_support` refuses:
+    dynamic multi-LoRA runs on the cpu backend only (its adapters are copied into the host tensors
+    the cpu backend binds).
 
     Returns:
-        `Failure` naming the KV quantization or dynamic multi-LoRA setting and the fix, on the xla
-        and neuron backends.
+        `Failure` naming dynamic multi-LoRA and the fix, on the xla and neuron backends.
     """
-    if backend not in HLO_BACKENDS:
+    if backend not in HLO_BACKENDS or spec.lora_config is None or not spec.lora_config.dynamic_multi_lora:
         return Success(spec)
-    problems: list[Problem] = []
-    if spec.lora_config is not None and spec.lora_config.dynamic_multi_lora:
-        # The adapters are copied into the bound host tensors; these backends bind device copies.
-        why = f"runs on the cpu backend only yet, not {backend}: adapters are swapped into host-bound weights"
-        fix = "use the cpu backend, or load every adapter at load() (dynamic_multi_lora=False)"
-        problems.append(Problem.of("lora_config.dynamic_multi_lora", True, why, fix))
-    if not (spec.kv_cache_quant or spec.kv_quant_config is not None):
-        return problems_result(spec, problems)
-    name = "kv_quant_config" if spec.kv_quant_config is not None else "kv_cache_quant"
-    value = spec.kv_dtype if name == "kv_quant_config" else True
-    why = (
-        f"runs on the cpu backend only yet, not {backend}: torch-xla's HLO builder has no float8 "
-        "parameter type for the cache"
-    )
-    problems.append(Problem.of(name, value, why, f"use the cpu backend, or unset {name}"))
-    return problems_result(spec, problems)
+    # The adapters are copied into the bound host tensors; these backends bind device copies.
+    why = f"runs on the cpu backend only yet, not {backend}: adapters are swapped into host-bound weights"
+    fix = "use the cpu backend, or load every adapter at load() (dynamic_multi_lora=False)"
+    return problems_result(spec, [Problem.of("lora_config.dynamic_multi_lora", True, why, fix)])
 
 
 def _refused_sub_fields(spec: NeuronSpec) -> Iterator[Problem]:

@@ -11,7 +11,7 @@ when written (`store`, NxD's direct cast) and cast back to the compute dtype whe
 them (`layers.attend`). `store` saturates at the float8 dtype's largest finite value (448 for
 float8_e4m3fn, 57344 for float8_e5m2): a plain cast gives NaN past 448 on some torch versions
 (2.9) and saturates on others (2.13), and NaN or inf in the cache would spread through attention.
-CPU torch has no scatter/gather kernels for float8, so those run on the cache's bytes (`bits`).
+CPU torch has no scatter/gather kernels for float8, so there those run on the cache's bytes (`bits`).
 """
 
 from __future__ import annotations
@@ -111,8 +111,9 @@ def store(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def bits(t: Tensor) -> Tensor:
-    """A float8 tensor's bytes as a uint8 view (the same memory); any other tensor as it is."""
-    return t.view(torch.uint8) if t.dtype in FLOAT8 else t
+    """A float8 tensor on the CPU as its bytes, a uint8 view (the same memory); any other tensor as
+    it is. XLA scatters and gathers float8 itself (and a dtype view there is not an HLO op)."""
+    return t.view(torch.uint8) if t.dtype in FLOAT8 and t.device.type == "cpu" else t
 
 
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:

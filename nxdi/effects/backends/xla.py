@@ -157,7 +157,7 @@ def lower(fn: FlatProgram, signature: Signature, example: Sequence[Tensor]) -> H
         RuntimeError: the program needs a tensor's value on the host (it cannot be lowered whole).
     """
     torch_xla, builder, xlac = _xla()
-    placeholders = [builder.create_placeholder_tensor(tuple(t.shape), t.dtype) for t in example]
+    placeholders = [_placeholder(builder, xlac, t) for t in example]
     # Collectives chain through the device's token; restore it after lowering, so that no later
     # graph depends on this program's placeholders (executing those would crash).
     device = str(torch_xla.device())
@@ -184,6 +184,18 @@ def lower(fn: FlatProgram, signature: Signature, example: Sequence[Tensor]) -> H
     module = context.hlo()
     text = builder.get_computation_hlo(builder.computation_from_module_proto("xla::nxdi_text", module))
     return HloProgram(module=module, text=text, parameters=tuple(parameters), constants=tuple(constants))
+
+
+_FLOAT8_TYPES = {torch.float8_e4m3fn: "f8e4m3fn", torch.float8_e5m2: "f8e5m2"}
+"""HLO element types of the float8 dtypes (a quantized KV cache), which torch-xla's placeholder
+helper does not map (its table stops at the integer and 16/32/64-bit float types)."""
+
+
+def _placeholder(builder: ModuleType, xlac: ModuleType, t: Tensor) -> Tensor:
+    """A data-less XLA tensor of `t`'s shape and dtype (an HLO parameter once lowered)."""
+    if t.dtype in _FLOAT8_TYPES:
+        return xlac._xla_create_placeholder_tensor(builder.mkshape(_FLOAT8_TYPES[t.dtype], tuple(t.shape)).shape)
+    return builder.create_placeholder_tensor(tuple(t.shape), t.dtype)
 
 
 def collectives(world: int) -> Collectives:
