@@ -96,6 +96,10 @@ class WeightQuant:
             sizes[axis % 2] = size
         return sizes[0], sizes[1]
 
+    def scale_block(self) -> tuple[int, int] | None:
+        """`block()` when the scales are a block grid (blockwise), None when there is one per row."""
+        return self.block() if self.type == "blockwise_symmetric" else None
+
     def scale_shape(self, shape: Shape, name: str) -> Result[Shape, Problem]:
         """The stored scale shape of a [out, in] weight: [1], [out, 1] or the block grid."""
         if self.type == "per_tensor_symmetric":
@@ -340,7 +344,8 @@ def _quantized_steps(
             case Failure(problem):
                 problems.append(problem)
     reordered = [s.name for s in weight.sources if s.rows is not None]
-    if reordered and quant.type == "blockwise_symmetric" and quant.block()[0] != 1:
+    block = quant.scale_block()
+    if reordered and block is not None and block[0] != 1:
         why = f"blocks rows, but {reordered} store their rows in another order than nxdi's {name}"
         fix = "block along the input axis only (quantization_block_axis=[1])"
         problems.append(Problem.of("quantization_block_axis", list(quant.block_axis), why, fix))
@@ -352,7 +357,7 @@ def _quantized_steps(
         takes: tuple[Take | None, ...] = tuple(Take(dim=0, indices=(0,) * s[0]) for s in shapes)
     else:  # one scale row per stored row (a block grid's rows are rows when blocks span one row)
         takes = tuple(values.take(i) for i in range(len(sources)))
-    rows: tuple[Transform, ...] = () if quant.type == "blockwise_symmetric" else (Rows(),)
+    rows: tuple[Transform, ...] = () if block is not None else (Rows(),)
     return (
         values,
         WeightStep(

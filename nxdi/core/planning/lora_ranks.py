@@ -44,20 +44,26 @@ def _row_parallel(module: str) -> bool:
     return module in lora_plan.ROW_PARALLEL_MODULES
 
 
+def _base_shard(plan: ShardPlan, module: str) -> tuple[WeightShard, int | None]:
+    """The base weight `module` follows, and which part of each rank's spans is the module's: Q, K
+    or V's index in a fused `Wqkv` (one span per part), None when the weight is the module's own."""
+    if TARGET_OF[module] == "qkv" and any(w.name == f"{_ATTN}.Wqkv.weight" for w in plan.weights):
+        return plan.weight(f"{_ATTN}.Wqkv.weight"), lora_plan.QKV_MODULES.index(module)
+    if TARGET_OF[module] == "qkv":  # a plan of separate Q, K, V
+        return plan.weight(f"{_ATTN}.{module}.weight"), None
+    return plan.weight(_BASE[module]), None
+
+
 def _base_indices(layout: LoraLayout, plan: ShardPlan, module: str, rank: int) -> list[int | None]:
     """The original indices (None: zero padding) of `module`'s base output rows (column-parallel)
     or input columns (row-parallel) that `rank` holds."""
-    if TARGET_OF[module] == "qkv" and not any(w.name == f"{_ATTN}.Wqkv.weight" for w in plan.weights):
-        (span,) = _spans(plan.weight(f"{_ATTN}.{module}.weight"), rank)  # a plan of separate Q, K, V
+    shard, part = _base_shard(plan, module)
+    if part is None:
+        (span,) = _spans(shard, rank)
         return span
-    if TARGET_OF[module] == "qkv":
-        shard = plan.weight(f"{_ATTN}.Wqkv.weight")
-        part = lora_plan.QKV_MODULES.index(module)
-        q, kv = layout.model.q_size, layout.model.kv_size
-        offset = (0, q, q + kv)[part]
-        return [None if i is None else i - offset for i in _spans(shard, rank)[part]]
-    (span,) = _spans(plan.weight(_BASE[module]), rank)
-    return span
+    q, kv = layout.model.q_size, layout.model.kv_size
+    offset = (0, q, q + kv)[part]
+    return [None if i is None else i - offset for i in _spans(shard, rank)[part]]
 
 
 def _spans(shard: WeightShard, rank: int) -> list[list[int | None]]:
@@ -98,13 +104,8 @@ def _in_layer_0(name: str) -> str:
 
 def _base_count(plan: ShardPlan, module: str, rank: int) -> int:
     """`len(_base_indices(...))` without building the indices (what sizes need)."""
-    if TARGET_OF[module] == "qkv" and not any(w.name == f"{_ATTN}.Wqkv.weight" for w in plan.weights):
-        spans = plan.weight(f"{_ATTN}.{module}.weight").rank_spans[rank]
-    elif TARGET_OF[module] == "qkv":
-        part = lora_plan.QKV_MODULES.index(module)
-        spans = (plan.weight(f"{_ATTN}.Wqkv.weight").rank_spans[rank][part],)
-    else:
-        spans = plan.weight(_BASE[module]).rank_spans[rank]
+    shard, part = _base_shard(plan, module)
+    spans = shard.rank_spans[rank] if part is None else (shard.rank_spans[rank][part],)
     return sum(stop - start for start, stop in spans)
 
 

@@ -148,8 +148,9 @@ def _scale_takes(
     takes = []
     for k, cells in enumerate(_takes(values, shard, rank)):
         base = step.take(k)  # the scale rows of a source stored in another row order (one per row)
+        assert base is None or shard.dim == 0, f"{values.name}: a row-reordered weight (fused QKV) is split by rows"
         blocks = _blocks(cells.indices, size)
-        if blocks is None or (base is not None and shard.dim != 0):
+        if blocks is None:
             axis = "rows" if shard.dim == 0 else "columns"
             why = (
                 f"cuts blocks of {values.name}: rank {rank} holds {len(cells.indices)} of its {axis}, "
@@ -203,7 +204,7 @@ def rank_plan(plan: WeightPlan, shard: ShardPlan, rank: int) -> Result[WeightPla
         why = "has no entry in the sharding plan"
         return Failure(ConfigError(problems=tuple(Problem.of(n, "<missing>", why) for n in missing)))
     by_name = {s.name: s for s in plan.steps}
-    block = plan.quant.block() if plan.quant is not None and plan.quant.type == "blockwise_symmetric" else None
+    block = None if plan.quant is None else plan.quant.scale_block()
     steps, problems = [], []
     for step in plan.steps:
         if (values := values_of.get(step.name)) is not None:
@@ -235,7 +236,7 @@ def rank_plan(plan: WeightPlan, shard: ShardPlan, rank: int) -> Result[WeightPla
 def block_problems(plan: WeightPlan, shard: ShardPlan) -> tuple[Problem, ...]:
     """Every blockwise scale block some rank's share cuts (the first such rank's list; nothing for
     other schemes, which have no blocks to cut). What a model checks before it starts its ranks."""
-    if plan.quant is None or plan.quant.type != "blockwise_symmetric" or shard.tp == 1:
+    if plan.quant is None or plan.quant.scale_block() is None or shard.tp == 1:
         return ()
     for rank in range(shard.tp):
         ranked = rank_plan(plan, shard, rank)
