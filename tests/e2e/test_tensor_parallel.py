@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ import torch
 from safetensors import safe_open
 
 from nxdi.core.host.logit_validation import max_relative_logit_error
+from nxdi.effects.distributed.ranks import free_port
 from nxdi.shell.exceptions import IncompatibleConfigError, RankError
 from nxdi.testing import checkpoints
 from tests.support.engine_fixtures import (
@@ -49,6 +49,7 @@ from tests.support.engine_fixtures import (
     settings_kwargs,
     teacher_forced,
 )
+from tests.support.processes import outputs_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -417,18 +418,12 @@ def test_settings_the_ranks_cannot_run_are_all_listed(tp_model: Callable[..., An
 # --- torchrun ------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_torchrun_two_nodes_of_two_ranks_generate_the_tokens_of_one_rank(
     tiny_checkpoint: Callable[..., Path], tmp_path: Path, loaded_model: Callable[..., Any]
 ) -> None:
     from tests.support.rank_scripts import NEW_TOKENS
 
-    checkpoint, port = tiny_checkpoint("llama"), _free_port()
+    checkpoint, port = tiny_checkpoint("llama"), free_port()
     nodes = []
     for node in (0, 1):
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node)]
@@ -438,14 +433,7 @@ def test_torchrun_two_nodes_of_two_ranks_generate_the_tokens_of_one_rank(
         nodes.append(
             subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
-    try:
-        outputs = [node.communicate(timeout=240)[0] for node in nodes]
-    except subprocess.TimeoutExpired:
-        for node in nodes:
-            node.kill()
-        outputs = [node.communicate()[0] for node in nodes]
-        pytest.fail(f"torchrun did not finish within 240 s:\n{outputs}")
-    assert [n.returncode for n in nodes] == [0, 0], outputs
+    outputs = outputs_of(nodes, timeout=240, what="torchrun")
     lines = [line.split(" ", 2) for out in outputs for line in out.splitlines() if line.startswith("TOKENS ")]
     assert sorted(int(rank) for _, rank, _ in lines) == [0, 1, 2, 3], outputs
     expected = nxdi_generate(loaded_model("llama", batch_size=2), PROMPTS[:2], max_new_tokens=NEW_TOKENS)
@@ -459,7 +447,7 @@ def test_two_node_drivers_set_up_as_the_neuronx_guide_says_generate_the_tokens_o
 ) -> None:
     from tests.support.rank_scripts import NEW_TOKENS
 
-    checkpoint, port = tiny_checkpoint("llama"), _free_port()
+    checkpoint, port = tiny_checkpoint("llama"), free_port()
     nodes = []
     for node in (0, 1):
         command = [
@@ -475,14 +463,7 @@ def test_two_node_drivers_set_up_as_the_neuronx_guide_says_generate_the_tokens_o
         nodes.append(
             subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
-    try:
-        outputs = [node.communicate(timeout=240)[0] for node in nodes]
-    except subprocess.TimeoutExpired:
-        for node in nodes:
-            node.kill()
-        outputs = [node.communicate()[0] for node in nodes]
-        pytest.fail(f"the node drivers did not finish within 240 s:\n{outputs}")
-    assert [n.returncode for n in nodes] == [0, 0], outputs
+    outputs = outputs_of(nodes, timeout=240, what="the node drivers")
     lines = [line.split(" ", 2) for out in outputs for line in out.splitlines() if line.startswith("TOKENS ")]
     assert sorted(int(node) for _, node, _ in lines) == [0, 1], outputs
     started = {

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import socket
 import string
 import subprocess
 import sys
@@ -31,17 +30,13 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from nxdi.core import families
 from nxdi.core.families.record import FamilyRecord
+from nxdi.effects.distributed.ranks import free_port
 from nxdi.testing import checkpoints
 from nxdi.testing.word_tokenizer import word_tokenizer
 from tests.support import tnx_guide_examples as guide
+from tests.support.processes import outputs_of
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -257,7 +252,7 @@ def test_multi_node_tensor_parallel_script(compat_package: Path, checkpoint: Any
     text = text.replace('"openlm-research/open_llama_3b"', repr(checkpoint("llama")))
     script = tmp_path / "multi_node_dev_example.py"
     script.write_text("import torch\ntorch.manual_seed(0)\n" + text)
-    port = _free_port()
+    port = free_port()
     procs = []
     for node in (0, 1):
         variables = {"NEURON_RT_ROOT_COMM_ID": f"127.0.0.1:{port}", "NEURON_RANK_ID": str(node), "NEURON_LOCAL_TP": "1"}
@@ -272,14 +267,7 @@ def test_multi_node_tensor_parallel_script(compat_package: Path, checkpoint: Any
                 text=True,
             )
         )
-    try:
-        outputs = [p.communicate(timeout=300)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        outputs = [p.communicate()[0] for p in procs]
-        pytest.fail(f"the two nodes did not finish within 300 s:\n{outputs}")
-    assert [p.returncode for p in procs] == [0, 0], outputs
+    outputs = outputs_of(procs, timeout=300, what="the two nodes")
     printed = [out.strip().splitlines()[-1] for out in outputs]
     assert printed[0] == printed[1], outputs  # both nodes print the same sample
     assert len(printed[0].split()) == 256, printed[0]  # max_length=256 tokens, decoded (pads included)

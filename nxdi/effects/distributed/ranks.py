@@ -57,7 +57,8 @@ _POLL = 0.05
 _LOG_TAIL = 3000
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -119,7 +120,7 @@ class RankGroup:
         self.ranks = tuple(local)
         """The global rank of each process this group holds, in order."""
         per_rank = threads or max(1, torch.get_num_threads() // len(local))
-        addr, port = ("127.0.0.1", _free_port()) if node is None else (node.master_addr, node.master_port)
+        addr, port = ("127.0.0.1", free_port()) if node is None else (node.master_addr, node.master_port)
         host = None
         if node is None and host_kib > 0 and world > 1:  # shared memory reaches this host's ranks only
             host = host_world.HostPlan(world, host_world.slot_bytes_for(host_kib))
