@@ -132,6 +132,14 @@ class _AfterCalls(StoppingCriteria):
         return self.calls >= self.n
 
 
+def test_a_stopping_criterion_without_call_cannot_be_made() -> None:
+    class Incomplete(StoppingCriteria):
+        pass
+
+    with pytest.raises(TypeError, match="__call__"):
+        Incomplete()  # type: ignore[abstract]
+
+
 def test_streamer_and_stopping_criteria(llama: Any) -> None:
     streamer = _Record()
     out = llama.sample(

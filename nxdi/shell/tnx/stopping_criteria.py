@@ -7,16 +7,19 @@ generation); it stops when any criterion returns True.
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 from torch import Tensor
 
 
-class StoppingCriteria:
-    """Subclass and implement `__call__(input_ids, scores, **kwargs) -> bool`."""
+class StoppingCriteria(abc.ABC):
+    """Subclass and implement `__call__(input_ids, scores, **kwargs) -> bool` (a subclass without it
+    cannot be made: Python names the missing method when it is instantiated)."""
 
+    @abc.abstractmethod
     def __call__(self, input_ids: Tensor, scores: Tensor | None, **kwargs: Any) -> bool:
-        raise NotImplementedError(f"{type(self).__name__} must implement __call__(input_ids, scores) -> bool")
+        """True to stop after this step."""
 
 
 class StoppingCriteriaList(list[StoppingCriteria]):
