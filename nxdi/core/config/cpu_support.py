@@ -150,7 +150,7 @@ def _speculation_programs(spec: NeuronSpec) -> Iterator[Problem]:
 def _quantized_weights(spec: NeuronSpec) -> Iterator[Problem]:
     """What quantized weights cannot run with on the CPU engine: MXFP4 (a Neuron compute format),
     and blockwise scales whose blocks are not one [rows, columns] grid over each linear weight. (A
-    rank whose share of a weight cuts its blocks is refused by its rank plan, `rank_weights`.)"""
+    rank whose share of a weight cuts its blocks is refused by `rank_weights.block_problems`.)"""
     if not spec.quantized:
         return
     if spec.quantization_dtype == "mxfp4":
