@@ -239,6 +239,23 @@ def _edit_adapter(
     return str(dst)
 
 
+def test_an_adapter_saved_as_bin_is_read_as_its_safetensors(
+    world: dict[str, Any], references: list[tuple[torch.Tensor, torch.Tensor]]
+) -> None:
+    """PEFT's other file format: alpha saved as `adapter_model.bin` (a torch pickle) serves its rows
+    the tokens transformers + PEFT gives them."""
+    from safetensors.torch import load_file
+
+    src, dst = Path(world["paths"]["alpha"]), world["root"] / "alpha-bin"
+    dst.mkdir()
+    torch.save(load_file(str(src / "adapter_model.safetensors")), dst / "adapter_model.bin")
+    (dst / "adapter_config.json").write_text((src / "adapter_config.json").read_text())
+    model = _lora_model({**world, "paths": {**world["paths"], "alpha": str(dst)}})
+    tokens = nxdi_generate(model, PROMPTS, max_new_tokens=NEW, adapter_ids=[a or 0 for a in ROWS])
+    for row, (want, _) in enumerate(references):
+        assert tokens[row].tolist() == want.tolist(), ROWS[row]
+
+
 def test_bad_adapters_are_refused_each_named(world: dict[str, Any]) -> None:
     def other_base(t: dict[str, torch.Tensor], _: dict[str, Any]) -> None:
         key = next(k for k in t if "layers.0.self_attn.q_proj.lora_A" in k)
