@@ -107,7 +107,8 @@ class CpuBackend:
     """torch.export programs run eagerly on CPU, with prepacked weights and in-place cache writes."""
 
     pack_weights: bool = True
-    """Prepack 2-D linear weights for oneDNN at bind time (extra memory: one copy of those weights)."""
+    """Fast linears at bind time: decode-sized bf16 ones run nxdi's kernel, the rest read weights prepacked
+    for oneDNN (extra memory: one copy of those weights), int8 ones an int8 kernel."""
     in_place_cache: bool = True
     """Write the KV cache in place when the graph allows it (else every step copies each cache view)."""
     name: str = "cpu"
@@ -170,6 +171,7 @@ class CpuBackend:
         cpu_passes.fold_constants(gm)
         if self.pack_weights:
             packable = cpu_passes.packable_dtypes()
+            cpu_passes.bf16_weight_linears(gm, w_nodes, weights)
             cpu_passes.prepack_linears(gm, w_nodes, sig.weights, weights, packable)
             cpu_passes.int8_weight_linears(gm, w_nodes, sig.weights, weights)
         in_place = cpu_passes.reinplace_cache_writes(gm, c_nodes) if self.in_place_cache else (False,) * len(c_nodes)

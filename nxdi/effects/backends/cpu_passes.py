@@ -22,7 +22,12 @@ out of place). When weights are bound, two rewrites make it fast without changin
    rebuilds: 73 nodes) are merged, and nodes that depend on no input (RoPE inverse frequencies,
    `arange`s) are computed once at bind time.
 
-4. **Int8 weights.** A linear whose weight is a dequantized int8 weight input (`quantized=True`,
+4. **Streamed bf16 decode linears.** A bf16 linear over a few rows (decode) calls nxdi's own
+   kernel (`kernels/bf16_linear.cpp`) on the weight as stored: oneDNN's and MKL's bf16 paths read
+   the weights well below the memory bandwidth at one row on CPUs with AMX. A weight no larger
+   linear reads is then never packed.
+
+5. **Int8 weights.** A linear whose weight is a dequantized int8 weight input (`quantized=True`,
    `nxdi.core.programs.linear`) over a few rows (decode) calls an int8 kernel on the 1-byte values
    (nxdi's own, `kernels/`, or torch's) instead of building the float weight every step.
 
@@ -120,6 +125,43 @@ def prepack_linears(
                     new = graph.call_function(_POINTWISE, (x, packed, bias, "none", [], ""))
                 else:
                     new = graph.call_function(packed_linear, (x, packed, bias))
+            new.meta = dict(u.meta)
+            u.replace_all_uses_with(new)
+            graph.erase_node(u)
+            count += 1
+    return count
+
+
+BF16_KERNEL_MAX_ROWS = 3
+"""bf16 linears over at most this many rows (decode) run nxdi's kernel on the weight as stored; at 4
+rows it measured slower than oneDNN's prepacked GEMM on the down projection (docs/cpu-backend.md)."""
+
+
+def streamed_bf16_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear` by nxdi's kernel (`kernels/bf16_linear.cpp`): x [..., K] bf16 of at most
+    `BF16_KERNEL_MAX_ROWS` rows, w [N, K] bf16 contiguous -> [..., N] bf16."""
+    return _on_rows(x, lambda rows: torch.ops.nxdi_kernels.bf16_linear(rows, w, bias))
+
+
+def bf16_weight_linears(gm: fx.GraphModule, weight_nodes: Sequence[fx.Node], weights: WeightSet) -> int:
+    """Rewrite `linear(x, w)` with `w` a contiguous 2-D bf16 weight input and x bf16 of at most
+    `BF16_KERNEL_MAX_ROWS` rows into nxdi's bf16 kernel, which reads `w` as stored, when this CPU
+    runs it (`kernels.bf16_supported()`). Run before `prepack_linears`: a weight only such linears
+    read is then never packed. Returns the count."""
+    if not kernels.bf16_supported():
+        return 0
+    graph, count = gm.graph, 0
+    for node, w in zip(weight_nodes, weights.tensors, strict=True):
+        if w.dtype != torch.bfloat16 or w.dim() != 2 or not w.is_contiguous():
+            continue
+        for u in [u for u in node.users if u.target is _LINEAR and u.args[1] is node]:
+            x_val = _val(u.args[0])
+            if x_val is None or x_val.dtype != torch.bfloat16 or _rows(u) > BF16_KERNEL_MAX_ROWS:
+                continue
+            # 2-D x (the decoder's [N, E]) calls the op itself: no Python frame per call.
+            call = torch.ops.nxdi_kernels.bf16_linear.default if x_val.dim() == 2 else streamed_bf16_linear
+            with graph.inserting_before(u):
+                new = graph.call_function(call, (u.args[0], node, u.args[2] if len(u.args) > 2 else None))
             new.meta = dict(u.meta)
             u.replace_all_uses_with(new)
             graph.erase_node(u)

@@ -1,9 +1,12 @@
 """nxdi's own CPU kernels, built on first use. Effects: runs the C++ compiler, writes a cache folder.
 
-One kernel today, `int8_linear.cpp` (torch op `nxdi_kernels::int8_linear`): the weight-only int8
-linear the CPU backend runs decode steps of quantized models with (`cpu_passes.int8_weight_linears`).
-It reads each weight byte once at close to the memory bandwidth, where torch's own
-`_weight_int8pack_mm` is compute-bound at batch 1 on the development CPU (docs/cpu-backend.md).
+Two kernels, one library (torch ops `nxdi_kernels::*`), both for decode steps (1-4 rows of x):
+- `int8_linear.cpp`: the weight-only int8 linear of quantized models (`cpu_passes.int8_weight_linears`).
+  It reads each weight byte once at close to the memory bandwidth, where torch's own
+  `_weight_int8pack_mm` is compute-bound at batch 1 (docs/cpu-backend.md).
+- `bf16_linear.cpp`: the bf16 linear (`cpu_passes.streamed_bf16_linears`), on CPUs with
+  AVX512-BF16 (`bf16_supported()`): oneDNN's and MKL's bf16 paths read the weights well below the
+  memory bandwidth at one row.
 
 It is compiled with torch's C++ extension tooling (the system's g++, and ninja, a dependency) the first time a quantized model is bound (about 6 s), into a folder keyed by the torch
 version and the source's hash (`NXDI_KERNEL_DIR`, default `~/.cache/nxdi/kernels`); later loads
@@ -26,7 +29,7 @@ import torch
 
 from nxdi.effects import env
 
-SOURCE = Path(__file__).with_name("int8_linear.cpp")
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("int8_linear.cpp", "bf16_linear.cpp"))
 LIBRARY = "nxdi_kernels"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-fopenmp"]
 _loaded: bool | None = None
@@ -34,8 +37,8 @@ _why_not: str | None = None
 
 
 def kernel_dir() -> Path:
-    """The folder holding the built library for this torch version and source."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    """The folder holding the built library for this torch version and these sources."""
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(_FLAGS).encode()).hexdigest()[:16]
     root = Path(env.read_env().kernel_dir or Path.home() / ".cache" / "nxdi" / "kernels")
     return root / f"torch-{torch.__version__}-{digest}"
 
@@ -62,7 +65,7 @@ def build() -> Path:
         with env.path_prepended(Path(sys.executable).parent):  # the `ninja` nxdi depends on
             cpp_extension.load(
                 name=LIBRARY,
-                sources=[str(SOURCE)],
+                sources=[str(s) for s in SOURCES],
                 extra_cflags=_FLAGS,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(work),
@@ -104,3 +107,8 @@ def _try_load() -> tuple[bool, str | None]:
         last = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
         return False, f"building it in {kernel_dir()} failed: {last}"
     return True, None
+
+
+def bf16_supported() -> bool:
+    """Whether `nxdi_kernels::bf16_linear` can run here: the library loads and the CPU has AVX512-BF16."""
+    return load() and bool(torch.ops.nxdi_kernels.bf16_dot_supported())

@@ -1,0 +1,132 @@
+"""nxdi's bf16 decode linear kernel and the CPU backend's rewrite to it.
+
+- The kernel equals F.linear computed in float64, up to the bf16 rounding of its output, for 1-4
+  rows, widths that are and are not multiples of its 32-wide step, output counts that are not
+  multiples of its row block, with and without a bias; it refuses what it cannot take.
+- The rewrite sends bf16 decode linears (<= BF16_KERNEL_MAX_ROWS rows) to the kernel on the weight
+  as stored, leaves larger ones to oneDNN's prepacked GEMM (packing only weights those read), leaves
+  fp32 alone, and does nothing where the kernel cannot run; results stay equal to the pure graph's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx
+
+from nxdi.effects.backends import cpu_passes, kernels
+from nxdi.effects.backends.base import WeightSet
+
+needs_kernel = pytest.mark.skipif(
+    not kernels.bf16_supported(),
+    reason=f"nxdi's bf16 kernel cannot run here: {kernels.why_not() or 'the CPU lacks AVX512-BF16'}",
+)
+
+
+def _case(m: int, k: int, n: int, seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(m, k, generator=g).bfloat16(),
+        torch.randn(n, k, generator=g).bfloat16(),
+        torch.randn(n, generator=g).bfloat16(),
+    )
+
+
+def _within_output_rounding(got: Tensor, want: Tensor) -> None:
+    """`want` (float64) rounded to bf16 is at most half a bf16 step away; fp32 summation adds a
+    little more, so allow one step (2**-8 relative) plus a floor for outputs near zero."""
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    floor = 1e-5 * want.abs().max().item()
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + floor).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [32, 100, 2048])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_equals_linear_up_to_the_outputs_rounding(m: int, k: int, with_bias: bool) -> None:
+    x, w, bias = _case(m, k, 37)  # 37 rows: four blocks of eight and a tail of five
+    b = bias if with_bias else None
+    got = torch.ops.nxdi_kernels.bf16_linear(x, w, b)
+    want = x.double() @ w.double().T + (0 if b is None else b.double())
+    _within_output_rounding(got, want)
+
+
+@needs_kernel
+def test_kernel_is_not_a_copy_of_another_row() -> None:
+    """Every output depends on its own weight row: changing row 13 changes output 13 only."""
+    x, w, _ = _case(1, 256, 40)
+    before = torch.ops.nxdi_kernels.bf16_linear(x, w)
+    w[13] = -w[13]
+    after = torch.ops.nxdi_kernels.bf16_linear(x, w)
+    changed = (before != after).nonzero()[:, 1].tolist()
+    assert changed == [13]
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("x", "w", "message"),
+    [
+        (torch.zeros(5, 64).bfloat16(), torch.zeros(8, 64).bfloat16(), "1 to 4 rows"),
+        (torch.zeros(1, 64), torch.zeros(8, 64).bfloat16(), "must be bf16"),
+        (torch.zeros(1, 64).bfloat16(), torch.zeros(64, 8).bfloat16().T, "contiguous"),
+        (torch.zeros(1, 32).bfloat16(), torch.zeros(8, 64).bfloat16(), r"x \[M, K\] and w \[N, K\]"),
+    ],
+)
+def test_kernel_refuses_what_it_cannot_take(x: Tensor, w: Tensor, message: str) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.nxdi_kernels.bf16_linear(x, w)
+
+
+class _Mlp(torch.nn.Module):
+    def forward(self, x: Tensor, up: Tensor, down: Tensor, bias: Tensor) -> Tensor:
+        return F.linear(F.silu(F.linear(x, up, bias)), down)
+
+
+def _rewrite(shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> tuple[fx.GraphModule, Tensor, Tensor, WeightSet]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(*shape, 64, generator=g).to(dtype)
+    weights = [torch.randn(96, 64, generator=g).to(dtype), torch.randn(64, 96, generator=g).to(dtype)]
+    weights.append(torch.randn(96, generator=g).to(dtype))
+    gm = torch.export.export(_Mlp(), (x, *weights)).run_decompositions({}).module()
+    want = gm(x, *weights)
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"][1:]
+    ws = WeightSet(tensors=weights)
+    cpu_passes.bf16_weight_linears(gm, nodes, ws)
+    cpu_passes.prepack_linears(gm, nodes, ["up", "down", "bias"], ws, cpu_passes.packable_dtypes())
+    gm.recompile()
+    return gm, gm(x, *weights), want, ws
+
+
+def _targets(gm: fx.GraphModule) -> set[object]:
+    return {n.target for n in gm.graph.nodes if n.op == "call_function"}
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1,), (3,), (1, 1), (3, 1)])
+def test_decode_rows_run_the_kernel_and_pack_nothing(shape: tuple[int, ...]) -> None:
+    gm, got, want, ws = _rewrite(shape)
+    kernel = torch.ops.nxdi_kernels.bf16_linear.default if len(shape) == 1 else cpu_passes.streamed_bf16_linear
+    assert kernel in _targets(gm) and torch.ops.aten.linear.default not in _targets(gm)
+    assert not ws.derived  # no oneDNN copy for weights only decode linears read
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+
+
+@needs_kernel
+def test_larger_linears_keep_onednn_and_fp32_is_left_alone() -> None:
+    gm, got, want, ws = _rewrite((cpu_passes.BF16_KERNEL_MAX_ROWS + 1,))
+    assert torch.ops.nxdi_kernels.bf16_linear.default not in _targets(gm)
+    if torch.bfloat16 in cpu_passes.packable_dtypes():
+        assert set(ws.derived) == {"onednn:up", "onednn:down"}
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+    gm, _, _, _ = _rewrite((1,), torch.float32)
+    assert torch.ops.nxdi_kernels.bf16_linear.default not in _targets(gm)
+
+
+def test_without_the_kernel_nothing_is_rewritten(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "bf16_supported", lambda: False)
+    gm, got, want, _ = _rewrite((1,))
+    assert torch.ops.nxdi_kernels.bf16_linear.default not in _targets(gm)
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
