@@ -3,7 +3,7 @@
 - The kernel equals dequantize-then-multiply (fp32 exactly up to summation order; bf16 up to the
   output's rounding) for 1-4 rows, widths that are and are not multiples of its vector step, with
   and without a bias.
-- The rewrite sends a decode linear (<= 2 rows) to nxdi's kernel, 3-8 bf16 rows to torch's, and
+- The rewrite sends a decode linear (<= 4 rows) to nxdi's kernel, 5-8 bf16 rows to torch's, and
   leaves prefill-sized linears dequantizing; without the kernel (an unsupported CPU) it falls back
   to torch's, and the results stay equal to the pure graph's.
 """
@@ -88,7 +88,7 @@ def test_decode_rows_run_nxdis_kernel(dtype: torch.dtype) -> None:
 
 
 def test_rows_beyond_the_kernel_take_torchs_or_stay_dequantized() -> None:
-    targets, got, want = _rewrite(4, torch.bfloat16)
+    targets, got, want = _rewrite(cpu_passes.KERNEL_MAX_ROWS + 1, torch.bfloat16)
     assert cpu_passes.int8_linear in targets
     _close(got, want, 2**-7)
     targets, _, _ = _rewrite(16, torch.bfloat16)

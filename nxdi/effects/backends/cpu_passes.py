@@ -172,9 +172,9 @@ def bf16_weight_linears(gm: fx.GraphModule, weight_nodes: Sequence[fx.Node], wei
 _INT8_MM = torch.ops.aten._weight_int8pack_mm.default
 _MUL = torch.ops.aten.mul.Tensor
 _UNSQUEEZE = torch.ops.aten.unsqueeze.default
-KERNEL_MAX_ROWS = 2
-"""Linears over at most this many rows run nxdi's int8 kernel (it streams the weights; at 3-4 rows
-it measured slower than torch's)."""
+KERNEL_MAX_ROWS = 4
+"""Linears over at most this many rows run nxdi's int8 kernel (it streams the weights; with its rows
+interleaved it measured faster than torch's at 1-4 rows, docs/cpu-backend.md)."""
 INT8_MAX_ROWS = 8
 """Linears over at most this many bf16 rows run torch's int8 kernel otherwise; larger ones (prefill)
 dequantize, which measured faster there (docs/cpu-backend.md, "Quantized weights")."""
