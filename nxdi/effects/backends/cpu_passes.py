@@ -22,7 +22,7 @@ out of place). When weights are bound, two rewrites make it fast without changin
    rebuilds: 73 nodes) are merged, and nodes that depend on no input (RoPE inverse frequencies,
    `arange`s) are computed once at bind time.
 
-4. **Streamed bf16 decode linears.** A bf16 linear over a few rows (decode) calls nxdi's own
+4. **Streamed bf16 decode linears.** A bf16 linear over 1-4 rows (decode) calls nxdi's own
    kernel (`kernels/bf16_linear.cpp`) on the weight as stored: oneDNN's and MKL's bf16 paths read
    the weights well below the memory bandwidth at one row on CPUs with AMX. A weight no larger
    linear reads is then never packed.
@@ -132,9 +132,9 @@ def prepack_linears(
     return count
 
 
-BF16_KERNEL_MAX_ROWS = 3
-"""bf16 linears over at most this many rows (decode) run nxdi's kernel on the weight as stored; at 4
-rows it measured slower than oneDNN's prepacked GEMM on the down projection (docs/cpu-backend.md)."""
+BF16_KERNEL_MAX_ROWS = 4
+"""bf16 linears over at most this many rows (decode) run nxdi's kernel on the weight as stored (the
+most its registers take; it measured faster than oneDNN's prepacked GEMM at 1-4 rows, docs/cpu-backend.md)."""
 
 
 def streamed_bf16_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:

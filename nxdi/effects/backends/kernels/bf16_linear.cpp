@@ -21,14 +21,18 @@ namespace {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512bf16")
 
+// `next`: the following block of R rows (or null): fetched into cache while this block is read.
 template <int M, int R>
-void dot_rows(const uint16_t* x, const uint16_t* w, const float* bias, at::BFloat16* y, int64_t K, int64_t N) {
+void dot_rows(const uint16_t* x, const uint16_t* w, const uint16_t* next, const float* bias, at::BFloat16* y,
+              int64_t K, int64_t N) {
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
     // The last chunk of a K that is not a multiple of 32 loads zeros past the end.
     const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (K - k)) - 1;
+    if (next)
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * K + k), _MM_HINT_T0);
     __m512bh xv[M];
     for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
     for (int r = 0; r < R; ++r) {
@@ -46,8 +50,11 @@ void run(const uint16_t* x, const uint16_t* w, const float* bias, at::BFloat16* 
   // Grain: at least 64 output rows per task, so two threads split a matrix into two long runs.
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     int64_t n = n0;
-    for (; n + R <= n1; n += R) dot_rows<M, R>(x, w + n * K, bias ? bias + n : nullptr, y + n, K, N);
-    for (; n < n1; ++n) dot_rows<M, 1>(x, w + n * K, bias ? bias + n : nullptr, y + n, K, N);
+    for (; n + R <= n1; n += R) {
+      const uint16_t* next = n + 2 * R <= n1 ? w + (n + R) * K : nullptr;
+      dot_rows<M, R>(x, w + n * K, next, bias ? bias + n : nullptr, y + n, K, N);
+    }
+    for (; n < n1; ++n) dot_rows<M, 1>(x, w + n * K, nullptr, bias ? bias + n : nullptr, y + n, K, N);
   });
 }
 

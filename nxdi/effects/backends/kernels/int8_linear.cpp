@@ -17,13 +17,17 @@
 namespace {
 
 
+// `next`: the following block of R rows (or null): fetched into cache while this block is read.
 template <int M, int R, typename Out>
-void dot_rows(const float* x, const int8_t* w, const float* scale, const float* bias, Out* y, int64_t K, int64_t N) {
+void dot_rows(const float* x, const int8_t* w, const int8_t* next, const float* scale, const float* bias, Out* y,
+              int64_t K, int64_t N) {
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
+    if (next && k % 64 == 0)  // one cache line per row
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * K + k), _MM_HINT_T0);
     __m512 xv[M];
     for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
     for (int r = 0; r < R; ++r) {
@@ -45,9 +49,11 @@ void run_rows(const float* x, const int8_t* w, const float* scale, const float* 
   // Grain: at least 64 output rows (a few KB of weights) per task.
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     int64_t n = n0;
-    for (; n + R <= n1; n += R)
-      dot_rows<M, R>(x, w + n * K, scale + n, bias ? bias + n : nullptr, y + n, K, N);
-    for (; n < n1; ++n) dot_rows<M, 1>(x, w + n * K, scale + n, bias ? bias + n : nullptr, y + n, K, N);
+    for (; n + R <= n1; n += R) {
+      const int8_t* next = n + 2 * R <= n1 ? w + (n + R) * K : nullptr;
+      dot_rows<M, R>(x, w + n * K, next, scale + n, bias ? bias + n : nullptr, y + n, K, N);
+    }
+    for (; n < n1; ++n) dot_rows<M, 1>(x, w + n * K, nullptr, scale + n, bias ? bias + n : nullptr, y + n, K, N);
   });
 }
 
