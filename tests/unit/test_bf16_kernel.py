@@ -84,7 +84,9 @@ class _Mlp(torch.nn.Module):
         return F.linear(F.silu(F.linear(x, up, bias)), down)
 
 
-def _rewrite(shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> tuple[fx.GraphModule, Tensor, Tensor, WeightSet]:
+def _rewrite(
+    shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16
+) -> tuple[fx.GraphModule, Tensor, Tensor, WeightSet]:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(*shape, 64, generator=g).to(dtype)
     weights = [torch.randn(96, 64, generator=g).to(dtype), torch.randn(64, 96, generator=g).to(dtype)]

@@ -8,7 +8,7 @@ Two kernels, one library (torch ops `nxdi_kernels::*`), both for decode steps (1
   AVX512-BF16 (`bf16_supported()`): oneDNN's and MKL's bf16 paths read the weights well below the
   memory bandwidth at one row.
 
-It is compiled with torch's C++ extension tooling (the system's g++, and ninja, a dependency) the first time a quantized model is bound (about 6 s), into a folder keyed by the torch
+It is compiled with torch's C++ extension tooling (the system's g++, and ninja, a dependency) the first time a model that uses it is bound (about 12 s), into a folder keyed by the torch
 version and the source's hash (`NXDI_KERNEL_DIR`, default `~/.cache/nxdi/kernels`); later loads
 only load the library. Where it cannot be built or run (no AVX-512, no compiler), `load()` says why
 and the CPU backend falls back to torch's int8 kernel.
