@@ -4,14 +4,14 @@ Two kernels, one library (torch ops `nxdi_kernels::*`), both for decode steps (1
 - `int8_linear.cpp`: the weight-only int8 linear of quantized models (`cpu_passes.int8_weight_linears`).
   It reads each weight byte once at close to the memory bandwidth, where torch's own
   `_weight_int8pack_mm` is compute-bound at batch 1 (docs/cpu-backend.md).
-- `bf16_linear.cpp`: the bf16 linear (`cpu_passes.streamed_bf16_linears`), on CPUs with
+- `bf16_linear.cpp`: the bf16 linear (`cpu_passes.bf16_weight_linears`), on CPUs with
   AVX512-BF16 (`bf16_supported()`): oneDNN's and MKL's bf16 paths read the weights well below the
   memory bandwidth at one row.
 
 It is compiled with torch's C++ extension tooling (the system's g++, and ninja, a dependency) the first time a model that uses it is bound (about 12 s), into a folder keyed by the torch
 version and the source's hash (`NXDI_KERNEL_DIR`, default `~/.cache/nxdi/kernels`); later loads
 only load the library. Where it cannot be built or run (no AVX-512, no compiler), `load()` says why
-and the CPU backend falls back to torch's int8 kernel.
+and the CPU backend falls back to torch's int8 kernel and keeps oneDNN's GEMM for bf16.
 """
 
 from __future__ import annotations

@@ -6,14 +6,14 @@
 // summation order. R output rows are read at once, R sequential streams interleaved: a decode
 // step is bound by how many weight bytes one core keeps in flight, and one stream per core
 // measured 17-19 GB/s where eight reached 25-33 GB/s (torch's F.linear 13-20, oneDNN with a
-// prepacked weight about 10, on the development machine; docs/cpu-backend.md, "bf16 decode").
-// Output rows are split over torch's intra-op (OpenMP) threads.
+// prepacked weight about 10, on the development machine), and the next block of rows is
+// prefetched while one is read (a block's rows are short streams the hardware prefetcher restarts
+// on; 1.3-1.7x more). Measurements: docs/cpu-backend.md, "bf16 decode linears". Output rows are
+// split over torch's intra-op (OpenMP) threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
-
-#include <cstring>
 
 namespace {
 

@@ -6,8 +6,8 @@
 // dequantize-then-multiply up to fp32 summation order. R output rows are read at once, R
 // sequential streams interleaved: on the development machine with AMX one stream per core read
 // 13 GB/s of int8 and eight 15-20 GB/s (on an earlier Zen 5 machine one stream with unrolled
-// accumulators had measured best; the interleaved loop was chosen on the machine it runs on now).
-// Output rows are split over torch's intra-op (OpenMP) threads. Measurements: docs/cpu-backend.md,
+// accumulators had measured best; the interleaved loop was chosen on the machine it runs on now),
+// and the next block of rows is prefetched while one is read (30 GB/s of int8 then). Output rows are split over torch's intra-op (OpenMP) threads. Measurements: docs/cpu-backend.md,
 // "Quantized weights".
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
