@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nxdi.effects.backends import cpu_passes
+from nxdi.effects.backends import cpu_passes, kernels
 from nxdi.effects.backends.base import FlatProgram, LoadedProgram, WeightSet
 from nxdi.effects.backends.cpu import CpuBackend
 from tests.support import cpu_programs as cp
@@ -42,6 +42,17 @@ def test_in_place_fast_path_agrees_with_the_pure_form_over_a_decode(fn: FlatProg
             torch.testing.assert_close(y, want_y, **(tol if b is FAST else {"rtol": 0, "atol": 0}))
             torch.testing.assert_close(caches[b][0], eager_cache, **(tol if b is FAST else {"rtol": 0, "atol": 0}))
             assert (caches[b][0] is given_cache[0]) == (b is FAST)
+
+
+def test_compiling_a_bf16_program_builds_the_decode_kernels_so_load_need_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[str] = []
+    monkeypatch.setattr(kernels, "load", lambda: built.append("load") or True)
+    FAST.compile(cp.step, cp.SIGNATURE, cp.example(1, torch.float32), name="fp32")
+    assert built == []  # fp32 linears use no kernel of nxdi's
+    PURE.compile(cp.step, cp.SIGNATURE, cp.example(1, torch.bfloat16), name="pure")
+    assert built == []  # without the fast linears nothing would use them
+    FAST.compile(cp.step, cp.SIGNATURE, cp.example(1, torch.bfloat16), name="bf16")
+    assert built == ["load"]
 
 
 def test_pure_graph_leaves_the_given_cache_untouched() -> None:

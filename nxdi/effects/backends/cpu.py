@@ -31,8 +31,11 @@ from returns.result import Failure, Result, Success
 from torch import Tensor, fx
 
 from nxdi.core.errors import CheckpointError, Problem
-from nxdi.effects.backends import cpu_passes
+from nxdi.effects.backends import cpu_passes, kernels
 from nxdi.effects.backends.base import CompiledProgram, FlatProgram, LoadedProgram, Signature, WeightSet
+
+_KERNEL_WEIGHTS = (torch.bfloat16, torch.int8)
+"""Weight dtypes whose decode linears run nxdi's own kernels (`kernels/`) once bound."""
 
 FORMAT = 1
 """Bumped whenever what `compile` saves changes meaning (part of `version()`)."""
@@ -133,6 +136,10 @@ class CpuBackend:
             ep = torch.export.export(_Flat(fn), tuple(example), strict=False)
         _check_traced(ep, signature, example)
         ep.example_inputs = None  # they include the weights; a saved program must not
+        if self.pack_weights and any(w.dtype in _KERNEL_WEIGHTS for w in example[: len(signature.weights)]):
+            # Build nxdi's decode kernels now (once per machine and torch version, ~12 s), so that
+            # load() only loads the library; where they cannot be built, load() falls back anyway.
+            kernels.load()
         return CompiledProgram(name=name, signature=signature, backend=self.name, payload=ep)
 
     def save(self, program: CompiledProgram, path: Path) -> None:

@@ -8,8 +8,9 @@ Two kernels, one library (torch ops `nxdi_kernels::*`), both for decode steps (1
   AVX512-BF16 (`bf16_supported()`): oneDNN's and MKL's bf16 paths read the weights well below the
   memory bandwidth at one row.
 
-It is compiled with torch's C++ extension tooling (the system's g++, and ninja, a dependency) the first time a model that uses it is bound (about 12 s), into a folder keyed by the torch
-version and the source's hash (`NXDI_KERNEL_DIR`, default `~/.cache/nxdi/kernels`); later loads
+It is compiled with torch's C++ extension tooling (the system's g++, and ninja, a dependency) when
+the CPU backend first compiles a bf16 or int8 model (about 12 s; or at the first bind, if the model
+was compiled elsewhere), into a folder keyed by the torch version and the sources' hash (`NXDI_KERNEL_DIR`, default `~/.cache/nxdi/kernels`); later loads
 only load the library. Where it cannot be built or run (no AVX-512, no compiler), `load()` says why
 and the CPU backend falls back to torch's int8 kernel and keeps oneDNN's GEMM for bf16.
 """
