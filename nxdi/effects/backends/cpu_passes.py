@@ -1,8 +1,9 @@
 """Load-time rewrites of a traced CPU program: prepacked linears, in-place cache writes, less per-op overhead.
 Effects: allocates the packed weight copies and folded constants.
+(One module past 400 lines: every rewrite walks the same bound graph with the same node helpers.)
 
 Theory of operation. A saved program is the pure graph (weights are inputs, cache writes are
-out of place). When weights are bound, two rewrites make it fast without changing its results:
+out of place). When weights are bound, these rewrites make it fast without changing its results:
 
 1. **Prepacked linears.** `aten.linear(x, w)` with `w` a weight input becomes a oneDNN matmul on a
    copy of `w` reordered once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`). A
@@ -120,16 +121,21 @@ def prepack_linears(
         for u in users:
             x, bias = u.args[0], (u.args[2] if len(u.args) > 2 else None)
             x_val = _val(x)
-            with graph.inserting_before(u):
-                if x_val is not None and x_val.dim() == 2:  # the common case: call oneDNN directly
-                    new = graph.call_function(_POINTWISE, (x, packed, bias, "none", [], ""))
-                else:
-                    new = graph.call_function(packed_linear, (x, packed, bias))
-            new.meta = dict(u.meta)
-            u.replace_all_uses_with(new)
-            graph.erase_node(u)
+            if x_val is not None and x_val.dim() == 2:  # the common case: call oneDNN directly
+                _replace_linear(u, _POINTWISE, (x, packed, bias, "none", [], ""))
+            else:
+                _replace_linear(u, packed_linear, (x, packed, bias))
             count += 1
     return count
+
+
+def _replace_linear(u: fx.Node, target: Callable[..., object], args: tuple[object, ...]) -> None:
+    """Put a call of `target(*args)` where the linear node `u` was: its place, meta and users."""
+    with u.graph.inserting_before(u):
+        new = u.graph.call_function(target, args)
+    new.meta = dict(u.meta)
+    u.replace_all_uses_with(new)
+    u.graph.erase_node(u)
 
 
 BF16_KERNEL_MAX_ROWS = 4
@@ -150,7 +156,7 @@ def bf16_weight_linears(gm: fx.GraphModule, weight_nodes: Sequence[fx.Node], wei
     read is then never packed. Returns the count."""
     if not kernels.bf16_supported():
         return 0
-    graph, count = gm.graph, 0
+    count = 0
     for node, w in zip(weight_nodes, weights.tensors, strict=True):
         if w.dtype != torch.bfloat16 or w.dim() != 2 or not w.is_contiguous():
             continue
@@ -160,11 +166,7 @@ def bf16_weight_linears(gm: fx.GraphModule, weight_nodes: Sequence[fx.Node], wei
                 continue
             # 2-D x (the decoder's [N, E]) calls the op itself: no Python frame per call.
             call = torch.ops.nxdi_kernels.bf16_linear.default if x_val.dim() == 2 else streamed_bf16_linear
-            with graph.inserting_before(u):
-                new = graph.call_function(call, (u.args[0], node, u.args[2] if len(u.args) > 2 else None))
-            new.meta = dict(u.meta)
-            u.replace_all_uses_with(new)
-            graph.erase_node(u)
+            _replace_linear(u, call, (u.args[0], node, u.args[2] if len(u.args) > 2 else None))
             count += 1
     return count
 
@@ -239,22 +241,20 @@ def int8_weight_linears(
         if v.dtype != torch.int8 or v.dim() != 2 or sc.dim() != 1 or sc.numel() != v.shape[0]:
             continue
         rows, bias = _rows(u), u.args[2] if len(u.args) > 2 else None
-        with graph.inserting_before(u):
+        with graph.inserting_before(u):  # the scale attributes are read before the linear
             if rows <= KERNEL_MAX_ROWS and x_val.dtype in _KERNEL_DTYPES and kernels.load():
                 f32 = weights.derive(f"f32-scale:{names[index[scale]]}", lambda sc=sc: sc.float().contiguous())
                 # 2-D x (the decoder's [N, E]) calls the op itself: no Python frame per call.
                 call = torch.ops.nxdi_kernels.int8_linear.default if x_val.dim() == 2 else streamed_int8_linear
-                new = graph.call_function(call, (u.args[0], values, _attr(gm, "f32", index[scale], f32), bias))
+                args = (u.args[0], values, _attr(gm, "f32", index[scale], f32), bias)
             elif rows <= INT8_MAX_ROWS and x_val.dtype == torch.bfloat16:
                 bf16 = weights.derive(
                     f"int8-scale:{names[index[scale]]}", lambda sc=sc: sc.to(torch.bfloat16).contiguous()
                 )
-                new = graph.call_function(int8_linear, (u.args[0], values, _attr(gm, "bf16", index[scale], bf16), bias))
+                call, args = int8_linear, (u.args[0], values, _attr(gm, "bf16", index[scale], bf16), bias)
             else:
                 continue
-        new.meta = dict(u.meta)
-        u.replace_all_uses_with(new)
-        graph.erase_node(u)
+        _replace_linear(u, call, args)
         for node in chain:  # the dequantize nodes this linear alone used
             if not node.users:
                 graph.erase_node(node)
