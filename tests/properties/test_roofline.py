@@ -121,3 +121,31 @@ def test_weights_are_read_once_per_step_and_the_cache_per_sequence(model: ModelS
     assert many.kv_write_bytes == batch * one.kv_write_bytes
     assert one.kv_read_bytes == context * one.kv_write_bytes  # no window in these specs
     assert _bytes(model, dtype="float32", batch=batch, context=context).total_bytes == 2 * many.total_bytes
+
+
+def test_prefill_flops_by_hand() -> None:
+    # 3 tokens: linears 2 x 3 x 576 per layer; attention 2 x 2 x (1 + 2 + 3) positions x 2 heads x 4;
+    # lm_head 2 x 8 x 10 for the last token only.
+    per_layer = 2 * 3 * LINEAR_PER_LAYER + 2 * 2 * 6 * 2 * 4
+    assert roofline.prefill_flops(TINY, batch=1, prompt_len=3) == 2 * per_layer + 2 * LM_HEAD
+    assert roofline.prefill_flops(TINY, batch=4, prompt_len=3) == 4 * (2 * per_layer + 2 * LM_HEAD)
+
+
+def test_prefill_flops_of_a_mixture_of_experts_count_the_routed_experts_and_the_router() -> None:
+    moe = attrs.evolve(TINY, num_experts=4, num_experts_per_tok=2)
+    mlp_per_token = 384 * 2 + 8 * 4
+    dense_mlp_per_token = 384
+    diff = roofline.prefill_flops(moe, batch=1, prompt_len=5) - roofline.prefill_flops(TINY, batch=1, prompt_len=5)
+    assert diff == 2 * 2 * 5 * (mlp_per_token - dense_mlp_per_token)
+
+
+@given(st.integers(1, 4), st.integers(1, 300))
+def test_prefill_flops_grow_with_the_prompt_and_are_linear_in_the_batch(batch: int, prompt_len: int) -> None:
+    one = roofline.prefill_flops(TINY, batch=1, prompt_len=prompt_len)
+    assert roofline.prefill_flops(TINY, batch=batch, prompt_len=prompt_len) == batch * one
+    assert roofline.prefill_flops(TINY, batch=1, prompt_len=prompt_len + 1) > one
+
+
+def test_prefill_flops_refuse_an_empty_prefill() -> None:
+    with pytest.raises(ValueError, match="prompt_len=0"):
+        roofline.prefill_flops(TINY, batch=1, prompt_len=0)

@@ -167,3 +167,30 @@ def decode_step_bytes(
                 lambda r: written.map(lambda w: DecodeBytes(weight_bytes=weights, kv_read_bytes=r, kv_write_bytes=w))
             )
     return Failure(ConfigError(problems=problems_of(checked, plan)))
+
+
+def prefill_flops(model: ModelSpec, *, batch: int, prompt_len: int) -> int:
+    """Floating-point operations (a multiply-add is 2) of a prefill of `batch` prompts of `prompt_len`
+    tokens: the matmul work that makes prefill compute bound, to turn a measured TTFT into TFLOP/s.
+
+    Counted: every decoder linear for every token (q/k/v/o; the MLP's two or three projections, with
+    MoE the `num_experts_per_tok` experts each token is routed to, and the router); causal attention
+    (QK^T and PV over the `t + 1` positions token `t` sees); lm_head for the last token of each
+    prompt (what a prefill returns). Norms, rotary, softmax and activations are left out (under 1%).
+
+    Raises:
+        ValueError: `batch` or `prompt_len` is not positive (a caller's bug: bench flags are checked).
+    """
+    if batch <= 0 or prompt_len <= 0:
+        raise ValueError(
+            f"prefill_flops needs batch > 0 and prompt_len > 0, got batch={batch}, prompt_len={prompt_len}"
+        )
+    h, d = model.hidden_size, model.head_dim
+    attn_linears = h * d * (2 * model.num_attention_heads + 2 * model.num_kv_heads)
+    mlp = (3 if model.gated_mlp else 2) * h * model.intermediate_size
+    if model.num_experts:
+        mlp = mlp * model.num_experts_per_tok + h * model.num_experts
+    seen = prompt_len * (prompt_len + 1) // 2  # positions attended, summed over the prompt's tokens
+    attention = 2 * 2 * seen * model.num_attention_heads * d
+    per_sequence = model.num_layers * (2 * prompt_len * (attn_linears + mlp) + attention) + 2 * h * model.vocab_size
+    return batch * per_sequence

@@ -14,7 +14,8 @@ hits both): greedy decoding of exactly `--new-tokens` tokens (EOS never stops it
   `generate()` end to end through HuggingFaceGenerationAdapter gives the throughput.
 - transformers: `model.generate()` with its default (dynamic) cache; a logits processor stamps the
   time of every step, so prefill = call start -> first logits and TPOT = the gaps between steps.
-Ratios are transformers / nxdi (above 1: nxdi is faster).
+Ratios are transformers / nxdi (above 1: nxdi is faster). Prefill is compute bound, so each TTFT
+is also shown as the TFLOP/s it achieves: the prompt's matmul work (`roofline.prefill_flops`) / TTFT.
 
 `--tp-degree 1 2` measures each degree in turn in the same run (rank processes for tp > 1; the
 `--threads` are split between the ranks, so every degree uses the same cores). For tp > 1 it also
@@ -68,6 +69,8 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from nxdi.core.planning import roofline
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -284,11 +287,13 @@ def _collectives(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     return {"calls_per_step": calls, "ms_per_step": ms, "total_ms_per_step": sum(ms.values())}
 
 
-def _summary(runs: list[dict[str, Any]], batch: int, new_tokens: int) -> dict[str, Any]:
+def _summary(runs: list[dict[str, Any]], batch: int, new_tokens: int, prefill_flops: int) -> dict[str, Any]:
     tpots = [s for r in runs for s in r["tpot"]]
     totals = [r["total"] for r in runs]
+    ttft = statistics.median(r["ttft"] for r in runs)
     out = {
-        "ttft_ms": 1e3 * statistics.median(r["ttft"] for r in runs),
+        "ttft_ms": 1e3 * ttft,
+        "prefill_tflop_s": prefill_flops / ttft / 1e12,
         "tpot_ms": {q: 1e3 * _percentile(tpots, float(q[1:])) for q in ("p50", "p90", "p99")},
         "decode_tok_s_per_seq": 1.0 / statistics.median(tpots),
         "e2e_s": statistics.median(totals),
@@ -332,9 +337,15 @@ def bench_side_by_side(model: Any, args: argparse.Namespace, batch: int, hf: Any
             ours.append(run)
             if hf is not None:
                 theirs.append(_hf_once(hf, ids, args.new_tokens))
-    result: dict[str, Any] = {"batch_size": batch, "tp_degree": tp, "nxdi": _summary(ours, batch, args.new_tokens)}
+    flops = roofline.prefill_flops(model.model_spec, batch=batch, prompt_len=args.prompt_len)
+    result: dict[str, Any] = {
+        "batch_size": batch,
+        "tp_degree": tp,
+        "prefill_gflop": flops / 1e9,
+        "nxdi": _summary(ours, batch, args.new_tokens, flops),
+    }
     if hf is not None:
-        result["transformers"] = _summary(theirs, batch, args.new_tokens)
+        result["transformers"] = _summary(theirs, batch, args.new_tokens, flops)
         n, h = result["nxdi"], result["transformers"]
         result["ratio_hf_over_nxdi"] = {
             "tpot_p50": h["tpot_ms"]["p50"] / n["tpot_ms"]["p50"],
@@ -358,7 +369,7 @@ def render(results: list[dict[str, Any]]) -> str:
                 s = r[side]
                 t = s["tpot_ms"]
                 lines.append(
-                    f"  {side:<12} TTFT {s['ttft_ms']:8.1f} ms   TPOT p50/p90/p99 {t['p50']:7.2f}/{t['p90']:7.2f}/{t['p99']:7.2f} ms"
+                    f"  {side:<12} TTFT {s['ttft_ms']:8.1f} ms ({s['prefill_tflop_s']:5.2f} TFLOP/s)   TPOT p50/p90/p99 {t['p50']:7.2f}/{t['p90']:7.2f}/{t['p99']:7.2f} ms"
                     f"   decode {s['decode_tok_s_per_seq']:6.1f} tok/s/seq   generate() {s['throughput_tok_s']:7.1f} tok/s"
                 )
         c = r["nxdi"].get("collectives")
@@ -391,7 +402,9 @@ def benchmark_model(model: Any, *, prompt_len: int, new_tokens: int, repeat: int
             run = _nxdi_once(model, ids, new_tokens)
             run["total"] = nxdi_generate_s(model, ids, new_tokens)
             runs.append(run)
-    return [{"batch_size": model.spec.batch_size, "nxdi": _summary(runs, model.spec.batch_size, new_tokens)}]
+    batch = model.spec.batch_size
+    flops = roofline.prefill_flops(model.model_spec, batch=batch, prompt_len=prompt_len)
+    return [{"batch_size": batch, "nxdi": _summary(runs, batch, new_tokens, flops)}]
 
 
 def run(args: argparse.Namespace) -> int:
