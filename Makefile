@@ -37,6 +37,7 @@ $(BIN)/python:
 $(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/python -m pip install $(PIP_ARGS) "$(TORCH)"
 	$(BIN)/python -m pip install $(PIP_ARGS) -e ".[dev]"
+	$(BIN)/nxdi kernels || echo "make: nxdi's CPU kernels were not built (above says why); the CPU backend uses torch's kernels" >&2
 	touch $(STAMP)
 
 demo: setup

@@ -226,3 +226,44 @@ def test_bench_load_measures_every_phase(tiny_llama: Path, tmp_path: Path, capsy
         "tp0_sharded_checkpoint.safetensors",
         "tp1_sharded_checkpoint.safetensors",
     ]
+
+
+def test_kernels_builds_then_reports_what_runs_here(capsys: pytest.CaptureFixture[str]) -> None:
+    from nxdi.effects.backends import kernels
+
+    if not kernels.load():
+        pytest.skip(f"nxdi's kernels cannot run on this machine: {kernels.why_not()}")
+    assert main(["kernels"]) == 0
+    assert f"ready in {kernels.kernel_dir()}: int8 decode linears" in capsys.readouterr().out
+    assert main(["kernels", "--check"]) == 0
+    assert f"built in {kernels.kernel_dir()}" in capsys.readouterr().out
+
+
+def test_kernels_on_a_cpu_without_avx512_builds_nothing_and_succeeds(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from nxdi.effects.backends import kernels
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(kernels, "load", lambda: pytest.fail("nothing may be built without AVX-512"))
+    assert main(["kernels"]) == 0
+    assert "need AVX-512 and this CPU offers AVX2" in capsys.readouterr().out
+
+
+def test_kernels_failed_build_exits_1_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import torch
+
+    from nxdi.effects.backends import kernels
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setenv("NXDI_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "load", lambda: False)
+    monkeypatch.setattr(kernels, "why_not", lambda: "g++: not found")
+    assert main(["kernels", "--check"]) == 1
+    assert "not built yet" in capsys.readouterr().out
+    assert main(["kernels"]) == 1
+    assert "not available: g++: not found" in capsys.readouterr().out

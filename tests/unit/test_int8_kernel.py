@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import Tensor, fx
@@ -102,3 +104,15 @@ def test_without_the_kernel_decode_falls_back_to_torchs(monkeypatch: pytest.Monk
     _close(got, want, 2**-7)
     targets, _, _ = _rewrite(1, torch.float32)  # torch's kernel is bf16-only: fp32 stays dequantized
     assert torch.ops.aten.linear.default in targets
+
+
+def test_an_unusable_library_is_reported_once_not_silently(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "_loaded", None)  # both restored after the test
+    monkeypatch.setattr(kernels, "_why_not", None)
+    monkeypatch.setattr(kernels, "_try_load", lambda: (False, "no compiler"))
+    with pytest.warns(UserWarning, match="nxdi's CPU kernels are not used: no compiler; decode linears use torch's"):
+        assert kernels.load() is False
+    assert kernels.why_not() == "no compiler"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels.load() is False  # cached: no second warning

@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "compile": "nxdi.shell.cli.cmd_compile",
     "plan": "nxdi.shell.cli.cmd_plan",
     "bench": "nxdi.shell.cli.cmd_bench",
+    "kernels": "nxdi.shell.cli.cmd_kernels",
 }
 
 _DEBUG_HELP = "on an error, show its traceback instead of one message"

@@ -1,4 +1,4 @@
-"""nxdi's own CPU kernels, built on first use. Effects: runs the C++ compiler, writes a cache folder.
+"""nxdi's own CPU kernels, built ahead of time or on first use. Effects: runs the C++ compiler, writes a cache folder.
 
 Two kernels, one library (torch ops `nxdi_kernels::*`), both for decode steps (1-4 rows of x):
 - `int8_linear.cpp`: the weight-only int8 linear of quantized models (`cpu_passes.int8_weight_linears`).
@@ -10,9 +10,11 @@ Two kernels, one library (torch ops `nxdi_kernels::*`), both for decode steps (1
 
 It is compiled with torch's C++ extension tooling (the system's g++, and ninja, a dependency) when
 the CPU backend first compiles a bf16 or int8 model (about 12 s; or at the first bind, if the model
-was compiled elsewhere), into a folder keyed by the torch version and the sources' hash (`NXDI_KERNEL_DIR`, default `~/.cache/nxdi/kernels`); later loads
-only load the library. Where it cannot be built or run (no AVX-512, no compiler), `load()` says why
-and the CPU backend falls back to torch's int8 kernel and keeps oneDNN's GEMM for bf16.
+was compiled elsewhere), or ahead of time by `nxdi kernels` (the set-up step runs it), into a folder
+keyed by the torch version and the sources' hash (`NXDI_KERNEL_DIR`, default `~/.cache/nxdi/kernels`);
+later loads only load the library. Where it cannot be built or run (no AVX-512, no compiler), `load()`
+warns once with the reason and the CPU backend falls back to torch's int8 kernel and keeps oneDNN's
+GEMM for bf16.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -86,6 +89,10 @@ def load() -> bool:
     global _loaded, _why_not
     if _loaded is None:
         _loaded, _why_not = _try_load()
+        if not _loaded:  # once per process: a slower fallback is reported, not silent
+            warnings.warn(
+                f"nxdi's CPU kernels are not used: {_why_not}; decode linears use torch's kernels", stacklevel=2
+            )
     return _loaded
 
 
