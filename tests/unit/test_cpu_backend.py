@@ -216,3 +216,27 @@ def test_in_place_and_pure_agree_for_any_sequence_of_writes(steps: list[tuple[in
         (y_pure,), pure_cache = PURE.run(_bound_once(s, False), pure_cache, x)
         torch.testing.assert_close(y_fast, y_pure, rtol=1.3e-6, atol=1e-5)
         torch.testing.assert_close(fast_cache[0], pure_cache[0], rtol=1.3e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", [FAST, PURE], ids=["in_place", "pure"])
+def test_a_16_bit_cache_is_scattered_as_int16_bits_with_torchs_exact_result(
+    backend: CpuBackend, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's scatter of a bf16/fp16 tensor copies all of it twice per call; the bound program scatters
+    int16 bits instead (in place, or out of place in the pure form) and gives the same bits as the
+    same program bound without that rewrite."""
+    loaded = {s: bound(cp.scatter_step, backend, s, dtype) for s in (3, 1)}
+    gm = loaded[1].call.func.__self__  # type: ignore[attr-defined]  # functools.partial(gm.forward, ...)
+    targets = {n.target for n in gm.graph.nodes}
+    want = cpu_passes._scatter_bits_ if backend is FAST else cpu_passes._scatter_bits
+    assert want in targets and torch.ops.aten.scatter.src not in targets and torch.ops.aten.scatter_.src not in targets
+    monkeypatch.setattr(cpu_passes, "scatter_half_floats_as_bits", lambda gm: 0)
+    torchs = {s: bound(cp.scatter_step, backend, s, dtype) for s in (3, 1)}
+    ours, theirs = (torch.zeros(cp.B, cp.T, cp.E, dtype=dtype),), (torch.zeros(cp.B, cp.T, cp.E, dtype=dtype),)
+    for i, (s, start) in enumerate([(3, 0), (1, 3), (1, 4), (3, 9)]):
+        x = cp.inputs(i, s, start, dtype)
+        (y,), ours = backend.run(loaded[s], ours, x)
+        (want_y,), theirs = backend.run(torchs[s], theirs, x)
+        assert torch.equal(ours[0].view(torch.int16), theirs[0].view(torch.int16)) and torch.equal(y, want_y)
+        assert torch.count_nonzero(ours[0]) > 0
