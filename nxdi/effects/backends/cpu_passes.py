@@ -32,7 +32,11 @@ out of place). When weights are bound, these rewrites make it fast without chang
    `nxdi.core.programs.linear`) over a few rows (decode) calls an int8 kernel on the 1-byte values
    (nxdi's own, `kernels/`, or torch's) instead of building the float weight every step.
 
-6. **16-bit scatters as int16.** torch's CPU scatter of a bf16 or fp16 tensor copies the whole
+6. **One-op bf16 RMSNorms.** `w * rms_norm(x)` in bf16 (seven torch dispatches, each slow right
+   after a linear has streamed its weights through the caches) calls nxdi's kernel
+   (`kernels/rms_norm.cpp`), which rounds where torch does.
+
+7. **16-bit scatters as int16.** torch's CPU scatter of a bf16 or fp16 tensor copies the whole
    destination twice per call; the same scatter on an int16 view of the bits does not. A decode
    step's cache write then costs what it writes, not the size of the cache.
 
@@ -360,6 +364,51 @@ def reinplace_cache_writes(gm: fx.GraphModule, cache_nodes: Sequence[fx.Node]) -
                     gm.graph.erase_node(back)
         done.append(ok)
     return tuple(done)
+
+
+_RMS_NORM = torch.ops.aten.rms_norm.default
+
+
+def fused_rms_norms(gm: fx.GraphModule) -> int:
+    """Rewrite `w * rms_norm(x, [N], eps=eps)` (`nxdi.core.programs.layers.rms_norm`) with x and w
+    bf16 into nxdi's one-op kernel (`kernels/rms_norm.cpp`; the same two roundings), when this CPU
+    runs the kernels. Returns the count.
+
+    Why: in a decode step every op runs just after a linear streamed megabytes of weights through
+    the caches, and the seven dispatches of torch's norm and product then cost 60-110 us per norm
+    at 4 rows of 2048, where the one op costs a few (docs/cpu-backend.md)."""
+    found = [m for m in map(_weighted_bf16_norm, gm.graph.nodes) if m is not None]
+    if not found or not kernels.load():
+        return 0
+    for norm, mul, x, w, eps in found:
+        with gm.graph.inserting_before(mul):
+            fused = gm.graph.call_function(torch.ops.nxdi_kernels.rms_norm.default, (x, w, eps))
+        fused.meta = dict(mul.meta)
+        mul.replace_all_uses_with(fused)
+        gm.graph.erase_node(mul)
+        gm.graph.erase_node(norm)
+    return len(found)
+
+
+def _weighted_bf16_norm(norm: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node, float] | None:
+    """`(norm, mul, x, w, eps)` when `norm` is `rms_norm(x, [N], None, eps)` of bf16 x whose one user
+    is `w * norm` (either order) with w bf16 [N]; else None."""
+    if norm.target is not _RMS_NORM or len(norm.users) != 1:
+        return None
+    x, shape, *rest = norm.args
+    weight = rest[0] if rest else norm.kwargs.get("weight")
+    eps = rest[1] if len(rest) > 1 else norm.kwargs.get("eps")
+    x_val = _val(x)
+    if x_val is None or x_val.dtype != torch.bfloat16 or weight is not None or not isinstance(eps, float):
+        return None
+    (mul,) = norm.users
+    w = mul.args[1] if mul.args[0] is norm else mul.args[0]
+    w_val = _val(w)
+    if mul.target is not _MUL or w_val is None or w_val.dtype != torch.bfloat16 or w_val.dim() != 1:
+        return None
+    if list(shape) != [x_val.shape[-1]] or w_val.shape[0] != x_val.shape[-1] or not isinstance(x, fx.Node):
+        return None
+    return norm, mul, x, w, eps
 
 
 _SCATTERS = (torch.ops.aten.scatter.src, torch.ops.aten.scatter_.src)

@@ -1,12 +1,14 @@
 """nxdi's own CPU kernels, built ahead of time or on first use. Effects: runs the C++ compiler, writes a cache folder.
 
-Two kernels, one library (torch ops `nxdi_kernels::*`), both for decode steps (1-4 rows of x):
-- `int8_linear.cpp`: the weight-only int8 linear of quantized models (`cpu_passes.int8_weight_linears`).
-  It reads each weight byte once at close to the memory bandwidth, where torch's own
+Three kernels, one library (torch ops `nxdi_kernels::*`), for decode steps:
+- `int8_linear.cpp`: the weight-only int8 linear of quantized models (`cpu_passes.int8_weight_linears`),
+  1-4 rows of x. It reads each weight byte once at close to the memory bandwidth, where torch's own
   `_weight_int8pack_mm` is compute-bound at batch 1 (docs/cpu-backend.md).
-- `bf16_linear.cpp`: the bf16 linear (`cpu_passes.bf16_weight_linears`), on CPUs with
+- `bf16_linear.cpp`: the bf16 linear (`cpu_passes.bf16_weight_linears`), 1-4 rows, on CPUs with
   AVX512-BF16 (`bf16_supported()`): oneDNN's and MKL's bf16 paths read the weights well below the
   memory bandwidth at one row.
+- `rms_norm.cpp`: a bf16 RMSNorm and its weight product in one op (`cpu_passes.fused_rms_norms`),
+  where torch dispatches seven ops, each slow just after a linear has streamed its weights.
 
 It is compiled with torch's C++ extension tooling (the system's g++, and ninja, a dependency) when
 the CPU backend first compiles a bf16 or int8 model (about 12 s; or at the first bind, if the model
@@ -33,16 +35,17 @@ import torch
 
 from nxdi.effects import env
 
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("int8_linear.cpp", "bf16_linear.cpp"))
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("int8_linear.cpp", "bf16_linear.cpp", "rms_norm.cpp"))
 LIBRARY = "nxdi_kernels"
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-fopenmp"]
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-fopenmp"]
 _loaded: bool | None = None
 _why_not: str | None = None
 
 
 def kernel_dir() -> Path:
     """The folder holding the built library for this torch version and these sources."""
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    hashed = b"".join(s.read_bytes() for s in SOURCES) + " ".join(_FLAGS).encode()
+    digest = hashlib.sha256(hashed).hexdigest()[:16]
     root = Path(env.read_env().kernel_dir or Path.home() / ".cache" / "nxdi" / "kernels")
     return root / f"torch-{torch.__version__}-{digest}"
 

@@ -1,0 +1,101 @@
+"""nxdi's one-op bf16 RMSNorm kernel and the CPU backend's rewrite to it.
+
+- The kernel equals `w * F.rms_norm(x)` (torch's two roundings) for one row, decode rows and
+  prefill rows (split over threads), widths that are and are not multiples of its 16-wide step;
+  it keeps a NaN a NaN and refuses what it cannot take.
+- The rewrite turns `layers.rms_norm`'s traced form (`rms_norm` then `mul` by the weight, bf16)
+  into the kernel and leaves fp32, a norm with other users and Gemma's offset form alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx
+
+from nxdi.core.programs import layers
+from nxdi.effects.backends import cpu_passes, kernels
+
+needs_kernel = pytest.mark.skipif(not kernels.load(), reason=f"nxdi's kernels cannot run here: {kernels.why_not()}")
+
+
+def _torchs(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return w * F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+
+def _one_step_apart(got: Tensor, want: Tensor) -> None:
+    """Equal, but for fp32 summation order: an output may sit one bf16 step (2**-8 relative) away."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-8 + 1e-30).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 2048), (4, 2048), (3, 1, 37), (130, 96), (2, 5)])
+def test_kernel_equals_torchs_norm_and_weight_product(shape: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (3 * torch.randn(*shape, generator=g)).bfloat16()
+    w = torch.randn(shape[-1], generator=g).bfloat16()
+    got = torch.ops.nxdi_kernels.rms_norm(x, w, 1e-5)
+    _one_step_apart(got, _torchs(x, w, 1e-5))
+    assert (got == _torchs(x, w, 1e-5)).float().mean() > 0.99  # nearly all bit for bit
+
+
+@needs_kernel
+def test_kernel_uses_eps_and_keeps_nan() -> None:
+    x = torch.full((1, 16), 1e-3).bfloat16()
+    w = torch.ones(16).bfloat16()
+    assert torch.ops.nxdi_kernels.rms_norm(x, w, 1.0).float().max() < 0.01  # eps dominates the tiny mean
+    assert torch.ops.nxdi_kernels.rms_norm(x, w, 0.0).float().min() > 0.99
+    x[0, 3] = float("nan")
+    assert torch.ops.nxdi_kernels.rms_norm(x, w, 1e-5).isnan().all()  # the row's mean is NaN
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("x", "w", "message"),
+    [
+        (torch.zeros(1, 8), torch.zeros(8).bfloat16(), "must be bf16"),
+        (torch.zeros(1, 8).bfloat16(), torch.zeros(9).bfloat16(), r"x \[..., N\] and w \[N\]"),
+    ],
+)
+def test_kernel_refuses_what_it_cannot_take(x: Tensor, w: Tensor, message: str) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.nxdi_kernels.rms_norm(x, w, 1e-5)
+
+
+class _Norms(torch.nn.Module):
+    def forward(self, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+        h = layers.rms_norm(x, w, 1e-6)
+        return h, layers.rms_norm(h + x, w, 1e-6, offset=True)  # Gemma's form: left alone
+
+
+def _bound(dtype: torch.dtype) -> tuple[fx.GraphModule, int, tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 1, 64, generator=g).to(dtype), torch.randn(64, generator=g).to(dtype)
+    gm = torch.export.export(_Norms(), (x, w)).run_decompositions({}).module()
+    want = gm(x, w)
+    count = cpu_passes.fused_rms_norms(gm)
+    gm.recompile()
+    return gm, count, gm(x, w), want
+
+
+def _targets(gm: fx.GraphModule) -> set[object]:
+    return {n.target for n in gm.graph.nodes if n.op == "call_function"}
+
+
+@needs_kernel
+def test_the_rewrite_fuses_llamas_norm_in_bf16_only() -> None:
+    gm, count, (h, gemma), (want_h, want_gemma) = _bound(torch.bfloat16)
+    assert count == 1 and torch.ops.nxdi_kernels.rms_norm.default in _targets(gm)
+    assert torch.ops.aten.rms_norm.default in _targets(gm)  # the offset form stays torch's
+    _one_step_apart(h, want_h)
+    torch.testing.assert_close(gemma, want_gemma, rtol=2**-7, atol=1e-2)
+    gm, count, _, _ = _bound(torch.float32)
+    assert count == 0 and torch.ops.nxdi_kernels.rms_norm.default not in _targets(gm)
+
+
+def test_without_the_kernels_nothing_is_rewritten(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "load", lambda: False)
+    _, count, (h, _), (want_h, _) = _bound(torch.bfloat16)
+    assert count == 0 and torch.equal(h, want_h)
