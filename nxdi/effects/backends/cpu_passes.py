@@ -375,7 +375,7 @@ def fused_rms_norms(gm: fx.GraphModule) -> int:
     runs the kernels. Returns the count.
 
     Why: in a decode step every op runs just after a linear streamed megabytes of weights through
-    the caches, and the seven dispatches of torch's norm and product then cost 60-110 us per norm
+    the caches, and the seven dispatches of torch's norm and product then cost 100-190 us per norm
     at 4 rows of 2048, where the one op costs a few (docs/cpu-backend.md)."""
     found = [m for m in map(_weighted_bf16_norm, gm.graph.nodes) if m is not None]
     if not found or not kernels.load():
