@@ -234,7 +234,7 @@ def test_kernels_builds_then_reports_what_runs_here(capsys: pytest.CaptureFixtur
     if not kernels.load():
         pytest.skip(f"nxdi's kernels cannot run on this machine: {kernels.why_not()}")
     assert main(["kernels"]) == 0
-    assert f"ready in {kernels.kernel_dir()}: int8 decode linears" in capsys.readouterr().out
+    assert f"ready in {kernels.kernel_dir()}: int8 decode linears, bf16 RMSNorm" in capsys.readouterr().out
     assert main(["kernels", "--check"]) == 0
     assert f"built in {kernels.kernel_dir()}" in capsys.readouterr().out
 

@@ -52,5 +52,5 @@ def run(args: argparse.Namespace) -> int:
         if kernels.bf16_supported()
         else "no bf16 kernel: this CPU lacks AVX512-BF16"
     )
-    print(f"nxdi kernels: ready in {folder}: int8 decode linears; {bf16}")
+    print(f"nxdi kernels: ready in {folder}: int8 decode linears, bf16 RMSNorm; {bf16}")
     return 0
