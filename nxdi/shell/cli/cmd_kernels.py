@@ -28,19 +28,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from nxdi.effects.backends import kernels
 
-    capability = torch.backends.cpu.get_cpu_capability()
-    folder = kernels.kernel_dir()
-    if not capability.startswith("AVX512"):
-        print(
-            f"nxdi kernels: not built: they need AVX-512 and this CPU offers {capability}; the CPU backend uses torch's kernels"
-        )
+    unsupported = kernels.cpu_unsupported()
+    if unsupported is not None:
+        print(f"nxdi kernels: not built: {unsupported}; the CPU backend uses torch's kernels")
         return 0
+    folder = kernels.kernel_dir()
     if args.check:
-        built = (folder / f"{kernels.LIBRARY}.so").is_file()
+        built = kernels.library_file().is_file()
         print(f"nxdi kernels: {'built' if built else 'not built yet'} in {folder}")
         return 0 if built else 1
     print(f"nxdi kernels: building (if needed) in {folder} ...", flush=True)

@@ -50,8 +50,15 @@ def kernel_dir() -> Path:
     return root / f"torch-{torch.__version__}-{digest}"
 
 
-def _library_file() -> Path:
+def library_file() -> Path:
+    """The built library's path (present once `build()` ran for this torch version and these sources)."""
     return kernel_dir() / f"{LIBRARY}.so"
+
+
+def cpu_unsupported() -> str | None:
+    """Why this CPU cannot run the kernels (they need AVX-512), or None when it can."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return None if capability.startswith("AVX512") else f"they need AVX-512 and this CPU offers {capability}"
 
 
 def build() -> Path:
@@ -63,7 +70,7 @@ def build() -> Path:
     """
     from torch.utils import cpp_extension
 
-    target = _library_file()
+    target = library_file()
     if target.is_file():
         return target
     target.parent.parent.mkdir(parents=True, exist_ok=True)
@@ -105,11 +112,11 @@ def why_not() -> str | None:
 
 
 def _try_load() -> tuple[bool, str | None]:
-    capability = torch.backends.cpu.get_cpu_capability()
-    if not capability.startswith("AVX512"):
-        return False, f"the kernel needs AVX-512 and this CPU offers {capability}"
+    unsupported = cpu_unsupported()
+    if unsupported is not None:
+        return False, unsupported
     try:
-        library = _library_file()
+        library = library_file()
         if library.is_file():
             torch.ops.load_library(str(library))
         else:
