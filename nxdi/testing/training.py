@@ -5,7 +5,9 @@ near-equal tokens and its max-scaled logit error sits at the edge of the referen
 for transformers' own bf16 run as much as for nxdi's. Real checkpoints are confident. A few
 seconds of training on a learnable synthetic task (arithmetic progressions modulo the vocabulary)
 gives a tiny model the same property, so a bf16 accuracy check measures the engine, not the
-noise of random weights. The training uses its own seeded generator.
+noise of random weights. The training uses its own seeded generator for data, and seeds torch's
+global generator (forked, so the caller's is left as it was) for dropout: OPT trains with
+dropout 0.1, and an unseeded dropout made its checkpoint differ from run to run.
 
 Speculative decoding needs more: a target and a draft that *agree*, as a real model and its
 distilled draft do. `train_pair` trains a target and a smaller draft (fewer layers, a narrower
@@ -79,11 +81,16 @@ def fit(
     generator = torch.Generator().manual_seed(schedule.seed)
     optimizer = torch.optim.AdamW(list(parameters), lr=schedule.lr)
     loss = torch.tensor(float("nan"))
-    for _ in range(schedule.steps):
-        loss = loss_of(progression_batch(vocab, batch=schedule.batch, length=schedule.length, generator=generator))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    # Dropout draws from torch's global generator: seed a fork of it, so a run is repeatable and
+    # the caller's random state is untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(schedule.seed)
+        for _ in range(schedule.steps):
+            batch = progression_batch(vocab, batch=schedule.batch, length=schedule.length, generator=generator)
+            loss = loss_of(batch)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
     return float(loss.detach())
 
 

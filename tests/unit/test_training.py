@@ -42,6 +42,24 @@ def test_training_is_deterministic_under_its_seeds(tmp_path: Path) -> None:
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
+def test_dropout_is_seeded_and_the_callers_random_state_kept() -> None:
+    """OPT trains with dropout 0.1: two runs give the same weights, whatever the global generator
+    held before, and the global generator goes on as if training had not drawn from it."""
+    from nxdi.testing import checkpoints
+
+    trained = []
+    for seed in (1, 2):
+        model = checkpoints.build_model("opt", initializer_range=0.02)
+        assert model.config.dropout > 0
+        torch.manual_seed(seed)
+        training.train_briefly(model, steps=3, length=9, batch=4)
+        after = torch.rand(4)
+        torch.manual_seed(seed)
+        assert torch.equal(after, torch.rand(4))  # the caller's stream is where it was
+        trained.append(model.state_dict())
+    assert all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])
+
+
 def test_fit_minimises_any_loss_of_a_batch() -> None:
     """The loop other trainers (Medusa heads, an EAGLE draft) reuse: here one bias learns the
     mean token of the progressions, as a share of the vocabulary (about one half)."""
