@@ -1,14 +1,18 @@
 """nxdi's bf16 decode linear kernel and the CPU backend's rewrite to it.
 
 - The kernel equals F.linear computed in float64, up to the bf16 rounding of its output, for 1-4
-  rows, widths that are and are not multiples of its 32-wide step, output counts that are not
-  multiples of its row block, with and without a bias; it refuses what it cannot take.
-- The rewrite sends bf16 decode linears (<= BF16_KERNEL_MAX_ROWS rows) to the kernel on the weight
-  as stored, leaves larger ones to oneDNN's prepacked GEMM (packing only weights those read), leaves
-  fp32 alone, and does nothing where the kernel cannot run; results stay equal to the pure graph's.
+  rows (1-16 on CPUs with AMX, where 2-16 rows run on the tiles), widths that are and are not
+  multiples of its 32-wide step, output counts that are not multiples of its row blocks, with and
+  without a bias; it refuses what it cannot take, and takes 16 rows exactly where the CPU has AMX.
+- The rewrite sends bf16 decode linears (<= `kernels.bf16_max_rows(K)` rows) to the kernel on the
+  weight as stored, leaves larger ones to oneDNN's prepacked GEMM (packing only weights those read),
+  leaves fp32 alone, and does nothing where the kernel cannot run; results stay equal to the pure
+  graph's.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,25 +46,46 @@ def _within_output_rounding(got: Tensor, want: Tensor) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16])
 @pytest.mark.parametrize("k", [32, 100, 2048])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_equals_linear_up_to_the_outputs_rounding(m: int, k: int, with_bias: bool) -> None:
-    x, w, bias = _case(m, k, 37)  # 37 rows: four blocks of eight and a tail of five
+    # 37 rows: four blocks of eight and a tail of five; with AMX two tiles of 16 and a tail of five
+    x, w, bias = _case(m, k, 37)
     b = bias if with_bias else None
+    if m > kernels.bf16_max_rows(k):  # 5 and 16 rows need AMX and a width the tiles take
+        with pytest.raises(RuntimeError, match=f"1 to {kernels.bf16_max_rows(k)} rows"):
+            torch.ops.nxdi_kernels.bf16_linear(x, w, b)
+        return
     got = torch.ops.nxdi_kernels.bf16_linear(x, w, b)
     want = x.double() @ w.double().T + (0 if b is None else b.double())
     _within_output_rounding(got, want)
 
 
+def _has_amx() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text().split() if cpuinfo.is_file() else []
+    return "amx_bf16" in flags and "amx_tile" in flags
+
+
 @needs_kernel
-def test_kernel_is_not_a_copy_of_another_row() -> None:
-    """Every output depends on its own weight row: changing row 13 changes output 13 only."""
-    x, w, _ = _case(1, 256, 40)
+def test_sixteen_rows_exactly_where_the_cpu_has_amx() -> None:
+    """A failed AMX check would silently fall back to 4 rows (slower batches): the row limit
+    follows the CPU's flags, and widths the tiles cannot take stay at 4."""
+    assert kernels.bf16_max_rows(2048) == (16 if _has_amx() else 4)
+    assert kernels.bf16_max_rows(100) == 4
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 4])
+def test_kernel_is_not_a_copy_of_another_row(m: int) -> None:
+    """Every output depends on its own weight row: changing row 13 changes output 13 only
+    (one row on vdpbf16ps; four on the AMX tiles where the CPU has them)."""
+    x, w, _ = _case(m, 256, 40)
     before = torch.ops.nxdi_kernels.bf16_linear(x, w)
     w[13] = -w[13]
     after = torch.ops.nxdi_kernels.bf16_linear(x, w)
-    changed = (before != after).nonzero()[:, 1].tolist()
+    changed = (before != after).nonzero()[:, 1].unique().tolist()
     assert changed == [13]
 
 
@@ -68,7 +93,8 @@ def test_kernel_is_not_a_copy_of_another_row() -> None:
 @pytest.mark.parametrize(
     ("x", "w", "message"),
     [
-        (torch.zeros(5, 64).bfloat16(), torch.zeros(8, 64).bfloat16(), "1 to 4 rows"),
+        (torch.zeros(5, 100).bfloat16(), torch.zeros(8, 100).bfloat16(), "1 to 4 rows"),
+        (torch.zeros(17, 64).bfloat16(), torch.zeros(8, 64).bfloat16(), "1 to (4|16) rows"),
         (torch.zeros(1, 64), torch.zeros(8, 64).bfloat16(), "must be bf16"),
         (torch.zeros(1, 64).bfloat16(), torch.zeros(64, 8).bfloat16().T, "contiguous"),
         (torch.zeros(1, 32).bfloat16(), torch.zeros(8, 64).bfloat16(), r"x \[M, K\] and w \[N, K\]"),
@@ -106,8 +132,10 @@ def _targets(gm: fx.GraphModule) -> set[object]:
 
 
 @needs_kernel
-@pytest.mark.parametrize("shape", [(1,), (3,), (1, 1), (3, 1)])
+@pytest.mark.parametrize("shape", [(1,), (3,), (1, 1), (3, 1), (-1,)])
 def test_decode_rows_run_the_kernel_and_pack_nothing(shape: tuple[int, ...]) -> None:
+    if shape == (-1,):  # the most rows the kernel takes here: 16 with AMX, else 4
+        shape = (kernels.bf16_max_rows(64),)
     gm, got, want, ws = _rewrite(shape)
     kernel = torch.ops.nxdi_kernels.bf16_linear.default if len(shape) == 1 else cpu_passes.streamed_bf16_linear
     assert kernel in _targets(gm) and torch.ops.aten.linear.default not in _targets(gm)
@@ -118,7 +146,7 @@ def test_decode_rows_run_the_kernel_and_pack_nothing(shape: tuple[int, ...]) -> 
 
 @needs_kernel
 def test_larger_linears_keep_onednn_and_fp32_is_left_alone() -> None:
-    gm, got, want, ws = _rewrite((cpu_passes.BF16_KERNEL_MAX_ROWS + 1,))
+    gm, got, want, ws = _rewrite((kernels.bf16_max_rows(64) + 1,))
     assert torch.ops.nxdi_kernels.bf16_linear.default not in _targets(gm)
     if torch.bfloat16 in cpu_passes.packable_dtypes():
         assert set(ws.derived) == {"onednn:up", "onednn:down"}

@@ -23,10 +23,10 @@ out of place). When weights are bound, these rewrites make it fast without chang
    rebuilds: 73 nodes) are merged, and nodes that depend on no input (RoPE inverse frequencies,
    `arange`s) are computed once at bind time.
 
-4. **Streamed bf16 decode linears.** A bf16 linear over 1-4 rows (decode) calls nxdi's own
-   kernel (`kernels/bf16_linear.cpp`) on the weight as stored: oneDNN's and MKL's bf16 paths read
-   the weights well below the memory bandwidth at one row on CPUs with AMX. A weight no larger
-   linear reads is then never packed.
+4. **Streamed bf16 decode linears.** A bf16 linear over 1-4 rows (1-16 on CPUs with AMX; decode,
+   short prefills, speculation) calls nxdi's own kernel (`kernels/bf16_linear.cpp`) on the weight
+   as stored: oneDNN's and MKL's bf16 paths read the weights well below the memory bandwidth at
+   these few rows on CPUs with AMX. A weight no larger linear reads is then never packed.
 
 5. **Int8 weights.** A linear whose weight is a dequantized int8 weight input (`quantized=True`,
    `nxdi.core.programs.linear`) over a few rows (decode) calls an int8 kernel on the 1-byte values
@@ -146,22 +146,18 @@ def _replace_linear(u: fx.Node, target: Callable[..., object], args: tuple[objec
     u.graph.erase_node(u)
 
 
-BF16_KERNEL_MAX_ROWS = 4
-"""bf16 linears over at most this many rows (decode) run nxdi's kernel on the weight as stored (the
-most its registers take; it measured faster than oneDNN's prepacked GEMM at 1-4 rows, docs/cpu-backend.md)."""
-
-
 def streamed_bf16_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear` by nxdi's kernel (`kernels/bf16_linear.cpp`): x [..., K] bf16 of at most
-    `BF16_KERNEL_MAX_ROWS` rows, w [N, K] bf16 contiguous -> [..., N] bf16."""
+    `kernels.bf16_max_rows(K)` rows, w [N, K] bf16 contiguous -> [..., N] bf16."""
     return _on_rows(x, lambda rows: torch.ops.nxdi_kernels.bf16_linear(rows, w, bias))
 
 
 def bf16_weight_linears(gm: fx.GraphModule, weight_nodes: Sequence[fx.Node], weights: WeightSet) -> int:
     """Rewrite `linear(x, w)` with `w` a contiguous 2-D bf16 weight input and x bf16 of at most
-    `BF16_KERNEL_MAX_ROWS` rows into nxdi's bf16 kernel, which reads `w` as stored, when this CPU
-    runs it (`kernels.bf16_supported()`). Run before `prepack_linears`: a weight only such linears
-    read is then never packed. Returns the count."""
+    `kernels.bf16_max_rows(K)` rows (16 with AMX, else 4; it measured faster than oneDNN's
+    prepacked GEMM there, docs/cpu-backend.md) into nxdi's bf16 kernel, which reads `w` as stored,
+    when this CPU runs it (`kernels.bf16_supported()`). Run before `prepack_linears`: a weight only
+    such linears read is then never packed. Returns the count."""
     if not kernels.bf16_supported():
         return 0
     count = 0
@@ -170,7 +166,7 @@ def bf16_weight_linears(gm: fx.GraphModule, weight_nodes: Sequence[fx.Node], wei
             continue
         for u in [u for u in node.users if u.target is _LINEAR and u.args[1] is node]:
             x_val = _val(u.args[0])
-            if x_val is None or x_val.dtype != torch.bfloat16 or _rows(u) > BF16_KERNEL_MAX_ROWS:
+            if x_val is None or x_val.dtype != torch.bfloat16 or _rows(u) > kernels.bf16_max_rows(w.shape[1]):
                 continue
             # 2-D x (the decoder's [N, E]) calls the op itself: no Python frame per call.
             call = torch.ops.nxdi_kernels.bf16_linear.default if x_val.dim() == 2 else streamed_bf16_linear

@@ -4,9 +4,9 @@ Three kernels, one library (torch ops `nxdi_kernels::*`), for decode steps:
 - `int8_linear.cpp`: the weight-only int8 linear of quantized models (`cpu_passes.int8_weight_linears`),
   1-4 rows of x. It reads each weight byte once at close to the memory bandwidth, where torch's own
   `_weight_int8pack_mm` is compute-bound at batch 1 (docs/cpu-backend.md).
-- `bf16_linear.cpp`: the bf16 linear (`cpu_passes.bf16_weight_linears`), 1-4 rows, on CPUs with
-  AVX512-BF16 (`bf16_supported()`): oneDNN's and MKL's bf16 paths read the weights well below the
-  memory bandwidth at one row.
+- `bf16_linear.cpp`: the bf16 linear (`cpu_passes.bf16_weight_linears`), 1-4 rows on CPUs with
+  AVX512-BF16 (`bf16_supported()`), 1-16 on CPUs with AMX too (`bf16_max_rows`): oneDNN's and MKL's
+  bf16 paths read the weights well below the memory bandwidth at decode's few rows.
 - `rms_norm.cpp`: a bf16 RMSNorm and its weight product in one op (`cpu_passes.fused_rms_norms`),
   where torch dispatches seven ops, each slow just after a linear has streamed its weights.
 
@@ -130,3 +130,10 @@ def _try_load() -> tuple[bool, str | None]:
 def bf16_supported() -> bool:
     """Whether `nxdi_kernels::bf16_linear` can run here: the library loads and the CPU has AVX512-BF16."""
     return load() and bool(torch.ops.nxdi_kernels.bf16_dot_supported())
+
+
+def bf16_max_rows(k: int) -> int:
+    """The most rows of x `nxdi_kernels::bf16_linear` takes for a weight of `k` input columns here:
+    16 on the AMX tiles (a CPU with AMX whose OS grants the tile state, and `k` a multiple of 32),
+    else 4; 0 where the kernel cannot run."""
+    return int(torch.ops.nxdi_kernels.bf16_max_rows(k)) if bf16_supported() else 0

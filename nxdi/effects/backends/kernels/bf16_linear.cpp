@@ -1,19 +1,34 @@
 // nxdi's bf16 linear for decode on CPUs with AVX512-BF16: y = x @ w.T (+ bias).
 //
-// x [M, K] bf16 (M <= 4 rows), w [N, K] bf16 as stored (row-major, not repacked), bias [N] or none;
-// y [M, N] bf16. Products are summed in fp32 by vdpbf16ps (two bf16 pairs per lane per
-// instruction) and rounded to bf16 once, after the bias: the result equals F.linear's up to fp32
-// summation order. R output rows are read at once, R sequential streams interleaved: a decode
-// step is bound by how many weight bytes one core keeps in flight, and one stream per core
-// measured 17-19 GB/s where eight reached 25-33 GB/s (torch's F.linear 13-20, oneDNN with a
-// prepacked weight about 10, on the development machine), and the next block of rows is
-// prefetched while one is read (a block's rows are short streams the hardware prefetcher restarts
-// on; 1.3-1.7x more). Measurements: docs/cpu-backend.md, "bf16 decode linears". Output rows are
-// split over torch's intra-op (OpenMP) threads.
+// x [M, K] bf16 (M <= 4 rows; 16 with AMX), w [N, K] bf16 as stored (row-major, not repacked),
+// bias [N] or none; y [M, N] bf16. Products are summed in fp32 and rounded to bf16 once, after the
+// bias: the result equals F.linear's up to fp32 summation order. Output rows are split over torch's
+// intra-op (OpenMP) threads. Measurements: docs/cpu-backend.md, "bf16 decode linears" and "bf16
+// linears at 2-16 rows".
+//
+// vdpbf16ps (two bf16 pairs per lane per instruction): R output rows are read at once, R
+// sequential streams interleaved: a decode step is bound by how many weight bytes one core keeps
+// in flight, and one stream per core measured 17-19 GB/s where eight reached 25-33 GB/s (torch's
+// F.linear 13-20, oneDNN with a prepacked weight about 10, on the development machine), and the
+// next block of rows is prefetched while one is read (a block's rows are short streams the
+// hardware prefetcher restarts on; 1.3-1.7x more).
+//
+// AMX (a CPU with AMX-BF16 whose OS grants the tile state, K a multiple of 32), for 2-16 rows: a
+// 16 x 32 block of w, loaded as stored (16 rows at once, 64 bytes of each), times x packed as the
+// tile's second operand (its M columns, pairs of K interleaved), per `tdpbf16ps`. vdpbf16ps does
+// 32 products per instruction whatever M is, so at 4 rows it ran out of instruction throughput
+// below the memory bandwidth (12 GB/s per core with w in L2, against 31 at one row); one tile
+// product covers all M <= 16 columns and stays memory bound. One row keeps vdpbf16ps (alike there).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
 #include <torch/library.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <vector>
 
 namespace {
 
@@ -62,13 +77,108 @@ void run(const uint16_t* x, const uint16_t* w, const float* bias, at::BFloat16* 
 
 bool bf16_dot_supported() { return __builtin_cpu_supports("avx512bf16"); }
 
+// --- AMX -----------------------------------------------------------------------------------------
+
+// The 64-byte operand of ldtilecfg (palette 1).
+struct TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// CPUID.(7,0):EDX bits 22 (AMX-BF16) and 24 (AMX-TILE), and Linux's permission to use the tile
+// data state, which a process must request once (arch_prctl ARCH_REQ_XCOMP_PERM) or fault.
+bool amx_supported() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok && bf16_dot_supported();
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")
+
+constexpr int64_t AHEAD = 4;
+
+// Rows [n0, n1) of y (a multiple of 16 of them), M <= 16 columns. `xt`: x packed as the tiles'
+// second operand, K/32 blocks of [16 pairs of K][M] 32-bit pairs. Tiles: 0 the accumulator
+// [16 rows of w][M], 1 the block of w [16 rows][32 of K], 2 the block of x.
+void amx_rows(const uint32_t* xt, const uint16_t* w, const float* bias, at::BFloat16* y, int64_t n0, int64_t n1,
+              int64_t K, int64_t N, int M) {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  cfg.rows[0] = 16, cfg.colsb[0] = M * 4;
+  cfg.rows[1] = 16, cfg.colsb[1] = 64;
+  cfg.rows[2] = 16, cfg.colsb[2] = M * 4;
+  _tile_loadconfig(&cfg);  // per thread: the tile state is a thread's own
+  alignas(64) float c[16 * 16];
+  for (int64_t n = n0; n < n1; n += 16) {
+    _tile_zero(0);
+    const uint16_t* wn = w + n * K;
+    for (int64_t k = 0; k < K; k += 32) {
+      // Fetch each row AHEAD blocks of K ahead (into the next 16 rows at the end): 5-19% faster
+      // per call than no prefetch on the 1.1B shapes, and mostly faster than fetching the next 16
+      // rows at k.
+      const int64_t ahead = k + 32 * AHEAD;
+      const uint16_t* next = ahead < K ? wn + ahead : (n + 16 < n1 ? wn + 16 * K + (ahead - K) : nullptr);
+      if (next)
+        for (int r = 0; r < 16; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * K), _MM_HINT_T0);
+      _tile_loadd(2, xt + (k / 32) * 16 * M, M * 4);
+      _tile_loadd(1, wn + k, K * 2);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, c, M * 4);
+    for (int r = 0; r < 16; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = at::BFloat16(c[r * M + m] + (bias ? bias[n + r] : 0.0f));
+  }
+  _tile_release();
+}
+
+#pragma GCC pop_options
+
+// y [M, N] from the AMX tiles for N's whole blocks of 16 rows; the last N % 16 rows by vdpbf16ps,
+// at most 4 rows of x at a time.
+void amx_linear(const uint16_t* x, const uint16_t* w, const float* bias, at::BFloat16* y, int64_t M, int64_t K,
+                int64_t N) {
+  std::vector<uint32_t> xt(K / 2 * M);
+  const auto* pairs = reinterpret_cast<const uint32_t*>(x);
+  for (int64_t b = 0; b < K / 32; ++b)
+    for (int p = 0; p < 16; ++p)
+      for (int64_t m = 0; m < M; ++m) xt[(b * 16 + p) * M + m] = pairs[m * (K / 2) + b * 16 + p];
+  const int64_t blocks = N / 16;
+  // Grain: at least 4 blocks (64 rows) per task, as the vdpbf16ps path.
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    amx_rows(xt.data(), w, bias, y, b0 * 16, b1 * 16, K, N, static_cast<int>(M));
+  });
+  for (int64_t n = blocks * 16; n < N; ++n)
+    for (int64_t m = 0; m < M; m += 4) {
+      const int64_t rows = std::min<int64_t>(4, M - m);
+      const float* b = bias ? bias + n : nullptr;
+      const uint16_t* xm = x + m * K;
+      at::BFloat16* ym = y + m * N + n;
+      switch (rows) {
+        case 1: dot_rows<1, 1>(xm, w + n * K, nullptr, b, ym, K, N); break;
+        case 2: dot_rows<2, 1>(xm, w + n * K, nullptr, b, ym, K, N); break;
+        case 3: dot_rows<3, 1>(xm, w + n * K, nullptr, b, ym, K, N); break;
+        default: dot_rows<4, 1>(xm, w + n * K, nullptr, b, ym, K, N); break;
+      }
+    }
+}
+
+int64_t max_rows(int64_t K) { return amx_supported() && K % 32 == 0 ? 16 : 4; }
+
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(bf16_dot_supported(), "bf16_linear: this CPU lacks AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "bf16_linear: x [M, K] and w [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16_linear: x and w must be bf16");
   TORCH_CHECK(w.is_contiguous(), "bf16_linear: w must be contiguous");  // a copy per call would cost more than it saves
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(M >= 1 && M <= 4, "bf16_linear: x must have 1 to 4 rows");
+  TORCH_CHECK(M >= 1 && M <= max_rows(K), "bf16_linear: x must have 1 to ", max_rows(K), " rows here (bf16_max_rows)");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N), "bf16_linear: bias must be [N]");
   const at::Tensor xc = x.contiguous();
   const at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
@@ -77,6 +187,10 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   at::Tensor y = at::empty({M, N}, x.options());
   auto* yp = y.data_ptr<at::BFloat16>();
+  if (M > 1 && max_rows(K) > 4) {  // one row streams as fast on vdpbf16ps (measured alike)
+    amx_linear(xp, wp, bp, yp, M, K, N);
+    return y;
+  }
   // R * M accumulators stay within the 32 vector registers with the loads beside them.
   switch (M) {
     case 1: run<1, 8>(xp, wp, bp, yp, K, N); break;
@@ -93,4 +207,5 @@ TORCH_LIBRARY_FRAGMENT(nxdi_kernels, m) {
   m.def("bf16_linear(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
   m.impl("bf16_linear", c10::DispatchKey::CPU, &bf16_linear);
   m.def("bf16_dot_supported() -> bool", &bf16_dot_supported);
+  m.def("bf16_max_rows(int k) -> int", &max_rows);
 }
