@@ -92,17 +92,22 @@ def iter_weights(
     keys: Mapping[str, str],
     *,
     nonfinite: dict[str, weight_checks.NonFinite] | None = None,
+    overflows: list[Problem] | None = None,
 ) -> Iterator[tuple[str, Tensor]]:
     """(nxdi name, tensor) in plan order; `keys` is the mapping `weights.check_checkpoint` returned.
 
     A tied weight is yielded as the very tensor its alias target was (no copy). When `nonfinite`
     is given, the NaN and inf values of every tensor read (the part a rank reads) are counted into
-    it by checkpoint key.
+    it by checkpoint key. When `overflows` is given, a weight whose cast to the model's dtype would
+    turn finite values into inf (`weight_ops.CastOverflow`) is not yielded, and a problem per
+    checkpoint tensor that overflows is added to it; otherwise that raises.
     """
     targets = {s.sources[0] for s in plan.steps if s.combine is weights.Combine.ALIAS}
     held: dict[str, Tensor] = {}
     for step in plan.steps:
         if step.combine is weights.Combine.ALIAS:
+            if step.sources[0] not in held:  # its target overflowed (recorded)
+                continue
             out = held[step.sources[0]]
         else:
             reads = [_read(ckpt, keys[s], step.take(i)) for i, s in enumerate(step.sources)]
@@ -110,7 +115,14 @@ def iter_weights(
                 for s, (t, _) in zip(step.sources, reads, strict=True):
                     if (counts := checkpoint_scan.count_nonfinite(t)) is not None:
                         nonfinite[keys[s]] = counts
-            out = weight_ops.apply_step(step, [t for t, _ in reads], [o for _, o in reads])
+            try:
+                out = weight_ops.apply_step(step, [t for t, _ in reads], [o for _, o in reads])
+            except weight_ops.CastOverflow as e:
+                if overflows is None:
+                    raise
+                sources = {keys[s]: t for s, (t, _) in zip(step.sources, reads, strict=True)}
+                overflows.extend(weight_ops.overflow_problems(sources, e.dtype))
+                continue
         if step.name in targets:
             held[step.name] = out
         yield step.name, out
@@ -137,13 +149,17 @@ def load_weights(
     Returns:
         `Success(dict)` of nxdi name -> tensor in plan order, or `Failure(CheckpointError)` listing
         every missing, unexpected, wrongly shaped or non-floating key (nothing is read in that
-        case), or, with `refuse_nonfinite`, every tensor holding NaN or inf.
+        case), or every weight whose cast to the model's dtype would overflow to inf (a float16
+        model of a checkpoint with values past 65504), and, with `refuse_nonfinite`, every tensor
+        holding NaN or inf.
     """
     match check_headers(plan, ckpt):
         case Success(keys):
             found: dict[str, weight_checks.NonFinite] | None = {} if refuse_nonfinite else None
-            out = dict(iter_weights(plan, ckpt, keys, nonfinite=found))
-            return weight_checks.check_finite(found or {}).map(lambda _: out)
+            overflows: list[Problem] = []
+            out = dict(iter_weights(plan, ckpt, keys, nonfinite=found, overflows=overflows))
+            problems = (*weight_checks.nonfinite_problems(found or {}), *overflows)
+            return Failure(CheckpointError(problems=problems)) if problems else Success(out)
         case Failure(err):
             return Failure(err)
     raise AssertionError("unreachable")

@@ -142,3 +142,32 @@ def test_nan_and_inf_weights_are_refused_when_asked_naming_each_tensor(
     ):
         scan = weight_io.scan_source(path, plan, allow_nonfinite=True).unwrap()
     assert dict(scan.nonfinite)[Q0].nan == 1
+
+
+def test_values_a_float16_cast_would_make_inf_are_refused_naming_each_tensor(
+    tiny_checkpoint: Callable[..., Path], tiny_model: Any, tmp_path: Path
+) -> None:
+    """float16's largest finite value is 65504 (65519 still rounds to it): a float32 checkpoint
+    holding more loads as a float16 model only by silently turning them into inf, so it is refused,
+    from the file and in memory, each tensor named once; bfloat16 (the float32 range) takes it."""
+    state = {k: v.detach().clone() for k, v in tiny_model("llama").state_dict().items()}
+    q, norm, up = state[Q0].clone(), state[NORM].clone(), state[UP1].clone()
+    q[2, 3], norm[5], up[0, 0] = 70000.0, -1.0e6, 65519.0
+    changed = {Q0: q, NORM: norm, UP1: up}
+    path = _llama_with(tiny_model, tmp_path, **changed)
+    spec = _spec(tiny_checkpoint("llama"))
+    fp16 = plan_of(spec, torch_dtype="float16")
+    for result in (weight_io.get_state_dict(path, fp16), weight_ops.convert(fp16, state | changed)):
+        err = result.failure()
+        assert [(p.field, p.value) for p in err.problems] == [(Q0, "70000.0"), (NORM, "1000000.0")]
+        assert "float16's largest finite value 65504" in err.problems[0].reason
+        assert "torch_dtype" in err.problems[1].fix
+    from_bf16 = weight_ops.convert(fp16, {k: v.bfloat16() for k, v in (state | changed).items()}).failure()
+    # a bfloat16 checkpoint run in float16 too; there 65519 is stored as 65536, past the limit
+    assert [p.field for p in from_bf16.problems] == [Q0, UP1, NORM]
+    loaded = weight_io.get_state_dict(path, plan_of(spec, torch_dtype="bfloat16")).unwrap()
+    assert loaded["norm.weight"][5] == -1.0e6
+    # a value that is already inf is the non-finite check's to report, not an overflow
+    inf_norm = norm.clone()
+    inf_norm[5] = float("inf")
+    assert isinstance(weight_ops.convert(fp16, state | {NORM: inf_norm}), Success)

@@ -6,6 +6,7 @@ mutating them. Reading tensors from files is `nxdi.effects.weight_loader`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -13,7 +14,7 @@ from returns.result import Failure, Result, Success
 from torch import Tensor
 
 from nxdi.core import weight_plan as weights
-from nxdi.core.errors import CheckpointError
+from nxdi.core.errors import CheckpointError, Problem
 
 _FLOAT8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz") if hasattr(torch, n))
 
@@ -31,6 +32,51 @@ def cast_float(t: Tensor, dtype: torch.dtype) -> Tensor:
     if not t.is_floating_point() or t.dtype in _FLOAT8:
         return t
     return t.to(dtype)
+
+
+class CastOverflow(ValueError):
+    """A weight's cast to the model's dtype turned finite values into inf (a float32 or bfloat16
+    weight past 65504 cast to float16). `overflow_problems` names the checkpoint tensors."""
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        self.name, self.dtype = name, dtype
+        super().__init__(f"{name}: finite values past {dtype}'s largest finite value would be cast to inf")
+
+
+def _overflowed(before: Tensor, after: Tensor) -> bool:
+    """Whether casting `before` to `after`'s dtype made a finite value inf, for a cast to float16
+    (65504) from a wider range, by one `aminmax` of `before`: rounding is monotonic, so the cast
+    overflows iff its extremes do. bfloat16's range ends one float32 step below float32's (3.39e38
+    against 3.40e38), which no weight reaches; looking would cost a pass over every float32 checkpoint
+    of a bfloat16 model."""
+    if not after.is_floating_point() or after.dtype in _FLOAT8 or not before.is_floating_point():
+        return False
+    if torch.finfo(after.dtype).max >= min(torch.finfo(before.dtype).max, torch.finfo(torch.bfloat16).max):
+        return False
+    if before.numel() == 0:
+        return False
+    lo, hi = torch.aminmax(before)
+    if math.isfinite(lo) and math.isfinite(hi):
+        return bool(torch.isinf(torch.stack((lo, hi)).to(after.dtype)).any())
+    return bool((torch.isinf(after) & torch.isfinite(before)).any())  # inf or NaN in the source itself
+
+
+def overflow_problems(sources: Mapping[str, Tensor], dtype: torch.dtype) -> tuple[Problem, ...]:
+    """One problem per checkpoint tensor (key -> tensor) with finite values that a cast to `dtype`
+    makes inf, naming its largest finite magnitude, the dtype's limit and the fix."""
+    short = str(dtype).removeprefix("torch.")
+    fix = "set torch_dtype to bfloat16 or float32 (the float32 range), or rescale the checkpoint"
+    out = []
+    for key, t in sources.items():
+        if not _overflowed(t, cast_float(t, dtype)):
+            continue
+        largest = float(t[torch.isfinite(t)].abs().max())
+        why = (
+            f"its largest finite magnitude is past {short}'s largest finite value {torch.finfo(dtype).max:.6g}: "
+            f"cast to torch_dtype={short} it would be inf, and so would every logit it reaches"
+        )
+        out.append(Problem.of(key, largest, why, fix))
+    return tuple(out)
 
 
 def split_experts(t: Tensor, split: weights.SplitExperts) -> Tensor:
@@ -88,10 +134,13 @@ def apply_step(step: weights.WeightStep, sources: Sequence[Tensor], offsets: Seq
     else:
         out = parts[0] if step.combine is weights.Combine.COPY else torch.cat(parts, dim=0)
     for t in step.transforms:
+        before = out
         try:
             out = apply_transform(out, t)
         except ValueError as e:  # shapes are checked before any read; a caller that skipped that still learns which
             raise ValueError(f"{step.name} (from {', '.join(step.sources)}): {e}") from e
+        if isinstance(t, weights.CastFloat) and _overflowed(before, out):
+            raise CastOverflow(step.name, out.dtype)
     return out
 
 
@@ -106,17 +155,24 @@ def convert(plan: weights.WeightPlan, state_dict: Mapping[str, Tensor]) -> Resul
     Returns:
         `Success(dict)` of nxdi name -> tensor in `plan.names()` order (tied weights are one tensor
         under two names), or `Failure(CheckpointError)` listing every missing, unexpected or
-        wrongly shaped key. `state_dict` is not modified.
+        wrongly shaped key, or every weight whose cast would overflow (`CastOverflow`).
+        `state_dict` is not modified.
     """
     match weights.check_checkpoint(plan, tensor_shapes(state_dict)):
         case Failure(err):
             return Failure(err)
         case Success(keys):
             out: dict[str, Tensor] = {}
+            overflows: list[Problem] = []
             for step in plan.steps:
                 if step.combine is weights.Combine.ALIAS:
-                    out[step.name] = out[step.sources[0]]
-                else:
-                    out[step.name] = apply_step(step, [state_dict[keys[s]] for s in step.sources])
-            return Success(out)
+                    if step.sources[0] in out:  # else its target overflowed: the result is a Failure
+                        out[step.name] = out[step.sources[0]]
+                    continue
+                sources = {keys[s]: state_dict[keys[s]] for s in step.sources}
+                try:
+                    out[step.name] = apply_step(step, list(sources.values()))
+                except CastOverflow as e:
+                    overflows.extend(overflow_problems(sources, e.dtype))
+            return Failure(CheckpointError(problems=tuple(overflows))) if overflows else Success(out)
     raise AssertionError("unreachable")

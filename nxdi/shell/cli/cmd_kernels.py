@@ -43,11 +43,12 @@ def run(args: argparse.Namespace) -> int:
     if not kernels.load():
         print(f"nxdi kernels: not available: {kernels.why_not()}; the CPU backend falls back to torch's kernels")
         return 1
-    if not kernels.bf16_supported():
+    rows = kernels.bf16_max_rows(32)  # 0: no bf16 kernel; 16: AMX tiles
+    if rows == 0:
         bf16 = "no bf16 kernel: this CPU lacks AVX512-BF16"
-    elif kernels.bf16_max_rows(32) > 4:
-        bf16 = f"bf16 decode linears (AVX512-BF16, AMX tiles up to {kernels.bf16_max_rows(32)} rows)"
+    elif rows > 4:
+        bf16 = f"bf16 decode linears (AVX512-BF16, AMX tiles up to {rows} rows)"
     else:
-        bf16 = "bf16 decode linears (AVX512-BF16, up to 4 rows: no AMX)"
+        bf16 = f"bf16 decode linears (AVX512-BF16, up to {rows} rows: no AMX)"
     print(f"nxdi kernels: ready in {folder}: int8 decode linears, bf16 RMSNorm; {bf16}")
     return 0
