@@ -43,22 +43,25 @@ class CastOverflow(ValueError):
         super().__init__(f"{name}: finite values past {dtype}'s largest finite value would be cast to inf")
 
 
-def _overflowed(before: Tensor, after: Tensor) -> bool:
-    """Whether casting `before` to `after`'s dtype made a finite value inf, for a cast to float16
-    (65504) from a wider range, by one `aminmax` of `before`: rounding is monotonic, so the cast
-    overflows iff its extremes do. bfloat16's range ends one float32 step below float32's (3.39e38
-    against 3.40e38), which no weight reaches; looking would cost a pass over every float32 checkpoint
-    of a bfloat16 model."""
-    if not after.is_floating_point() or after.dtype in _FLOAT8 or not before.is_floating_point():
+def _overflows(t: Tensor, dtype: torch.dtype) -> bool:
+    """Whether casting `t` to `dtype` makes a finite value inf, for a cast to float16 (65504) from a
+    wider range, by one `aminmax` of `t`'s finite values: rounding is monotonic, so the cast overflows
+    iff its extremes do. bfloat16's range ends one float32 step below float32's (3.39e38 against
+    3.40e38), which no weight reaches; looking would cost a pass over every float32 checkpoint of a
+    bfloat16 model."""
+    if not dtype.is_floating_point or dtype in _FLOAT8 or not t.is_floating_point():
         return False
-    if torch.finfo(after.dtype).max >= min(torch.finfo(before.dtype).max, torch.finfo(torch.bfloat16).max):
+    if torch.finfo(dtype).max >= min(torch.finfo(t.dtype).max, torch.finfo(torch.bfloat16).max):
         return False
-    if before.numel() == 0:
+    if t.numel() == 0:
         return False
-    lo, hi = torch.aminmax(before)
-    if math.isfinite(lo) and math.isfinite(hi):
-        return bool(torch.isinf(torch.stack((lo, hi)).to(after.dtype)).any())
-    return bool((torch.isinf(after) & torch.isfinite(before)).any())  # inf or NaN in the source itself
+    lo, hi = torch.aminmax(t)
+    if not (math.isfinite(lo) and math.isfinite(hi)):  # inf or NaN in the source itself: look past them
+        finite = t[torch.isfinite(t)]
+        if finite.numel() == 0:
+            return False
+        lo, hi = torch.aminmax(finite)
+    return bool(torch.isinf(torch.stack((lo, hi)).to(dtype)).any())
 
 
 def overflow_problems(sources: Mapping[str, Tensor], dtype: torch.dtype) -> tuple[Problem, ...]:
@@ -68,7 +71,7 @@ def overflow_problems(sources: Mapping[str, Tensor], dtype: torch.dtype) -> tupl
     fix = "set torch_dtype to bfloat16 or float32 (the float32 range), or rescale the checkpoint"
     out = []
     for key, t in sources.items():
-        if not _overflowed(t, cast_float(t, dtype)):
+        if not _overflows(t, dtype):
             continue
         largest = float(t[torch.isfinite(t)].abs().max())
         why = (
@@ -134,13 +137,12 @@ def apply_step(step: weights.WeightStep, sources: Sequence[Tensor], offsets: Seq
     else:
         out = parts[0] if step.combine is weights.Combine.COPY else torch.cat(parts, dim=0)
     for t in step.transforms:
-        before = out
+        if isinstance(t, weights.CastFloat) and _overflows(out, dtype := torch_dtype(t.dtype)):
+            raise CastOverflow(step.name, dtype)
         try:
             out = apply_transform(out, t)
         except ValueError as e:  # shapes are checked before any read; a caller that skipped that still learns which
             raise ValueError(f"{step.name} (from {', '.join(step.sources)}): {e}") from e
-        if isinstance(t, weights.CastFloat) and _overflowed(before, out):
-            raise CastOverflow(step.name, out.dtype)
     return out
 
 

@@ -178,7 +178,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16_linear: x and w must be bf16");
   TORCH_CHECK(w.is_contiguous(), "bf16_linear: w must be contiguous");  // a copy per call would cost more than it saves
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(M >= 1 && M <= max_rows(K), "bf16_linear: x must have 1 to ", max_rows(K), " rows here (bf16_max_rows)");
+  const int64_t limit = max_rows(K);
+  TORCH_CHECK(M >= 1 && M <= limit, "bf16_linear: x must have 1 to ", limit, " rows here (bf16_max_rows)");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N), "bf16_linear: bias must be [N]");
   const at::Tensor xc = x.contiguous();
   const at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
@@ -187,7 +188,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   at::Tensor y = at::empty({M, N}, x.options());
   auto* yp = y.data_ptr<at::BFloat16>();
-  if (M > 1 && max_rows(K) > 4) {  // one row streams as fast on vdpbf16ps (measured alike)
+  if (M > 1 && limit > 4) {  // one row streams as fast on vdpbf16ps (measured alike)
     amx_linear(xp, wp, bp, yp, M, K, N);
     return y;
   }
