@@ -4,8 +4,9 @@
   output's rounding) for 1-4 rows, widths that are and are not multiples of its vector step, with
   and without a bias.
 - The rewrite sends a decode linear (<= 4 rows) to nxdi's kernel, 5-8 bf16 rows to torch's, and
-  leaves prefill-sized linears dequantizing; without the kernel (an unsupported CPU) it falls back
-  to torch's, and the results stay equal to the pure graph's.
+  leaves prefill-sized linears dequantizing, by nxdi's one-pass `int8_dequantize` (the pure
+  dequantize's bits, then the same GEMM: equal results); without the kernels (an unsupported CPU)
+  it falls back to torch's, and the results stay equal to the pure graph's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor, fx
 
 from nxdi.core.programs.linear import QuantizedWeight, linear
-from nxdi.effects.backends import cpu_passes, kernels
+from nxdi.effects.backends import cpu, cpu_passes, kernels
 from nxdi.effects.backends.base import WeightSet
 
 needs_kernel = pytest.mark.skipif(not kernels.load(), reason=f"nxdi's int8 kernel cannot run here: {kernels.why_not()}")
@@ -60,7 +61,8 @@ class _Linear(torch.nn.Module):
 def _graph(rows: int, dtype: torch.dtype) -> tuple[fx.GraphModule, list[Tensor], Tensor]:
     x, w, scale, _ = _case(rows, 128, 48, dtype)
     ep = torch.export.export(_Linear(), (x, w, scale)).run_decompositions({})
-    gm = ep.module()
+    gm = cpu._plain_module(ep)  # the graph the backend rewrites
+    gm.recompile()  # its flat calling convention from the first call
     return gm, [w, scale], x
 
 
@@ -73,12 +75,13 @@ def _close(got: Tensor, want: Tensor, rel: float) -> None:
 
 def _rewrite(rows: int, dtype: torch.dtype) -> tuple[set[object], Tensor, Tensor]:
     gm, weights, x = _graph(rows, dtype)
-    want = gm(x, *weights)
+    (want,) = gm(x, *weights)
     nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
     cpu_passes.int8_weight_linears(gm, nodes[1:3], ["w", "w.scale"], WeightSet(tensors=weights))
     gm.recompile()
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
-    return targets, gm(x, *weights), want
+    (got,) = gm(x, *weights)
+    return targets, got, want
 
 
 @needs_kernel
@@ -95,6 +98,35 @@ def test_rows_beyond_the_kernel_take_torchs_or_stay_dequantized() -> None:
     _close(got, want, 2**-7)
     targets, _, _ = _rewrite(16, torch.bfloat16)
     assert torch.ops.aten.linear.default in targets  # prefill-sized: dequantize, then oneDNN
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_prefill_rows_dequantize_in_one_pass_to_the_same_bits(dtype: torch.dtype) -> None:
+    targets, got, want = _rewrite(16, dtype)
+    assert torch.ops.nxdi_kernels.int8_dequantize.default in targets and torch.ops.aten.linear.default in targets
+    assert torch.ops.aten.mul.Tensor not in targets  # torch's three-op dequantize is gone
+    assert torch.equal(got, want)  # the same weight bits into the same GEMM
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 15, 16, 100, 2048])
+def test_dequantize_kernel_gives_the_pure_dequantizes_bits(
+    dtype: torch.dtype, scale_dtype: torch.dtype, k: int
+) -> None:
+    g = torch.Generator().manual_seed(k)
+    values = torch.randint(-128, 128, (37, k), generator=g, dtype=torch.int8)
+    # Scales across float16's range (its largest products overflow to inf, as torch's cast does),
+    # a zero, and a NaN, which stays a NaN.
+    scale = (torch.randn(37, generator=g) * 10 ** torch.randint(-6, 4, (37,), generator=g)).to(scale_dtype)
+    scale[3], scale[5] = 0.0, float("nan")
+    want = (values.float() * scale.float()[:, None]).to(dtype)
+    got = torch.ops.nxdi_kernels.int8_dequantize(values, scale, dtype)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan()) and want[5].isnan().all()
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
 def test_without_the_kernel_decode_falls_back_to_torchs(monkeypatch: pytest.MonkeyPatch) -> None:

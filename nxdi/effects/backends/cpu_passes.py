@@ -233,7 +233,9 @@ def int8_weight_linears(
     """Rewrite `linear(x, dequantize(values, scale))` with int8 row-scaled weight inputs into an int8
     kernel call that reads the 1-byte values and never builds the float weight: nxdi's kernel for
     at most `KERNEL_MAX_ROWS` rows when it loads (`kernels.load()`), else torch's for bf16 x of at
-    most `INT8_MAX_ROWS` rows (its bf16 scale copy made once per `WeightSet`). Returns the count."""
+    most `INT8_MAX_ROWS` rows (its bf16 scale copy made once per `WeightSet`). Larger linears
+    (prefill) keep the GEMM; their float weight is built by nxdi's one-pass `int8_dequantize` (the
+    same bits) where the kernels load. Returns the count of linears rewritten."""
     index = {n: i for i, n in enumerate(weight_nodes)}
     graph, count = gm.graph, 0
     for u in [n for n in graph.nodes if n.target is _LINEAR]:
@@ -247,26 +249,45 @@ def int8_weight_linears(
         rows, bias = _rows(u), u.args[2] if len(u.args) > 2 else None
         with graph.inserting_before(u):  # the scale attributes are read before the linear
             if rows <= KERNEL_MAX_ROWS and x_val.dtype in _KERNEL_DTYPES and kernels.load():
-                f32 = weights.derive(f"f32-scale:{names[index[scale]]}", lambda sc=sc: sc.float().contiguous())
                 # 2-D x (the decoder's [N, E]) calls the op itself: no Python frame per call.
                 call = torch.ops.nxdi_kernels.int8_linear.default if x_val.dim() == 2 else streamed_int8_linear
-                args = (u.args[0], values, _attr(gm, "f32", index[scale], f32), bias)
+                args = (u.args[0], values, _f32_scale(gm, weights, names, index[scale], sc), bias)
             elif rows <= INT8_MAX_ROWS and x_val.dtype == torch.bfloat16:
                 bf16 = weights.derive(
                     f"int8-scale:{names[index[scale]]}", lambda sc=sc: sc.to(torch.bfloat16).contiguous()
                 )
                 call, args = int8_linear, (u.args[0], values, _attr(gm, "bf16", index[scale], bf16), bias)
             else:
+                w_val = _val(u.args[1])
+                if w_val is not None and w_val.dtype in _KERNEL_DTYPES and kernels.load():
+                    f32 = _f32_scale(gm, weights, names, index[scale], sc)
+                    deq = graph.call_function(
+                        torch.ops.nxdi_kernels.int8_dequantize.default, (values, f32, w_val.dtype)
+                    )
+                    deq.meta = dict(u.args[1].meta)
+                    u.replace_input_with(u.args[1], deq)
+                    _erase_unused(graph, chain)
                 continue
         _replace_linear(u, call, args)
-        for node in chain:  # the dequantize nodes this linear alone used
-            if not node.users:
-                graph.erase_node(node)
+        _erase_unused(graph, chain)
         count += 1
     return count
 
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _f32_scale(gm: fx.GraphModule, weights: WeightSet, names: Sequence[str], i: int, scale: Tensor) -> fx.Node:
+    """A get_attr node of the float32 copy of the scale weight `i` (made once per `WeightSet`)."""
+    f32 = weights.derive(f"f32-scale:{names[i]}", lambda: scale.float().contiguous())
+    return _attr(gm, "f32", i, f32)
+
+
+def _erase_unused(graph: fx.Graph, chain: Sequence[fx.Node]) -> None:
+    """Erase the nodes of a dequantize `chain` (outermost first) that nothing reads any more."""
+    for node in chain:
+        if not node.users:
+            graph.erase_node(node)
 
 
 def _attr(gm: fx.GraphModule, kind: str, i: int, tensor: Tensor) -> fx.Node:

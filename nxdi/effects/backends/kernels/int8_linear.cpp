@@ -14,6 +14,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <type_traits>
+
 namespace {
 
 
@@ -99,9 +101,67 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return y;
 }
 
+// --- dequantize, for prefill ------------------------------------------------------------------
+// Prefill's linears (more rows than the decode kernel takes) stay on oneDNN's bf16 GEMM, which
+// needs the float weight: built here in one pass, y[n, k] = dtype(float(values[n, k]) * scale[n]),
+// the bits of `programs.linear.dequantize` (float32 product, rounded to nearest even), where its
+// three torch ops wrote a float32 weight twice and a third copy (2.3 s of a 1.1B int8 prefill).
+
+// float32 -> bf16 bits, round to nearest even, NaN kept a (quiet) NaN: c10's rounding, 16 lanes.
+__m256i to_bf16_bits(__m512 f) {
+  const __m512i bits = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
+}
+
+template <typename Out>
+void store16(Out* y, __m512 f, __mmask16 mask) {
+  if constexpr (std::is_same_v<Out, float>) {
+    _mm512_mask_storeu_ps(y, mask, f);
+  } else if constexpr (std::is_same_v<Out, at::BFloat16>) {
+    _mm256_mask_storeu_epi16(y, mask, to_bf16_bits(f));
+  } else {
+    _mm256_mask_storeu_epi16(y, mask, _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+template <typename Out>
+void dequantize_rows(const int8_t* v, const float* scale, Out* y, int64_t N, int64_t K) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const __m512 s = _mm512_set1_ps(scale[n]);
+      for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 mask = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+        const __m128i bytes = _mm_maskz_loadu_epi8(mask, v + n * K + k);
+        store16(y + n * K + k, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), s), mask);
+      }
+    }
+  });
+}
+
+at::Tensor int8_dequantize(const at::Tensor& values, const at::Tensor& scale, at::ScalarType dtype) {
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kChar, "int8_dequantize: values must be [N, K] int8");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == values.size(0), "int8_dequantize: scale must be [N]");
+  const at::Tensor vc = values.contiguous();
+  const at::Tensor sf = scale.to(at::kFloat).contiguous();
+  const int64_t N = values.size(0), K = values.size(1);
+  at::Tensor y = at::empty({N, K}, values.options().dtype(dtype));
+  switch (dtype) {
+    case at::kBFloat16: dequantize_rows(vc.data_ptr<int8_t>(), sf.data_ptr<float>(), y.data_ptr<at::BFloat16>(), N, K); break;
+    case at::kHalf: dequantize_rows(vc.data_ptr<int8_t>(), sf.data_ptr<float>(), y.data_ptr<at::Half>(), N, K); break;
+    case at::kFloat: dequantize_rows(vc.data_ptr<int8_t>(), sf.data_ptr<float>(), y.data_ptr<float>(), N, K); break;
+    default: TORCH_CHECK(false, "int8_dequantize: dtype must be bf16, fp16 or fp32");
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(nxdi_kernels, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias=None) -> Tensor");
   m.impl("int8_linear", c10::DispatchKey::CPU, &int8_linear);
+  m.def("int8_dequantize(Tensor values, Tensor scale, ScalarType dtype) -> Tensor");
+  m.impl("int8_dequantize", c10::DispatchKey::CPU, &int8_dequantize);
 }
