@@ -35,7 +35,7 @@ import torch
 
 from nxdi.effects import env
 
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("int8_linear.cpp", "bf16_linear.cpp", "rms_norm.cpp"))
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("quantized_linear.cpp", "bf16_linear.cpp", "rms_norm.cpp"))
 LIBRARY = "nxdi_kernels"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-fopenmp"]
 _loaded: bool | None = None
