@@ -199,8 +199,10 @@ def test_bf16_compiled_decode_uses_the_int8_kernel(
     kw = {"batch_size": 2, "seq_len": 96, "quantized": True, "quantized_checkpoints_path": str(out), **quant}
     eager = nxdi_generate(load_model(trained, "llama", **kw), PROMPTS, max_new_tokens=32)
     rewrites: list[int] = []
-    original = cpu_passes.int8_weight_linears
-    monkeypatch.setattr(cpu_passes, "int8_weight_linears", lambda *a: rewrites.append(original(*a)) or rewrites[-1])
+    original = cpu_passes.quantized_weight_linears
+    monkeypatch.setattr(
+        cpu_passes, "quantized_weight_linears", lambda *a: rewrites.append(original(*a)) or rewrites[-1]
+    )
     compiled = load_model(trained, "llama", workdir=tmp_path, backend="cpu", **kw)
     # 2 layers x (qkv, o, gate, up, down) + lm_head in each decode program; the prompt's lm_head row.
     assert max(rewrites) == 11

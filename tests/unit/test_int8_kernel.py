@@ -4,7 +4,7 @@
   output's rounding) for 1-4 rows, widths that are and are not multiples of its vector step, with
   and without a bias.
 - The rewrite sends a decode linear (<= 4 rows) to nxdi's kernel, 5-8 bf16 rows to torch's, and
-  leaves prefill-sized linears dequantizing, by nxdi's one-pass `int8_dequantize` (the pure
+  leaves prefill-sized linears dequantizing, by nxdi's one-pass `weight_dequantize` (the pure
   dequantize's bits, then the same GEMM: equal results); without the kernels (an unsupported CPU)
   it falls back to torch's, and the results stay equal to the pure graph's.
 """
@@ -77,7 +77,7 @@ def _rewrite(rows: int, dtype: torch.dtype) -> tuple[set[object], Tensor, Tensor
     gm, weights, x = _graph(rows, dtype)
     (want,) = gm(x, *weights)
     nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    cpu_passes.int8_weight_linears(gm, nodes[1:3], ["w", "w.scale"], WeightSet(tensors=weights))
+    cpu_passes.quantized_weight_linears(gm, nodes[1:3], ["w", "w.scale"], WeightSet(tensors=weights))
     gm.recompile()
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
     (got,) = gm(x, *weights)
@@ -104,7 +104,7 @@ def test_rows_beyond_the_kernel_take_torchs_or_stay_dequantized() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_prefill_rows_dequantize_in_one_pass_to_the_same_bits(dtype: torch.dtype) -> None:
     targets, got, want = _rewrite(16, dtype)
-    assert torch.ops.nxdi_kernels.int8_dequantize.default in targets and torch.ops.aten.linear.default in targets
+    assert torch.ops.nxdi_kernels.weight_dequantize.default in targets and torch.ops.aten.linear.default in targets
     assert torch.ops.aten.mul.Tensor not in targets  # torch's three-op dequantize is gone
     assert torch.equal(got, want)  # the same weight bits into the same GEMM
 
@@ -123,7 +123,7 @@ def test_dequantize_kernel_gives_the_pure_dequantizes_bits(
     scale = (torch.randn(37, generator=g) * 10 ** torch.randint(-6, 4, (37,), generator=g)).to(scale_dtype)
     scale[3], scale[5] = 0.0, float("nan")
     want = (values.float() * scale.float()[:, None]).to(dtype)
-    got = torch.ops.nxdi_kernels.int8_dequantize(values, scale, dtype)
+    got = torch.ops.nxdi_kernels.weight_dequantize(values, scale, dtype)
     assert got.dtype == dtype and got.shape == want.shape
     assert torch.equal(got.isnan(), want.isnan()) and want[5].isnan().all()
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
@@ -132,7 +132,7 @@ def test_dequantize_kernel_gives_the_pure_dequantizes_bits(
 def test_without_the_kernel_decode_falls_back_to_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernels, "load", lambda: False)
     targets, got, want = _rewrite(1, torch.bfloat16)
-    assert cpu_passes.int8_linear in targets and cpu_passes.streamed_int8_linear not in targets
+    assert cpu_passes.int8_linear in targets and cpu_passes.streamed_quantized_linear not in targets
     _close(got, want, 2**-7)
     targets, _, _ = _rewrite(1, torch.float32)  # torch's kernel is bf16-only: fp32 stays dequantized
     assert torch.ops.aten.linear.default in targets

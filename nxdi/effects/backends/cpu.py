@@ -180,7 +180,7 @@ class CpuBackend:
             packable = cpu_passes.packable_dtypes()
             cpu_passes.bf16_weight_linears(gm, w_nodes, weights)
             cpu_passes.prepack_linears(gm, w_nodes, sig.weights, weights, packable)
-            cpu_passes.int8_weight_linears(gm, w_nodes, sig.weights, weights)
+            cpu_passes.quantized_weight_linears(gm, w_nodes, sig.weights, weights)
             cpu_passes.fused_rms_norms(gm)
         in_place = cpu_passes.reinplace_cache_writes(gm, c_nodes) if self.in_place_cache else (False,) * len(c_nodes)
         cpu_passes.scatter_half_floats_as_bits(gm)  # bit for bit torch's scatter, so in every form

@@ -179,8 +179,9 @@ _INT8_MM = torch.ops.aten._weight_int8pack_mm.default
 _MUL = torch.ops.aten.mul.Tensor
 _UNSQUEEZE = torch.ops.aten.unsqueeze.default
 KERNEL_MAX_ROWS = 4
-"""Linears over at most this many rows run nxdi's int8 kernel (it streams the weights; with its rows
-interleaved it measured faster than torch's at 1-4 rows, docs/cpu-backend.md)."""
+"""Linears over at most this many rows run nxdi's int8 or float8 kernel (it streams the weights;
+with its rows interleaved it measured faster than torch's int8 kernel at 1-4 rows, and torch has
+no float8 one, docs/cpu-backend.md)."""
 INT8_MAX_ROWS = 8
 """Linears over at most this many bf16 rows run torch's int8 kernel otherwise; larger ones (prefill)
 dequantize, which measured faster there (docs/cpu-backend.md, "Quantized weights")."""
@@ -193,10 +194,12 @@ def int8_linear(x: Tensor, values: Tensor, scale: Tensor, bias: Tensor | None = 
     return y if bias is None else y + bias
 
 
-def streamed_int8_linear(x: Tensor, values: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
-    """The same by nxdi's kernel (`kernels/int8_linear.cpp`): x [..., K] of at most
-    `KERNEL_MAX_ROWS` rows in bf16, fp16 or fp32, values [N, K] int8, scale [N] float32."""
-    return _on_rows(x, lambda rows: torch.ops.nxdi_kernels.int8_linear(rows, values, scale, bias))
+def streamed_quantized_linear(x: Tensor, values: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The same by nxdi's kernels (`kernels/quantized_linear.cpp`): x [..., K] of at most
+    `KERNEL_MAX_ROWS` rows in bf16, fp16 or fp32, values [N, K] int8, float8_e4m3fn or
+    float8_e5m2, scale [N] float32."""
+    op = torch.ops.nxdi_kernels.int8_linear if values.dtype == torch.int8 else torch.ops.nxdi_kernels.fp8_linear
+    return _on_rows(x, lambda rows: op(rows, values, scale, bias))
 
 
 def _through_conversions(node: object) -> object:
@@ -227,15 +230,16 @@ def _dequantized(w: object) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
     return values, scale, chain
 
 
-def int8_weight_linears(
+def quantized_weight_linears(
     gm: fx.GraphModule, weight_nodes: Sequence[fx.Node], names: Sequence[str], weights: WeightSet
 ) -> int:
-    """Rewrite `linear(x, dequantize(values, scale))` with int8 row-scaled weight inputs into an int8
-    kernel call that reads the 1-byte values and never builds the float weight: nxdi's kernel for
-    at most `KERNEL_MAX_ROWS` rows when it loads (`kernels.load()`), else torch's for bf16 x of at
-    most `INT8_MAX_ROWS` rows (its bf16 scale copy made once per `WeightSet`). Larger linears
-    (prefill) keep the GEMM; their float weight is built by nxdi's one-pass `int8_dequantize` (the
-    same bits) where the kernels load. Returns the count of linears rewritten."""
+    """Rewrite `linear(x, dequantize(values, scale))` with row-scaled int8 or float8 weight inputs
+    into a kernel call that reads the 1-byte values and never builds the float weight: nxdi's
+    kernels for at most `KERNEL_MAX_ROWS` rows when they load (`kernels.load()`), else, for int8,
+    torch's for bf16 x of at most `INT8_MAX_ROWS` rows (its bf16 scale copy made once per
+    `WeightSet`). Larger linears (prefill) keep the GEMM; their float weight is built by nxdi's
+    one-pass `weight_dequantize` (the same bits) where the kernels load. Returns the count of
+    linears rewritten (the GEMMs not counted)."""
     index = {n: i for i, n in enumerate(weight_nodes)}
     graph, count = gm.graph, 0
     for u in [n for n in graph.nodes if n.target is _LINEAR]:
@@ -244,15 +248,16 @@ def int8_weight_linears(
             continue
         values, scale, chain = found
         v, sc = weights.tensors[index[values]], weights.tensors[index[scale]]
-        if v.dtype != torch.int8 or v.dim() != 2 or sc.dim() != 1 or sc.numel() != v.shape[0]:
+        if v.dtype not in _QUANTIZED_DTYPES or v.dim() != 2 or sc.dim() != 1 or sc.numel() != v.shape[0]:
             continue
         rows, bias = _rows(u), u.args[2] if len(u.args) > 2 else None
         with graph.inserting_before(u):  # the scale attributes are read before the linear
             if rows <= KERNEL_MAX_ROWS and x_val.dtype in _KERNEL_DTYPES and kernels.load():
                 # 2-D x (the decoder's [N, E]) calls the op itself: no Python frame per call.
-                call = torch.ops.nxdi_kernels.int8_linear.default if x_val.dim() == 2 else streamed_int8_linear
+                op = torch.ops.nxdi_kernels.int8_linear if v.dtype == torch.int8 else torch.ops.nxdi_kernels.fp8_linear
+                call = op.default if x_val.dim() == 2 else streamed_quantized_linear
                 args = (u.args[0], values, _f32_scale(gm, weights, names, index[scale], sc), bias)
-            elif rows <= INT8_MAX_ROWS and x_val.dtype == torch.bfloat16:
+            elif rows <= INT8_MAX_ROWS and x_val.dtype == torch.bfloat16 and v.dtype == torch.int8:
                 bf16 = weights.derive(
                     f"int8-scale:{names[index[scale]]}", lambda sc=sc: sc.to(torch.bfloat16).contiguous()
                 )
@@ -262,7 +267,7 @@ def int8_weight_linears(
                 if w_val is not None and w_val.dtype in _KERNEL_DTYPES and kernels.load():
                     f32 = _f32_scale(gm, weights, names, index[scale], sc)
                     deq = graph.call_function(
-                        torch.ops.nxdi_kernels.int8_dequantize.default, (values, f32, w_val.dtype)
+                        torch.ops.nxdi_kernels.weight_dequantize.default, (values, f32, w_val.dtype)
                     )
                     deq.meta = dict(u.args[1].meta)
                     u.replace_input_with(u.args[1], deq)
@@ -274,6 +279,7 @@ def int8_weight_linears(
     return count
 
 
+_QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 

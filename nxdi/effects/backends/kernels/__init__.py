@@ -1,9 +1,11 @@
 """nxdi's own CPU kernels, built ahead of time or on first use. Effects: runs the C++ compiler, writes a cache folder.
 
 Three kernels, one library (torch ops `nxdi_kernels::*`), for decode steps:
-- `int8_linear.cpp`: the weight-only int8 linear of quantized models (`cpu_passes.int8_weight_linears`),
-  1-4 rows of x. It reads each weight byte once at close to the memory bandwidth, where torch's own
-  `_weight_int8pack_mm` is compute-bound at batch 1 (docs/cpu-backend.md).
+- `quantized_linear.cpp`: the weight-only int8 and float8 linears of quantized models
+  (`cpu_passes.quantized_weight_linears`), 1-4 rows of x. They read each weight byte once, near
+  the memory bandwidth for int8, where torch's own `_weight_int8pack_mm` is compute-bound at batch 1
+  and torch has no float8 one (docs/cpu-backend.md). Prefill's GEMMs get their float weight from its
+  one-pass `weight_dequantize`.
 - `bf16_linear.cpp`: the bf16 linear (`cpu_passes.bf16_weight_linears`), 1-4 rows on CPUs with
   AVX512-BF16 (`bf16_supported()`), 1-16 on CPUs with AMX too (`bf16_max_rows`): oneDNN's and MKL's
   bf16 paths read the weights well below the memory bandwidth at decode's few rows.
@@ -11,7 +13,7 @@ Three kernels, one library (torch ops `nxdi_kernels::*`), for decode steps:
   where torch dispatches seven ops, each slow just after a linear has streamed its weights.
 
 It is compiled with torch's C++ extension tooling (the system's g++, and ninja, a dependency) when
-the CPU backend first compiles a bf16 or int8 model (about 12 s; or at the first bind, if the model
+the CPU backend first compiles a bf16 or quantized model (about 12 s; or at the first bind, if the model
 was compiled elsewhere), or ahead of time by `nxdi kernels` (the set-up step runs it), into a folder
 keyed by the torch version and the sources' hash (`NXDI_KERNEL_DIR`, default `~/.cache/nxdi/kernels`);
 later loads only load the library. Where it cannot be built or run (no AVX-512, no compiler), `load()`

@@ -1,13 +1,16 @@
-// nxdi's weight-only int8 linear for decode on AVX-512 CPUs: y = (x @ w.T) * scale (+ bias).
+// nxdi's weight-only quantized linear for decode on AVX-512 CPUs: y = (x @ w.T) * scale (+ bias),
+// and the one-pass dequantize its prefill uses.
 //
-// x [M, K] (bf16, fp16 or fp32; M <= 4 rows), w [N, K] int8, scale [N] float32, bias [N] or none.
-// Each weight byte is read once, in order, and widened to fp32 in registers (vpmovsxbd +
-// vcvtdq2ps); the rows of x are multiplied with fp32 FMAs, so the result equals
+// x [M, K] (bf16, fp16 or fp32; M <= 4 rows), w [N, K] int8, float8_e4m3fn or float8_e5m2, scale
+// [N] float32, bias [N] or none. Each weight byte is read once, in order, and widened to fp32 in
+// registers (int8: vpmovsxbd + vcvtdq2ps; float8: a few integer ops make float16 bits, then
+// vcvtph2ps, below); the rows of x are multiplied with fp32 FMAs, so the result equals
 // dequantize-then-multiply up to fp32 summation order. R output rows are read at once, R
 // sequential streams interleaved: on the development machine with AMX one stream per core read
 // 13 GB/s of int8 and eight 15-20 GB/s (on an earlier Zen 5 machine one stream with unrolled
 // accumulators had measured best; the interleaved loop was chosen on the machine it runs on now),
-// and the next block of rows is prefetched while one is read (30 GB/s of int8 then). Output rows are split over torch's intra-op (OpenMP) threads. Measurements: docs/cpu-backend.md,
+// and the next block of rows is prefetched while one is read (30 GB/s of int8 then). Output rows
+// are split over torch's intra-op (OpenMP) threads. Measurements: docs/cpu-backend.md,
 // "Quantized weights".
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,87 +21,162 @@
 
 namespace {
 
+// How a chunk of `step` weight bytes becomes step / 16 vectors of 16 fp32 lanes, per stored format
+// (`mask`: the bytes to read, the rest zeros). `unit`: what the lanes are multiplied by to give the
+// weights' values (a power of two, so exact).
+template <int Step>
+using Mask = std::conditional_t<Step == 16, __mmask16, __mmask32>;
+
+struct Int8 {
+  using T = int8_t;
+  static constexpr int step = 16;  // vpmovsxbd reads 16 bytes, straight from memory when whole
+  static constexpr float unit = 1.0f;
+  static void load(const T* w, __mmask16 mask, __m512* out) {
+    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w)));
+  }
+  static void load(const T* w, __m512* out) {  // vpmovsxbd with a memory operand: no separate load
+    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+  }
+};
+
+// float16 bits (32 lanes) to two vectors of fp32 (vcvtph2ps is exact and ignores DAZ: float16
+// subnormals stay values).
+inline void widen_halves(__m512i half, __m512* out) {
+  out[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
+  out[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
+}
+
+// float8_e4m3fn (sign, 4 exponent bits biased by 7, 3 mantissa bits) placed in float16's bit
+// fields reads as the value times 2^-8, subnormals included: float16's bias is 15. Its one NaN
+// code (all seven magnitude bits set) would read as 480 there, so it is made a float16 NaN.
+struct Fp8E4m3 {
+  using T = uint8_t;
+  static constexpr int step = 32;  // the integer ops work on 32 16-bit lanes at once
+  static constexpr float unit = 256.0f;
+  static void load(const T* w, __mmask32 mask, __m512* out) {
+    // Sign-extended to 16 bits and shifted left by 7: the sign lands in bit 15 (and a copy in bit
+    // 14, cleared), the exponent in bits 13-10 and the mantissa in bits 9-7.
+    const __m512i wide = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, w));
+    const __m512i half = _mm512_and_si512(_mm512_slli_epi16(wide, 7), _mm512_set1_epi16(int16_t(0xBF80)));
+    const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(half, _mm512_set1_epi16(0x7FFF)),
+                                                  _mm512_set1_epi16(0x3F80));
+    widen_halves(_mm512_mask_mov_epi16(half, nan, _mm512_set1_epi16(0x7E00)), out);
+  }
+  static void load(const T* w, __m512* out) { load(w, ~__mmask32(0), out); }
+};
+
+// float8_e5m2 is float16's upper byte: the same exponent bias, inf and NaN.
+struct Fp8E5m2 {
+  using T = uint8_t;
+  static constexpr int step = 32;
+  static constexpr float unit = 1.0f;
+  static void load(const T* w, __mmask32 mask, __m512* out) {
+    widen_halves(_mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask, w)), 8), out);
+  }
+  static void load(const T* w, __m512* out) { load(w, ~__mmask32(0), out); }
+};
+
+// The first n of `Step` lanes.
+template <int Step>
+Mask<Step> first(int64_t n) {
+  return n >= Step ? Mask<Step>(~Mask<Step>(0)) : Mask<Step>((Mask<Step>(1) << n) - 1);
+}
 
 // `next`: the following block of R rows (or null): fetched into cache while this block is read.
-template <int M, int R, typename Out>
-void dot_rows(const float* x, const int8_t* w, const int8_t* next, const float* scale, const float* bias, Out* y,
-              int64_t K, int64_t N) {
+template <typename W, int M, int R, typename Out>
+void dot_rows(const float* x, const typename W::T* w, const typename W::T* next, const float* scale, const float* bias,
+              Out* y, int64_t K, int64_t Kp, int64_t N) {
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
+  constexpr int V = W::step / 16;  // fp32 vectors per chunk
+  // One chunk of `step` columns at k; `mask...`: none for a whole chunk, else the columns left
+  // (zeros are loaded past the end).
+  auto chunk = [&](int64_t k, auto... mask) __attribute__((always_inline)) {
     if (next && k % 64 == 0)  // one cache line per row
       for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * K + k), _MM_HINT_T0);
-    __m512 xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
+    __m512 xv[M][V];  // x is padded with zero columns to a multiple of 32 (quantized_linear)
+    for (int m = 0; m < M; ++m)
+      for (int v = 0; v < V; ++v) xv[m][v] = _mm512_loadu_ps(x + m * Kp + k + 16 * v);
     for (int r = 0; r < R; ++r) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * K + k));
-      const __m512 wf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(wf, xv[m], acc[r][m]);
+      __m512 wv[V];
+      W::load(w + r * K + k, mask..., wv);
+      for (int m = 0; m < M; ++m)
+        for (int v = 0; v < V; ++v) acc[r][m] = _mm512_fmadd_ps(wv[v], xv[m][v], acc[r][m]);
     }
-  }
+  };
+  int64_t k = 0;
+  for (; k + W::step <= K; k += W::step) chunk(k);
+  if (k < K) chunk(k, first<W::step>(K - k));
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) {
-      float s = _mm512_reduce_add_ps(acc[r][m]);
-      for (int64_t t = k; t < K; ++t) s += x[m * K + t] * static_cast<float>(w[r * K + t]);
-      y[m * N + r] = static_cast<Out>(s * scale[r] + (bias ? bias[r] : 0.0f));
-    }
+    for (int m = 0; m < M; ++m)
+      y[m * N + r] = static_cast<Out>(_mm512_reduce_add_ps(acc[r][m]) * W::unit * scale[r] + (bias ? bias[r] : 0.0f));
 }
 
-template <int M, int R, typename Out>
-void run_rows(const float* x, const int8_t* w, const float* scale, const float* bias, Out* y, int64_t K, int64_t N) {
+template <typename W, int M, int R, typename Out>
+void run_rows(const float* x, const typename W::T* w, const float* scale, const float* bias, Out* y, int64_t K,
+              int64_t Kp, int64_t N) {
   // Grain: at least 64 output rows (a few KB of weights) per task.
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     int64_t n = n0;
     for (; n + R <= n1; n += R) {
-      const int8_t* next = n + 2 * R <= n1 ? w + (n + R) * K : nullptr;
-      dot_rows<M, R>(x, w + n * K, next, scale + n, bias ? bias + n : nullptr, y + n, K, N);
+      const typename W::T* next = n + 2 * R <= n1 ? w + (n + R) * K : nullptr;
+      dot_rows<W, M, R>(x, w + n * K, next, scale + n, bias ? bias + n : nullptr, y + n, K, Kp, N);
     }
-    for (; n < n1; ++n) dot_rows<M, 1>(x, w + n * K, nullptr, scale + n, bias ? bias + n : nullptr, y + n, K, N);
+    for (; n < n1; ++n) dot_rows<W, M, 1>(x, w + n * K, nullptr, scale + n, bias ? bias + n : nullptr, y + n, K, Kp, N);
   });
 }
 
-template <typename Out>
-void run(const float* x, const int8_t* w, const float* scale, const float* bias, Out* y, int64_t M, int64_t K,
-         int64_t N) {
+template <typename W, typename Out>
+void run(const float* x, const typename W::T* w, const float* scale, const float* bias, Out* y, int64_t M, int64_t K,
+         int64_t Kp, int64_t N) {
   // R * M accumulators stay within the 32 vector registers with the loads beside them.
   switch (M) {
-    case 1: run_rows<1, 8>(x, w, scale, bias, y, K, N); break;
-    case 2: run_rows<2, 8>(x, w, scale, bias, y, K, N); break;
-    case 3: run_rows<3, 4>(x, w, scale, bias, y, K, N); break;
-    default: run_rows<4, 4>(x, w, scale, bias, y, K, N); break;
+    case 1: run_rows<W, 1, 8>(x, w, scale, bias, y, K, Kp, N); break;
+    case 2: run_rows<W, 2, 8>(x, w, scale, bias, y, K, Kp, N); break;
+    case 3: run_rows<W, 3, 4>(x, w, scale, bias, y, K, Kp, N); break;
+    default: run_rows<W, 4, 4>(x, w, scale, bias, y, K, Kp, N); break;
   }
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "int8_linear: x [M, K] and w [N, K]");
-  TORCH_CHECK(w.scalar_type() == at::kChar, "int8_linear: w must be int8");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == w.size(0), "int8_linear: scale must be [N]");
+template <typename W>
+at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                            const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), name, ": x [M, K] and w [N, K]");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == w.size(0), name, ": scale must be [N]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(M >= 1 && M <= 4, "int8_linear: x must have 1 to 4 rows");
-  // x is at most 4 rows: widened to fp32 once, here, rather than per weight vector.
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  TORCH_CHECK(M >= 1 && M <= 4, name, ": x must have 1 to 4 rows");
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N), name, ": bias must be [N]");
+  // x is at most 4 rows: widened to fp32 once, here, rather than per weight vector, and padded
+  // with zero columns to a multiple of 32 (the weights' last chunk is read masked).
+  const int64_t Kp = (K + 31) / 32 * 32;
+  const at::Tensor xf = Kp == K ? x.to(at::kFloat).contiguous() : at::constant_pad_nd(x.to(at::kFloat), {0, Kp - K});
   const at::Tensor wc = w.contiguous();
+  const auto* wp = static_cast<const typename W::T*>(wc.data_ptr());
   const at::Tensor sf = scale.to(at::kFloat).contiguous();
   const at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({M, N}, x.options());  // written in x's dtype: no conversion pass after
   switch (x.scalar_type()) {
-    case at::kBFloat16:
-      run(xf.data_ptr<float>(), wc.data_ptr<int8_t>(), sf.data_ptr<float>(), bp, y.data_ptr<at::BFloat16>(), M, K, N);
-      break;
-    case at::kHalf:
-      run(xf.data_ptr<float>(), wc.data_ptr<int8_t>(), sf.data_ptr<float>(), bp, y.data_ptr<at::Half>(), M, K, N);
-      break;
-    case at::kFloat:
-      run(xf.data_ptr<float>(), wc.data_ptr<int8_t>(), sf.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, N);
-      break;
-    default:
-      TORCH_CHECK(false, "int8_linear: x must be bf16, fp16 or fp32");
+    case at::kBFloat16: run<W>(xf.data_ptr<float>(), wp, sf.data_ptr<float>(), bp, y.data_ptr<at::BFloat16>(), M, K, Kp, N); break;
+    case at::kHalf: run<W>(xf.data_ptr<float>(), wp, sf.data_ptr<float>(), bp, y.data_ptr<at::Half>(), M, K, Kp, N); break;
+    case at::kFloat: run<W>(xf.data_ptr<float>(), wp, sf.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, Kp, N); break;
+    default: TORCH_CHECK(false, name, ": x must be bf16, fp16 or fp32");
   }
   return y;
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.scalar_type() == at::kChar, "int8_linear: w must be int8");
+  return quantized_linear<Int8>("int8_linear", x, w, scale, bias);
+}
+
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                      const c10::optional<at::Tensor>& bias) {
+  if (w.scalar_type() == at::kFloat8_e4m3fn) return quantized_linear<Fp8E4m3>("fp8_linear", x, w, scale, bias);
+  TORCH_CHECK(w.scalar_type() == at::kFloat8_e5m2, "fp8_linear: w must be float8_e4m3fn or float8_e5m2");
+  return quantized_linear<Fp8E5m2>("fp8_linear", x, w, scale, bias);
 }
 
 // --- dequantize, for prefill ------------------------------------------------------------------
@@ -127,32 +205,50 @@ void store16(Out* y, __m512 f, __mmask16 mask) {
   }
 }
 
-template <typename Out>
-void dequantize_rows(const int8_t* v, const float* scale, Out* y, int64_t N, int64_t K) {
+template <typename W, typename Out>
+void dequantize_rows(const typename W::T* v, const float* scale, Out* y, int64_t N, int64_t K) {
+  const __m512 unit = _mm512_set1_ps(W::unit);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const __m512 s = _mm512_set1_ps(scale[n]);
-      for (int64_t k = 0; k < K; k += 16) {
-        const __mmask16 mask = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
-        const __m128i bytes = _mm_maskz_loadu_epi8(mask, v + n * K + k);
-        store16(y + n * K + k, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), s), mask);
+      for (int64_t k = 0; k < K; k += W::step) {
+        const auto mask = first<W::step>(K - k);
+        __m512 wv[W::step / 16];
+        W::load(v + n * K + k, mask, wv);
+        for (int j = 0; j < W::step / 16; ++j)  // the value (exact), then one float32 product: the pure bits
+          store16(y + n * K + k + 16 * j, _mm512_mul_ps(_mm512_mul_ps(wv[j], unit), s), __mmask16(mask >> (16 * j)));
       }
     }
   });
 }
 
-at::Tensor int8_dequantize(const at::Tensor& values, const at::Tensor& scale, at::ScalarType dtype) {
-  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kChar, "int8_dequantize: values must be [N, K] int8");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == values.size(0), "int8_dequantize: scale must be [N]");
+template <typename W, typename Out>
+void dequantize_as(const at::Tensor& v, const at::Tensor& s, at::Tensor& y) {
+  dequantize_rows<W>(static_cast<const typename W::T*>(v.data_ptr()), s.data_ptr<float>(), y.data_ptr<Out>(),
+                     v.size(0), v.size(1));
+}
+
+template <typename W>
+void dequantize_from(const at::Tensor& v, const at::Tensor& s, at::Tensor& y) {
+  switch (y.scalar_type()) {
+    case at::kBFloat16: dequantize_as<W, at::BFloat16>(v, s, y); break;
+    case at::kHalf: dequantize_as<W, at::Half>(v, s, y); break;
+    case at::kFloat: dequantize_as<W, float>(v, s, y); break;
+    default: TORCH_CHECK(false, "weight_dequantize: dtype must be bf16, fp16 or fp32");
+  }
+}
+
+at::Tensor weight_dequantize(const at::Tensor& values, const at::Tensor& scale, at::ScalarType dtype) {
+  TORCH_CHECK(values.dim() == 2, "weight_dequantize: values must be [N, K]");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == values.size(0), "weight_dequantize: scale must be [N]");
   const at::Tensor vc = values.contiguous();
   const at::Tensor sf = scale.to(at::kFloat).contiguous();
-  const int64_t N = values.size(0), K = values.size(1);
-  at::Tensor y = at::empty({N, K}, values.options().dtype(dtype));
-  switch (dtype) {
-    case at::kBFloat16: dequantize_rows(vc.data_ptr<int8_t>(), sf.data_ptr<float>(), y.data_ptr<at::BFloat16>(), N, K); break;
-    case at::kHalf: dequantize_rows(vc.data_ptr<int8_t>(), sf.data_ptr<float>(), y.data_ptr<at::Half>(), N, K); break;
-    case at::kFloat: dequantize_rows(vc.data_ptr<int8_t>(), sf.data_ptr<float>(), y.data_ptr<float>(), N, K); break;
-    default: TORCH_CHECK(false, "int8_dequantize: dtype must be bf16, fp16 or fp32");
+  at::Tensor y = at::empty(values.sizes(), values.options().dtype(dtype));
+  switch (values.scalar_type()) {
+    case at::kChar: dequantize_from<Int8>(vc, sf, y); break;
+    case at::kFloat8_e4m3fn: dequantize_from<Fp8E4m3>(vc, sf, y); break;
+    case at::kFloat8_e5m2: dequantize_from<Fp8E5m2>(vc, sf, y); break;
+    default: TORCH_CHECK(false, "weight_dequantize: values must be int8, float8_e4m3fn or float8_e5m2");
   }
   return y;
 }
@@ -162,6 +258,8 @@ at::Tensor int8_dequantize(const at::Tensor& values, const at::Tensor& scale, at
 TORCH_LIBRARY(nxdi_kernels, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias=None) -> Tensor");
   m.impl("int8_linear", c10::DispatchKey::CPU, &int8_linear);
-  m.def("int8_dequantize(Tensor values, Tensor scale, ScalarType dtype) -> Tensor");
-  m.impl("int8_dequantize", c10::DispatchKey::CPU, &int8_dequantize);
+  m.def("fp8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias=None) -> Tensor");
+  m.impl("fp8_linear", c10::DispatchKey::CPU, &fp8_linear);
+  m.def("weight_dequantize(Tensor values, Tensor scale, ScalarType dtype) -> Tensor");
+  m.impl("weight_dequantize", c10::DispatchKey::CPU, &weight_dequantize);
 }
