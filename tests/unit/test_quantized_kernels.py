@@ -1,13 +1,13 @@
-"""nxdi's int8 linear kernel and the CPU backend's int8 rewrite.
+"""nxdi's quantized linear kernels (int8 and float8 weights) and the CPU backend's rewrite.
 
-- The kernel equals dequantize-then-multiply (fp32 exactly up to summation order; bf16 up to the
-  output's rounding) for 1-4 rows, widths that are and are not multiples of its vector step, with
-  and without a bias.
-- The rewrite sends a decode linear (<= 4 rows) to nxdi's kernel, 5-8 bf16 rows to torch's, and
-  leaves prefill-sized linears dequantizing, by nxdi's one-pass `weight_dequantize` (the pure
+- The kernels equal dequantize-then-multiply (fp32 exactly up to summation order; bf16 up to the
+  output's rounding) for 1-4 rows, widths that are and are not multiples of their vector step,
+  with and without a bias; for float8_e4m3fn and float8_e5m2 every one of the 256 codes
+  (subnormals, NaN, e5m2's inf) reads as torch's cast reads it, flush-denormal mode or not.
+- The rewrite sends a decode linear (<= 4 rows) to nxdi's kernel, 5-8 bf16 int8 rows to torch's,
+  and leaves prefill-sized linears dequantizing, by nxdi's one-pass `weight_dequantize` (the pure
   dequantize's bits, then the same GEMM: equal results); without the kernels (an unsupported CPU)
-  it falls back to torch's, and the results stay equal to the pure graph's.
-"""
+  it falls back to torch's, and the results stay equal to the pure graph's."""
 
 from __future__ import annotations
 
@@ -21,13 +21,19 @@ from nxdi.core.programs.linear import QuantizedWeight, linear
 from nxdi.effects.backends import cpu, cpu_passes, kernels
 from nxdi.effects.backends.base import WeightSet
 
-needs_kernel = pytest.mark.skipif(not kernels.load(), reason=f"nxdi's int8 kernel cannot run here: {kernels.why_not()}")
+needs_kernel = pytest.mark.skipif(not kernels.load(), reason=f"nxdi's kernels cannot run here: {kernels.why_not()}")
+FLOAT8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
-def _case(m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _case(
+    m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0, values: torch.dtype = torch.int8
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g).to(dtype)
-    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    if values == torch.int8:
+        w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    else:  # spread over the format's range, subnormals included
+        w = (torch.randn(n, k, generator=g) * 10 ** torch.randint(-3, 3, (n, 1), generator=g)).to(values)
     return x, w, torch.rand(n, generator=g) / 100, torch.randn(n, generator=g)
 
 
@@ -45,6 +51,38 @@ def test_kernel_equals_dequantize_then_multiply(m: int, k: int, with_bias: bool)
 
 
 @needs_kernel
+@pytest.mark.parametrize("values", FLOAT8)
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [1, 64, 100, 2048])
+def test_float8_kernel_equals_dequantize_then_multiply(values: torch.dtype, m: int, k: int) -> None:
+    x, w, scale, bias = _case(m, k, 37, torch.float32, values=values)
+    got = torch.ops.nxdi_kernels.fp8_linear(x, w, scale, bias)
+    want = x.double() @ (w.double() * scale.double()[:, None]).T + bias.double()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@needs_kernel
+@pytest.mark.parametrize("values", FLOAT8)
+@pytest.mark.parametrize("flush_denormal", [False, True])
+def test_every_float8_code_reads_as_torchs_cast(values: torch.dtype, flush_denormal: bool) -> None:
+    codes = torch.arange(256, dtype=torch.uint8).view(values).view(8, 32)
+    want = codes.float()
+    try:
+        torch.set_flush_denormal(flush_denormal)  # the conversion ignores it: subnormals stay values
+        dequantized = torch.ops.nxdi_kernels.weight_dequantize(codes, torch.ones(8), torch.float32)
+        # One-hot rows of x pick each code out through the linear kernel too.
+        picked = torch.ops.nxdi_kernels.fp8_linear(torch.eye(32)[:4], codes, torch.ones(8), None)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(dequantized.isnan(), want.isnan()) and want.isnan().any()
+    assert torch.equal(dequantized.nan_to_num(), want.nan_to_num())
+    finite = want.isfinite().all(1)  # in other rows 0 x NaN (or inf) makes every output NaN
+    assert torch.equal(picked.T[finite], want[finite, :4]) and picked.T[~finite].isnan().all()
+    assert want[0, 1] != 0 and dequantized[0, 1] == want[0, 1]  # the smallest subnormal
+
+
+@needs_kernel
 def test_kernel_bf16_rounds_only_the_output() -> None:
     x, w, scale, _ = _case(2, 2048, 300, torch.bfloat16)
     got = torch.ops.nxdi_kernels.int8_linear(x, w, scale, None)
@@ -58,8 +96,8 @@ class _Linear(torch.nn.Module):
         return linear(x, QuantizedWeight(values=values, scale=scale))
 
 
-def _graph(rows: int, dtype: torch.dtype) -> tuple[fx.GraphModule, list[Tensor], Tensor]:
-    x, w, scale, _ = _case(rows, 128, 48, dtype)
+def _graph(rows: int, dtype: torch.dtype, values: torch.dtype) -> tuple[fx.GraphModule, list[Tensor], Tensor]:
+    x, w, scale, _ = _case(rows, 128, 48, dtype, values=values)
     ep = torch.export.export(_Linear(), (x, w, scale)).run_decompositions({})
     gm = cpu._plain_module(ep)  # the graph the backend rewrites
     gm.recompile()  # its flat calling convention from the first call
@@ -73,8 +111,8 @@ def _close(got: Tensor, want: Tensor, rel: float) -> None:
     assert (got.double() - want.double()).abs().max() <= rel * want.double().abs().max()
 
 
-def _rewrite(rows: int, dtype: torch.dtype) -> tuple[set[object], Tensor, Tensor]:
-    gm, weights, x = _graph(rows, dtype)
+def _rewrite(rows: int, dtype: torch.dtype, values: torch.dtype = torch.int8) -> tuple[set[object], Tensor, Tensor]:
+    gm, weights, x = _graph(rows, dtype, values)
     (want,) = gm(x, *weights)
     nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
     cpu_passes.quantized_weight_linears(gm, nodes[1:3], ["w", "w.scale"], WeightSet(tensors=weights))
@@ -101,23 +139,37 @@ def test_rows_beyond_the_kernel_take_torchs_or_stay_dequantized() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("values", FLOAT8)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_float8_decode_rows_run_nxdis_kernel(values: torch.dtype, dtype: torch.dtype) -> None:
+    for rows in (1, cpu_passes.KERNEL_MAX_ROWS):
+        targets, got, want = _rewrite(rows, dtype, values)
+        assert torch.ops.nxdi_kernels.fp8_linear.default in targets and torch.ops.aten.linear.default not in targets
+        _close(got, want, 2**-7 if dtype == torch.bfloat16 else 1e-5)
+    targets, _, _ = _rewrite(cpu_passes.KERNEL_MAX_ROWS + 1, torch.bfloat16, values)  # torch's is int8-only
+    assert torch.ops.nxdi_kernels.weight_dequantize.default in targets
+
+
+@needs_kernel
+@pytest.mark.parametrize("values", [torch.int8, *FLOAT8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_prefill_rows_dequantize_in_one_pass_to_the_same_bits(dtype: torch.dtype) -> None:
-    targets, got, want = _rewrite(16, dtype)
+def test_prefill_rows_dequantize_in_one_pass_to_the_same_bits(values: torch.dtype, dtype: torch.dtype) -> None:
+    targets, got, want = _rewrite(16, dtype, values)
     assert torch.ops.nxdi_kernels.weight_dequantize.default in targets and torch.ops.aten.linear.default in targets
     assert torch.ops.aten.mul.Tensor not in targets  # torch's three-op dequantize is gone
     assert torch.equal(got, want)  # the same weight bits into the same GEMM
 
 
 @needs_kernel
+@pytest.mark.parametrize("values_dtype", [torch.int8, *FLOAT8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k", [1, 15, 16, 100, 2048])
+@pytest.mark.parametrize("k", [1, 15, 16, 33, 2048])
 def test_dequantize_kernel_gives_the_pure_dequantizes_bits(
-    dtype: torch.dtype, scale_dtype: torch.dtype, k: int
+    values_dtype: torch.dtype, dtype: torch.dtype, scale_dtype: torch.dtype, k: int
 ) -> None:
     g = torch.Generator().manual_seed(k)
-    values = torch.randint(-128, 128, (37, k), generator=g, dtype=torch.int8)
+    values = torch.randint(0, 256, (37, k), generator=g, dtype=torch.uint8).view(torch.int8).view(values_dtype)
     # Scales across float16's range (its largest products overflow to inf, as torch's cast does),
     # a zero, and a NaN, which stays a NaN.
     scale = (torch.randn(37, generator=g) * 10 ** torch.randint(-6, 4, (37,), generator=g)).to(scale_dtype)
