@@ -2,7 +2,7 @@
 
     nxdi kernels [--check]
 
-Builds the kernel library (`nxdi.effects.backends.kernels`: the int8 and bf16 decode linears) into
+Builds the kernel library (`nxdi.effects.backends.kernels`: the quantized and bf16 decode linears) into
 its cache folder when it is not there yet (about 12 s, once per machine, torch version and kernel
 sources), then prints the folder and which kernels this CPU runs. `make setup` runs it, so
 `compile()` and `load()` find the library built. `--check` builds nothing: it only reports.
@@ -50,5 +50,5 @@ def run(args: argparse.Namespace) -> int:
         bf16 = f"bf16 decode linears (AVX512-BF16, AMX tiles up to {rows} rows)"
     else:
         bf16 = f"bf16 decode linears (AVX512-BF16, up to {rows} rows: no AMX)"
-    print(f"nxdi kernels: ready in {folder}: int8 decode linears, bf16 RMSNorm; {bf16}")
+    print(f"nxdi kernels: ready in {folder}: int8 and float8 decode linears and their dequantize, bf16 RMSNorm; {bf16}")
     return 0
