@@ -28,9 +28,11 @@ out of place). When weights are bound, these rewrites make it fast without chang
    as stored: oneDNN's and MKL's bf16 paths read the weights well below the memory bandwidth at
    these few rows on CPUs with AMX. A weight no larger linear reads is then never packed.
 
-5. **Int8 weights.** A linear whose weight is a dequantized int8 weight input (`quantized=True`,
-   `nxdi.core.programs.linear`) over a few rows (decode) calls an int8 kernel on the 1-byte values
-   (nxdi's own, `kernels/`, or torch's) instead of building the float weight every step.
+5. **Quantized weights.** A linear whose weight is a dequantized row-scaled int8 or float8 weight
+   input (`quantized=True`, `nxdi.core.programs.linear`) over a few rows (decode) calls a kernel on
+   the 1-byte values (nxdi's own, `kernels/`, or torch's for int8) instead of building the float
+   weight every step; over more rows (prefill) the float weight is built in one pass by nxdi's
+   `weight_dequantize`, the same bits as the three torch ops it replaces.
 
 6. **One-op bf16 RMSNorms.** `w * rms_norm(x)` in bf16 (seven torch dispatches, each slow right
    after a linear has streamed its weights through the caches) calls nxdi's kernel
@@ -41,13 +43,14 @@ out of place). When weights are bound, these rewrites make it fast without chang
    step's cache write then costs what it writes, not the size of the cache.
 
 All rewrites are checked against the pure form by tests (same outputs, same new cache; the int8
-kernel within bf16 rounding).
+and float8 kernels within bf16 rounding).
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, fx
@@ -198,8 +201,13 @@ def streamed_quantized_linear(x: Tensor, values: Tensor, scale: Tensor, bias: Te
     """The same by nxdi's kernels (`kernels/quantized_linear.cpp`): x [..., K] of at most
     `KERNEL_MAX_ROWS` rows in bf16, fp16 or fp32, values [N, K] int8, float8_e4m3fn or
     float8_e5m2, scale [N] float32."""
-    op = torch.ops.nxdi_kernels.int8_linear if values.dtype == torch.int8 else torch.ops.nxdi_kernels.fp8_linear
+    op = _quantized_kernel(values.dtype)
     return _on_rows(x, lambda rows: op(rows, values, scale, bias))
+
+
+def _quantized_kernel(dtype: torch.dtype) -> Any:
+    """nxdi's decode kernel for weight values of `dtype` (the op packet; `.default` is its overload)."""
+    return torch.ops.nxdi_kernels.int8_linear if dtype == torch.int8 else torch.ops.nxdi_kernels.fp8_linear
 
 
 def _through_conversions(node: object) -> object:
@@ -254,8 +262,7 @@ def quantized_weight_linears(
         with graph.inserting_before(u):  # the scale attributes are read before the linear
             if rows <= KERNEL_MAX_ROWS and x_val.dtype in _KERNEL_DTYPES and kernels.load():
                 # 2-D x (the decoder's [N, E]) calls the op itself: no Python frame per call.
-                op = torch.ops.nxdi_kernels.int8_linear if v.dtype == torch.int8 else torch.ops.nxdi_kernels.fp8_linear
-                call = op.default if x_val.dim() == 2 else streamed_quantized_linear
+                call = _quantized_kernel(v.dtype).default if x_val.dim() == 2 else streamed_quantized_linear
                 args = (u.args[0], values, _f32_scale(gm, weights, names, index[scale], sc), bias)
             elif rows <= INT8_MAX_ROWS and x_val.dtype == torch.bfloat16 and v.dtype == torch.int8:
                 bf16 = weights.derive(
