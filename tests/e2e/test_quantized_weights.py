@@ -189,12 +189,21 @@ def test_tied_model_reads_its_quantized_lm_head(tmp_path: Path) -> None:
     assert nxdi_generate(model, PROMPTS, max_new_tokens=8).shape == float_tokens.shape
 
 
-def test_bf16_compiled_decode_uses_the_int8_kernel(
-    trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        {"quantization_type": "per_channel_symmetric"},
+        {"quantization_type": "per_channel_symmetric", "quantization_dtype": "f8e4m3"},
+        {"quantization_type": "blockwise_symmetric", "quantization_block_axis": [1], "quantization_block_size": [32]},
+    ],
+    ids=["int8", "f8e4m3", "int8-blockwise-32"],
+)
+def test_bf16_compiled_decode_uses_nxdis_quantized_kernels(
+    trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scheme: dict[str, Any]
 ) -> None:
     out = tmp_path / "q"
     out.mkdir()
-    quant = {"quantization_type": "per_channel_symmetric", "torch_dtype": "bfloat16"}
+    quant = {**scheme, "torch_dtype": "bfloat16"}
     _save(trained, out, **quant)
     kw = {"batch_size": 2, "seq_len": 96, "quantized": True, "quantized_checkpoints_path": str(out), **quant}
     eager = nxdi_generate(load_model(trained, "llama", **kw), PROMPTS, max_new_tokens=32)

@@ -4,6 +4,8 @@
   output's rounding) for 1-4 rows, widths that are and are not multiples of their vector step,
   with and without a bias; for float8_e4m3fn and float8_e5m2 every one of the 256 codes
   (subnormals, NaN, e5m2's inf) reads as torch's cast reads it, flush-denormal mode or not.
+- Blockwise scales (a grid of blocks whose widths are whole multiples of a kernel's chunk) run the
+  same kernels, each chunk times its block's scale; narrower blocks stay on the pure graph.
 - The rewrite sends a decode linear (<= 4 rows) to nxdi's kernel, 5-8 bf16 int8 rows to torch's,
   and leaves prefill-sized linears dequantizing, by nxdi's one-pass `weight_dequantize` (the pure
   dequantize's bits, then the same GEMM: equal results); without the kernels (an unsupported CPU)
@@ -17,7 +19,7 @@ import pytest
 import torch
 from torch import Tensor, fx
 
-from nxdi.core.programs.linear import QuantizedWeight, linear
+from nxdi.core.programs.linear import QuantizedWeight, dequantize, linear
 from nxdi.effects.backends import cpu, cpu_passes, kernels
 from nxdi.effects.backends.base import WeightSet
 
@@ -96,8 +98,12 @@ class _Linear(torch.nn.Module):
         return linear(x, QuantizedWeight(values=values, scale=scale))
 
 
-def _graph(rows: int, dtype: torch.dtype, values: torch.dtype) -> tuple[fx.GraphModule, list[Tensor], Tensor]:
+def _graph(
+    rows: int, dtype: torch.dtype, values: torch.dtype, block: tuple[int, int] | None = None
+) -> tuple[fx.GraphModule, list[Tensor], Tensor]:
     x, w, scale, _ = _case(rows, 128, 48, dtype, values=values)
+    if block is not None:  # blockwise: one scale per block of block[0] rows x block[1] columns
+        scale = torch.rand(48 // block[0], 128 // block[1], generator=torch.Generator().manual_seed(1)) / 100
     ep = torch.export.export(_Linear(), (x, w, scale)).run_decompositions({})
     gm = cpu._plain_module(ep)  # the graph the backend rewrites
     gm.recompile()  # its flat calling convention from the first call
@@ -111,8 +117,10 @@ def _close(got: Tensor, want: Tensor, rel: float) -> None:
     assert (got.double() - want.double()).abs().max() <= rel * want.double().abs().max()
 
 
-def _rewrite(rows: int, dtype: torch.dtype, values: torch.dtype = torch.int8) -> tuple[set[object], Tensor, Tensor]:
-    gm, weights, x = _graph(rows, dtype, values)
+def _rewrite(
+    rows: int, dtype: torch.dtype, values: torch.dtype = torch.int8, block: tuple[int, int] | None = None
+) -> tuple[set[object], Tensor, Tensor]:
+    gm, weights, x = _graph(rows, dtype, values, block)
     (want,) = gm(x, *weights)
     nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
     cpu_passes.quantized_weight_linears(gm, nodes[1:3], ["w", "w.scale"], WeightSet(tensors=weights))
@@ -158,6 +166,47 @@ def test_prefill_rows_dequantize_in_one_pass_to_the_same_bits(values: torch.dtyp
     assert torch.ops.nxdi_kernels.weight_dequantize.default in targets and torch.ops.aten.linear.default in targets
     assert torch.ops.aten.mul.Tensor not in targets  # torch's three-op dequantize is gone
     assert torch.equal(got, want)  # the same weight bits into the same GEMM
+
+
+@needs_kernel
+@pytest.mark.parametrize("values", [torch.int8, *FLOAT8])
+def test_blockwise_weights_run_the_kernels_when_blocks_fit_their_chunks(values: torch.dtype) -> None:
+    for block in [(1, 32), (8, 64), (16, 128)]:
+        for rows in (1, 3):
+            targets, got, want = _rewrite(rows, torch.float32, values, block)
+            assert cpu_passes._quantized_kernel(values).default in targets, block
+            assert torch.ops.aten.mul.Tensor not in targets
+            _close(got, want, 1e-5)
+        targets, got, want = _rewrite(16, torch.bfloat16, values, block)  # prefill: the same bits
+        assert torch.ops.nxdi_kernels.weight_dequantize.default in targets and torch.equal(got, want)
+    # Blocks narrower than a kernel's chunk stay dequantized by torch's ops (the pure graph).
+    targets, got, want = _rewrite(1, torch.float32, values, (8, 16))
+    assert torch.ops.aten.mul.Tensor in targets and torch.ops.aten.linear.default in targets
+    assert torch.equal(got, want)
+
+
+@needs_kernel
+def test_kernels_refuse_blocks_that_straddle_their_chunks() -> None:
+    values = torch.zeros(64, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match=r"scale must be \[N\], or \[N / bn, K / bk\] with bk a multiple of 32"):
+        torch.ops.nxdi_kernels.fp8_linear(torch.randn(1, 128), values, torch.rand(8, 8), None)
+    with pytest.raises(RuntimeError, match="scale must be"):
+        torch.ops.nxdi_kernels.weight_dequantize(values, torch.rand(64, 3), torch.float32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("values", [torch.int8, *FLOAT8])
+@pytest.mark.parametrize("block", [(1, 32), (8, 64)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_blockwise_kernel_equals_dequantize_then_multiply(values: torch.dtype, block: tuple[int, int], m: int) -> None:
+    x, w, _, bias = _case(m, 256, 48, torch.float32, values=values)
+    scale = torch.rand(48 // block[0], 256 // block[1]) / 100
+    weight = dequantize(QuantizedWeight(values=w, scale=scale), torch.float64)
+    want = x.double() @ weight.T + bias.double()
+    got = cpu_passes._quantized_kernel(values)(x, w, scale, bias)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    dequantized = torch.ops.nxdi_kernels.weight_dequantize(w, scale, torch.bfloat16)
+    assert torch.equal(dequantized, dequantize(QuantizedWeight(values=w, scale=scale), torch.bfloat16))
 
 
 @needs_kernel

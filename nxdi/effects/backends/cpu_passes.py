@@ -181,6 +181,7 @@ def bf16_weight_linears(gm: fx.GraphModule, weight_nodes: Sequence[fx.Node], wei
 _INT8_MM = torch.ops.aten._weight_int8pack_mm.default
 _MUL = torch.ops.aten.mul.Tensor
 _UNSQUEEZE = torch.ops.aten.unsqueeze.default
+_RESHAPES = (torch.ops.aten.view.default, torch.ops.aten.reshape.default)
 KERNEL_MAX_ROWS = 4
 """Linears over at most this many rows run nxdi's int8 or float8 kernel (it streams the weights;
 with its rows interleaved it measured faster than torch's int8 kernel at 1-4 rows, and torch has
@@ -217,15 +218,27 @@ def _through_conversions(node: object) -> object:
 
 
 def _dequantized(w: object) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
-    """(values, scale, chain) when `w` is `programs.linear.dequantize` of a row-scaled weight:
-    `to(mul(to(values, f32), unsqueeze(to(scale, f32), 1)), dtype)` (no outer `to` for fp32, no
-    inner one for a float32 scale); chain = the nodes it made."""
+    """(values, scale, chain) when `w` is `programs.linear.dequantize` of a quantized weight: row
+    scaled, `to(mul(to(values, f32), unsqueeze(to(scale, f32), 1)), dtype)`, or blockwise,
+    `to(view(mul(view(to(values, f32), blocks), unsqueeze(unsqueeze(to(scale, f32), 1), 3)), shape),
+    dtype)` (views or reshapes; no outer `to` for fp32, no inner one for a float32 scale); chain = the nodes it made,
+    outermost first."""
     if not isinstance(w, fx.Node):
         return None
-    mul = w.args[0] if w.target in _CONVERSIONS else w
+    inner = w.args[0] if w.target in _CONVERSIONS else w
+    blockwise = isinstance(inner, fx.Node) and inner.target in _RESHAPES
+    mul = inner.args[0] if blockwise else inner
     if not (isinstance(mul, fx.Node) and mul.target is _MUL and len(mul.args) == 2):
         return None
     conv, unsq = mul.args
+    chain = [*((w,) if w is not inner else ()), *((inner,) if blockwise else ()), mul]
+    if blockwise:  # the values seen as blocks, the scales with the blocks' two unit dims
+        if not (isinstance(conv, fx.Node) and conv.target in _RESHAPES):
+            return None
+        if not (isinstance(unsq, fx.Node) and unsq.target is _UNSQUEEZE and unsq.args[1] == 3):
+            return None
+        chain += [conv, unsq]
+        conv, unsq = conv.args[0], unsq.args[0]
     if not (isinstance(conv, fx.Node) and conv.target in _CONVERSIONS):
         return None
     if not (isinstance(unsq, fx.Node) and unsq.target is _UNSQUEEZE and unsq.args[1] == 1):
@@ -233,19 +246,34 @@ def _dequantized(w: object) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
     values, scale = conv.args[0], _through_conversions(unsq.args[0])
     if not (isinstance(values, fx.Node) and isinstance(scale, fx.Node)):
         return None
-    chain = [*((w,) if w is not mul else ()), mul, conv, unsq]
-    chain += [n for n in (unsq.args[0],) if isinstance(n, fx.Node) and n is not scale]
+    chain += [conv, unsq, *(n for n in (unsq.args[0],) if isinstance(n, fx.Node) and n is not scale)]
     return values, scale, chain
+
+
+BLOCK_COLUMNS = 32
+"""Blockwise scales run nxdi's kernels when each block spans a multiple of this many columns (the
+widest chunk a kernel reads at once, which must not straddle two blocks); others stay dequantized
+by torch's ops."""
+
+
+def _scales_fit(values: Tensor, scale: Tensor) -> bool:
+    """Whether `scale` is one per row of `values` [N, K], or a grid of whole blocks nxdi's kernels take."""
+    (n, k), grid = values.shape, scale.shape
+    if scale.dim() == 1:
+        return grid[0] == n
+    if scale.dim() != 2 or 0 in grid:
+        return False
+    return n % grid[0] == 0 and k % (grid[1] * BLOCK_COLUMNS) == 0
 
 
 def quantized_weight_linears(
     gm: fx.GraphModule, weight_nodes: Sequence[fx.Node], names: Sequence[str], weights: WeightSet
 ) -> int:
-    """Rewrite `linear(x, dequantize(values, scale))` with row-scaled int8 or float8 weight inputs
-    into a kernel call that reads the 1-byte values and never builds the float weight: nxdi's
+    """Rewrite `linear(x, dequantize(values, scale))` with int8 or float8 weight inputs, row-scaled
+    or blockwise (`BLOCK_COLUMNS`), into a kernel call that reads the 1-byte values and never builds the float weight: nxdi's
     kernels for at most `KERNEL_MAX_ROWS` rows when they load (`kernels.load()`), else, for int8,
-    torch's for bf16 x of at most `INT8_MAX_ROWS` rows (its bf16 scale copy made once per
-    `WeightSet`). Larger linears (prefill) keep the GEMM; their float weight is built by nxdi's
+    torch's for row-scaled bf16 x of at most `INT8_MAX_ROWS` rows (its bf16 scale copy made once
+    per `WeightSet`). Larger linears (prefill) keep the GEMM; their float weight is built by nxdi's
     one-pass `weight_dequantize` (the same bits) where the kernels load. Returns the count of
     linears rewritten (the GEMMs not counted)."""
     index = {n: i for i, n in enumerate(weight_nodes)}
@@ -256,7 +284,7 @@ def quantized_weight_linears(
             continue
         values, scale, chain = found
         v, sc = weights.tensors[index[values]], weights.tensors[index[scale]]
-        if v.dtype not in _QUANTIZED_DTYPES or v.dim() != 2 or sc.dim() != 1 or sc.numel() != v.shape[0]:
+        if v.dtype not in _QUANTIZED_DTYPES or v.dim() != 2 or not _scales_fit(v, sc):
             continue
         rows, bias = _rows(u), u.args[2] if len(u.args) > 2 else None
         with graph.inserting_before(u):  # the scale attributes are read before the linear
@@ -264,7 +292,7 @@ def quantized_weight_linears(
                 # 2-D x (the decoder's [N, E]) calls the op itself: no Python frame per call.
                 call = _quantized_kernel(v.dtype).default if x_val.dim() == 2 else streamed_quantized_linear
                 args = (u.args[0], values, _f32_scale(gm, weights, names, index[scale], sc), bias)
-            elif rows <= INT8_MAX_ROWS and x_val.dtype == torch.bfloat16 and v.dtype == torch.int8:
+            elif rows <= INT8_MAX_ROWS and x_val.dtype == torch.bfloat16 and v.dtype == torch.int8 and sc.dim() == 1:
                 bf16 = weights.derive(
                     f"int8-scale:{names[index[scale]]}", lambda sc=sc: sc.to(torch.bfloat16).contiguous()
                 )

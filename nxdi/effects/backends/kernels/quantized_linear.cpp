@@ -82,13 +82,41 @@ Mask<Step> first(int64_t n) {
   return n >= Step ? Mask<Step>(~Mask<Step>(0)) : Mask<Step>((Mask<Step>(1) << n) - 1);
 }
 
+// The scales of a [N, K] weight: one per row ([N]: bn = 1, bk = K), or one per block of bn rows and
+// bk columns ([N / bn, K / bk], blockwise quantization), row-major.
+struct Scales {
+  const float* data;
+  int64_t bn, bk, per_row;  // per_row: scales per block row (K / bk)
+  const float* row(int64_t n) const { return data + (n / bn) * per_row; }
+};
+
+// The scales from a [N] or [N / bn, K / bk] float32 tensor (its shape checked by `blocks_fit`).
+Scales scales_of(const at::Tensor& s, int64_t N, int64_t K) {
+  if (s.dim() == 1) return {s.data_ptr<float>(), 1, K, 1};
+  return {s.data_ptr<float>(), N / s.size(0), K / s.size(1), s.size(1)};
+}
+
+// Whether `scale` is [N], or a grid of blocks that tile [N, K] with whole multiples of `step`
+// columns (so no chunk a kernel reads straddles two blocks).
+bool blocks_fit(const at::Tensor& scale, int64_t N, int64_t K, int64_t step) {
+  if (scale.dim() == 1) return scale.size(0) == N;
+  return scale.dim() == 2 && scale.size(0) > 0 && scale.size(1) > 0 && N % scale.size(0) == 0 &&
+         K % scale.size(1) == 0 && (K / scale.size(1)) % step == 0;
+}
+
 // `next`: the following block of R rows (or null): fetched into cache while this block is read.
-template <typename W, int M, int R, typename Out>
-void dot_rows(const float* x, const typename W::T* w, const typename W::T* next, const float* scale, const float* bias,
-              Out* y, int64_t K, int64_t Kp, int64_t N) {
+// Blocked: each chunk of weights is multiplied by its block's scale before the FMAs; otherwise the
+// row's one scale multiplies the sum.
+template <typename W, bool Blocked, int M, int R, typename Out>
+void dot_rows(const float* x, const typename W::T* w, const typename W::T* next, const Scales& scales, int64_t n,
+              const float* bias, Out* y, int64_t K, int64_t Kp, int64_t N) {
   __m512 acc[R][M];
-  for (int r = 0; r < R; ++r)
+  const float* srow[R];
+  for (int r = 0; r < R; ++r) {
+    srow[r] = scales.row(n + r);
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  }
+  int64_t block = 0, block_end = scales.bk;  // the column block of chunk k (no division per chunk)
   constexpr int V = W::step / 16;  // fp32 vectors per chunk
   // One chunk of `step` columns at k; `mask...`: none for a whole chunk, else the columns left
   // (zeros are loaded past the end).
@@ -98,9 +126,16 @@ void dot_rows(const float* x, const typename W::T* w, const typename W::T* next,
     __m512 xv[M][V];  // x is padded with zero columns to a multiple of 32 (quantized_linear)
     for (int m = 0; m < M; ++m)
       for (int v = 0; v < V; ++v) xv[m][v] = _mm512_loadu_ps(x + m * Kp + k + 16 * v);
+    if constexpr (Blocked) {
+      if (k >= block_end) ++block, block_end += scales.bk;
+    }
     for (int r = 0; r < R; ++r) {
       __m512 wv[V];
       W::load(w + r * K + k, mask..., wv);
+      if constexpr (Blocked) {
+        const __m512 s = _mm512_set1_ps(srow[r][block]);
+        for (int v = 0; v < V; ++v) wv[v] = _mm512_mul_ps(wv[v], s);
+      }
       for (int m = 0; m < M; ++m)
         for (int v = 0; v < V; ++v) acc[r][m] = _mm512_fmadd_ps(wv[v], xv[m][v], acc[r][m]);
     }
@@ -110,41 +145,53 @@ void dot_rows(const float* x, const typename W::T* w, const typename W::T* next,
   if (k < K) chunk(k, first<W::step>(K - k));
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m)
-      y[m * N + r] = static_cast<Out>(_mm512_reduce_add_ps(acc[r][m]) * W::unit * scale[r] + (bias ? bias[r] : 0.0f));
+      y[m * N + r] = static_cast<Out>(_mm512_reduce_add_ps(acc[r][m]) * W::unit * (Blocked ? 1.0f : srow[r][0]) +
+                                      (bias ? bias[r] : 0.0f));
 }
 
-template <typename W, int M, int R, typename Out>
-void run_rows(const float* x, const typename W::T* w, const float* scale, const float* bias, Out* y, int64_t K,
+template <typename W, bool Blocked, int M, int R, typename Out>
+void run_rows(const float* x, const typename W::T* w, const Scales& scales, const float* bias, Out* y, int64_t K,
               int64_t Kp, int64_t N) {
   // Grain: at least 64 output rows (a few KB of weights) per task.
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     int64_t n = n0;
     for (; n + R <= n1; n += R) {
       const typename W::T* next = n + 2 * R <= n1 ? w + (n + R) * K : nullptr;
-      dot_rows<W, M, R>(x, w + n * K, next, scale + n, bias ? bias + n : nullptr, y + n, K, Kp, N);
+      dot_rows<W, Blocked, M, R>(x, w + n * K, next, scales, n, bias ? bias + n : nullptr, y + n, K, Kp, N);
     }
-    for (; n < n1; ++n) dot_rows<W, M, 1>(x, w + n * K, nullptr, scale + n, bias ? bias + n : nullptr, y + n, K, Kp, N);
+    for (; n < n1; ++n)
+      dot_rows<W, Blocked, M, 1>(x, w + n * K, nullptr, scales, n, bias ? bias + n : nullptr, y + n, K, Kp, N);
   });
 }
 
-template <typename W, typename Out>
-void run(const float* x, const typename W::T* w, const float* scale, const float* bias, Out* y, int64_t M, int64_t K,
-         int64_t Kp, int64_t N) {
+template <typename W, bool Blocked, typename Out>
+void run_blocked(const float* x, const typename W::T* w, const Scales& scales, const float* bias, Out* y, int64_t M,
+                 int64_t K, int64_t Kp, int64_t N) {
   // R * M accumulators stay within the 32 vector registers with the loads beside them.
   switch (M) {
-    case 1: run_rows<W, 1, 8>(x, w, scale, bias, y, K, Kp, N); break;
-    case 2: run_rows<W, 2, 8>(x, w, scale, bias, y, K, Kp, N); break;
-    case 3: run_rows<W, 3, 4>(x, w, scale, bias, y, K, Kp, N); break;
-    default: run_rows<W, 4, 4>(x, w, scale, bias, y, K, Kp, N); break;
+    case 1: run_rows<W, Blocked, 1, 8>(x, w, scales, bias, y, K, Kp, N); break;
+    case 2: run_rows<W, Blocked, 2, 8>(x, w, scales, bias, y, K, Kp, N); break;
+    case 3: run_rows<W, Blocked, 3, 4>(x, w, scales, bias, y, K, Kp, N); break;
+    default: run_rows<W, Blocked, 4, 4>(x, w, scales, bias, y, K, Kp, N); break;
   }
+}
+
+template <typename W, typename Out>
+void run(const float* x, const typename W::T* w, const Scales& scales, const float* bias, Out* y, int64_t M, int64_t K,
+         int64_t Kp, int64_t N) {
+  if (scales.bk == K && scales.bn == 1)
+    run_blocked<W, false>(x, w, scales, bias, y, M, K, Kp, N);
+  else
+    run_blocked<W, true>(x, w, scales, bias, y, M, K, Kp, N);
 }
 
 template <typename W>
 at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), name, ": x [M, K] and w [N, K]");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == w.size(0), name, ": scale must be [N]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(blocks_fit(scale, N, K, W::step), name, ": scale must be [N], or [N / bn, K / bk] with bk a multiple of ",
+              W::step);
   TORCH_CHECK(M >= 1 && M <= 4, name, ": x must have 1 to 4 rows");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N), name, ": bias must be [N]");
   // x is at most 4 rows: widened to fp32 once, here, rather than per weight vector, and padded
@@ -154,13 +201,14 @@ at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Ten
   const at::Tensor wc = w.contiguous();
   const auto* wp = static_cast<const typename W::T*>(wc.data_ptr());
   const at::Tensor sf = scale.to(at::kFloat).contiguous();
+  const Scales scales = scales_of(sf, N, K);
   const at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({M, N}, x.options());  // written in x's dtype: no conversion pass after
   switch (x.scalar_type()) {
-    case at::kBFloat16: run<W>(xf.data_ptr<float>(), wp, sf.data_ptr<float>(), bp, y.data_ptr<at::BFloat16>(), M, K, Kp, N); break;
-    case at::kHalf: run<W>(xf.data_ptr<float>(), wp, sf.data_ptr<float>(), bp, y.data_ptr<at::Half>(), M, K, Kp, N); break;
-    case at::kFloat: run<W>(xf.data_ptr<float>(), wp, sf.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, Kp, N); break;
+    case at::kBFloat16: run<W>(xf.data_ptr<float>(), wp, scales, bp, y.data_ptr<at::BFloat16>(), M, K, Kp, N); break;
+    case at::kHalf: run<W>(xf.data_ptr<float>(), wp, scales, bp, y.data_ptr<at::Half>(), M, K, Kp, N); break;
+    case at::kFloat: run<W>(xf.data_ptr<float>(), wp, scales, bp, y.data_ptr<float>(), M, K, Kp, N); break;
     default: TORCH_CHECK(false, name, ": x must be bf16, fp16 or fp32");
   }
   return y;
@@ -206,12 +254,15 @@ void store16(Out* y, __m512 f, __mmask16 mask) {
 }
 
 template <typename W, typename Out>
-void dequantize_rows(const typename W::T* v, const float* scale, Out* y, int64_t N, int64_t K) {
+void dequantize_rows(const typename W::T* v, const Scales& scales, Out* y, int64_t N, int64_t K) {
   const __m512 unit = _mm512_set1_ps(W::unit);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-      const __m512 s = _mm512_set1_ps(scale[n]);
+      const float* srow = scales.row(n);
+      int64_t block = 0, block_end = scales.bk;
       for (int64_t k = 0; k < K; k += W::step) {
+        if (k >= block_end) ++block, block_end += scales.bk;
+        const __m512 s = _mm512_set1_ps(srow[block]);
         const auto mask = first<W::step>(K - k);
         __m512 wv[W::step / 16];
         W::load(v + n * K + k, mask, wv);
@@ -224,12 +275,14 @@ void dequantize_rows(const typename W::T* v, const float* scale, Out* y, int64_t
 
 template <typename W, typename Out>
 void dequantize_as(const at::Tensor& v, const at::Tensor& s, at::Tensor& y) {
-  dequantize_rows<W>(static_cast<const typename W::T*>(v.data_ptr()), s.data_ptr<float>(), y.data_ptr<Out>(),
-                     v.size(0), v.size(1));
+  dequantize_rows<W>(static_cast<const typename W::T*>(v.data_ptr()), scales_of(s, v.size(0), v.size(1)),
+                     y.data_ptr<Out>(), v.size(0), v.size(1));
 }
 
 template <typename W>
 void dequantize_from(const at::Tensor& v, const at::Tensor& s, at::Tensor& y) {
+  TORCH_CHECK(blocks_fit(s, v.size(0), v.size(1), W::step),
+              "weight_dequantize: scale must be [N], or [N / bn, K / bk] with bk a multiple of ", W::step);
   switch (y.scalar_type()) {
     case at::kBFloat16: dequantize_as<W, at::BFloat16>(v, s, y); break;
     case at::kHalf: dequantize_as<W, at::Half>(v, s, y); break;
@@ -240,7 +293,6 @@ void dequantize_from(const at::Tensor& v, const at::Tensor& s, at::Tensor& y) {
 
 at::Tensor weight_dequantize(const at::Tensor& values, const at::Tensor& scale, at::ScalarType dtype) {
   TORCH_CHECK(values.dim() == 2, "weight_dequantize: values must be [N, K]");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == values.size(0), "weight_dequantize: scale must be [N]");
   const at::Tensor vc = values.contiguous();
   const at::Tensor sf = scale.to(at::kFloat).contiguous();
   at::Tensor y = at::empty(values.sizes(), values.options().dtype(dtype));
