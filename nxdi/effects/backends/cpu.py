@@ -137,7 +137,7 @@ class CpuBackend:
         _check_traced(ep, signature, example)
         ep.example_inputs = None  # they include the weights; a saved program must not
         if self.pack_weights and any(w.dtype in _KERNEL_WEIGHTS for w in example[: len(signature.weights)]):
-            # Build nxdi's decode kernels now (once per machine and torch version, ~12 s), so that
+            # Build nxdi's decode kernels now (once per machine and torch version, ~40 s), so that
             # load() only loads the library; where they cannot be built, load() falls back anyway.
             kernels.load()
         return CompiledProgram(name=name, signature=signature, backend=self.name, payload=ep)

@@ -3,7 +3,7 @@
     nxdi kernels [--check]
 
 Builds the kernel library (`nxdi.effects.backends.kernels`: the quantized and bf16 decode linears) into
-its cache folder when it is not there yet (about 12 s, once per machine, torch version and kernel
+its cache folder when it is not there yet (about 40 s on 2 cores, once per machine, torch version and kernel
 sources), then prints the folder and which kernels this CPU runs. `make setup` runs it, so
 `compile()` and `load()` find the library built. `--check` builds nothing: it only reports.
 
