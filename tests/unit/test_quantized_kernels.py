@@ -6,10 +6,11 @@
   (subnormals, NaN, e5m2's inf) reads as torch's cast reads it, flush-denormal mode or not.
 - Blockwise scales (a grid of blocks whose widths are whole multiples of a kernel's chunk) run the
   same kernels, each chunk times its block's scale; narrower blocks stay on the pure graph.
-- The rewrite sends a decode linear (<= 4 rows) to nxdi's kernel, 5-8 bf16 int8 rows to torch's,
-  and leaves prefill-sized linears dequantizing, by nxdi's one-pass `weight_dequantize` (the pure
-  dequantize's bits, then the same GEMM: equal results); without the kernels (an unsupported CPU)
-  it falls back to torch's, and the results stay equal to the pure graph's."""
+- The rewrite sends a decode linear (<= 4 rows) to nxdi's kernel, 5-8 rows to torch's (row-scaled
+  int8, bf16 x) or to nxdi's on chunks of 4 rows (the rest), and leaves prefill-sized linears
+  dequantizing, by nxdi's one-pass `weight_dequantize` (the pure dequantize's bits, then the same
+  GEMM: equal results); without the kernels (an unsupported CPU) it falls back to torch's, and the
+  results stay equal to the pure graph's."""
 
 from __future__ import annotations
 
@@ -154,7 +155,12 @@ def test_float8_decode_rows_run_nxdis_kernel(values: torch.dtype, dtype: torch.d
         targets, got, want = _rewrite(rows, dtype, values)
         assert torch.ops.nxdi_kernels.fp8_linear.default in targets and torch.ops.aten.linear.default not in targets
         _close(got, want, 2**-7 if dtype == torch.bfloat16 else 1e-5)
-    targets, _, _ = _rewrite(cpu_passes.KERNEL_MAX_ROWS + 1, torch.bfloat16, values)  # torch's is int8-only
+    # torch's kernel is int8-only: up to INT8_MAX_ROWS rows run nxdi's on chunks of rows, then dequantize.
+    for rows in (cpu_passes.KERNEL_MAX_ROWS + 1, cpu_passes.INT8_MAX_ROWS):
+        targets, got, want = _rewrite(rows, dtype, values)
+        assert cpu_passes.chunked_quantized_linear in targets
+        _close(got, want, 2**-7 if dtype == torch.bfloat16 else 1e-5)
+    targets, _, _ = _rewrite(cpu_passes.INT8_MAX_ROWS + 1, dtype, values)
     assert torch.ops.nxdi_kernels.weight_dequantize.default in targets
 
 
@@ -177,6 +183,9 @@ def test_blockwise_weights_run_the_kernels_when_blocks_fit_their_chunks(values: 
             assert cpu_passes._quantized_kernel(values).default in targets, block
             assert torch.ops.aten.mul.Tensor not in targets
             _close(got, want, 1e-5)
+        targets, got, want = _rewrite(7, torch.bfloat16, values, block)  # two chunks: 4 rows and 3
+        assert cpu_passes.chunked_quantized_linear in targets
+        _close(got, want, 2**-7)
         targets, got, want = _rewrite(16, torch.bfloat16, values, block)  # prefill: the same bits
         assert torch.ops.nxdi_kernels.weight_dequantize.default in targets and torch.equal(got, want)
     # Blocks narrower than a kernel's chunk stay dequantized by torch's ops (the pure graph).

@@ -187,8 +187,9 @@ KERNEL_MAX_ROWS = 4
 with its rows interleaved it measured faster than torch's int8 kernel at 1-4 rows, and torch has
 no float8 one, docs/cpu-backend.md)."""
 INT8_MAX_ROWS = 8
-"""Linears over at most this many bf16 rows run torch's int8 kernel otherwise; larger ones (prefill)
-dequantize, which measured faster there (docs/cpu-backend.md, "Quantized weights")."""
+"""Linears over at most this many rows run torch's int8 kernel otherwise (row-scaled int8, bf16 x)
+or nxdi's on chunks of `KERNEL_MAX_ROWS` rows (the rest); larger ones (prefill) dequantize, which
+measured faster there (docs/cpu-backend.md, "Quantized weights")."""
 
 
 def int8_linear(x: Tensor, values: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -204,6 +205,18 @@ def streamed_quantized_linear(x: Tensor, values: Tensor, scale: Tensor, bias: Te
     float8_e5m2, scale [N] float32."""
     op = _quantized_kernel(values.dtype)
     return _on_rows(x, lambda rows: op(rows, values, scale, bias))
+
+
+def chunked_quantized_linear(x: Tensor, values: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The same for more rows: nxdi's kernel on chunks of `KERNEL_MAX_ROWS` rows of x [..., K]
+    (the weights read once per chunk), for the routes torch's int8 kernel does not take."""
+    op = _quantized_kernel(values.dtype)
+
+    def chunks(rows: Tensor) -> Tensor:
+        step = KERNEL_MAX_ROWS
+        return torch.cat([op(rows[i : i + step], values, scale, bias) for i in range(0, rows.shape[0], step)])
+
+    return _on_rows(x, chunks)
 
 
 def _quantized_kernel(dtype: torch.dtype) -> Any:
@@ -270,12 +283,12 @@ def quantized_weight_linears(
     gm: fx.GraphModule, weight_nodes: Sequence[fx.Node], names: Sequence[str], weights: WeightSet
 ) -> int:
     """Rewrite `linear(x, dequantize(values, scale))` with int8 or float8 weight inputs, row-scaled
-    or blockwise (`BLOCK_COLUMNS`), into a kernel call that reads the 1-byte values and never builds the float weight: nxdi's
-    kernels for at most `KERNEL_MAX_ROWS` rows when they load (`kernels.load()`), else, for int8,
-    torch's for row-scaled bf16 x of at most `INT8_MAX_ROWS` rows (its bf16 scale copy made once
-    per `WeightSet`). Larger linears (prefill) keep the GEMM; their float weight is built by nxdi's
-    one-pass `weight_dequantize` (the same bits) where the kernels load. Returns the count of
-    linears rewritten (the GEMMs not counted)."""
+    or blockwise (`BLOCK_COLUMNS`), into a kernel call that reads the 1-byte values and never builds
+    the float weight: nxdi's kernels for at most `KERNEL_MAX_ROWS` rows when they load
+    (`kernels.load()`); up to `INT8_MAX_ROWS` rows torch's for row-scaled int8 and bf16 x (its bf16
+    scale copy made once per `WeightSet`), else nxdi's on chunks of rows. Larger linears (prefill)
+    keep the GEMM; their float weight is built by nxdi's one-pass `weight_dequantize` (the same
+    bits) where the kernels load. Returns the count of linears rewritten (the GEMMs not counted)."""
     index = {n: i for i, n in enumerate(weight_nodes)}
     graph, count = gm.graph, 0
     for u in [n for n in graph.nodes if n.target is _LINEAR]:
@@ -297,6 +310,9 @@ def quantized_weight_linears(
                     f"int8-scale:{names[index[scale]]}", lambda sc=sc: sc.to(torch.bfloat16).contiguous()
                 )
                 call, args = int8_linear, (u.args[0], values, _attr(gm, "bf16", index[scale], bf16), bias)
+            elif rows <= INT8_MAX_ROWS and x_val.dtype in _KERNEL_DTYPES and kernels.load():
+                f32 = _f32_scale(gm, weights, names, index[scale], sc)
+                call, args = chunked_quantized_linear, (u.args[0], values, f32, bias)
             else:
                 w_val = _val(u.args[1])
                 if w_val is not None and w_val.dtype in _KERNEL_DTYPES and kernels.load():
