@@ -1,11 +1,12 @@
 """nxdi's own CPU kernels, built ahead of time or on first use. Effects: runs the C++ compiler, writes a cache folder.
 
-Three kernels, one library (torch ops `nxdi_kernels::*`), for decode steps:
+Three source files, one library (torch ops `nxdi_kernels::*`), mostly for decode steps:
 - `quantized_linear.cpp`: the weight-only int8 and float8 linears of quantized models
-  (`cpu_passes.quantized_weight_linears`), 1-4 rows of x. They read each weight byte once, near
-  the memory bandwidth for int8, where torch's own `_weight_int8pack_mm` is compute-bound at batch 1
-  and torch has no float8 one (docs/cpu-backend.md). Prefill's GEMMs get their float weight from its
-  one-pass `weight_dequantize`.
+  (`cpu_passes.quantized_weight_linears`), 1-4 rows of x, per-row or blockwise scales. They read
+  each weight byte once, near the memory bandwidth for int8, where torch's own
+  `_weight_int8pack_mm` is compute-bound at batch 1 and torch has no float8 one
+  (docs/cpu-backend.md). Prefill's GEMMs get their float weight from its one-pass
+  `weight_dequantize`.
 - `bf16_linear.cpp`: the bf16 linear (`cpu_passes.bf16_weight_linears`), 1-4 rows on CPUs with
   AVX512-BF16 (`bf16_supported()`), 1-16 on CPUs with AMX too (`bf16_max_rows`): oneDNN's and MKL's
   bf16 paths read the weights well below the memory bandwidth at decode's few rows.

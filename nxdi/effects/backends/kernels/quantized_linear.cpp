@@ -2,7 +2,8 @@
 // and the one-pass dequantize its prefill uses.
 //
 // x [M, K] (bf16, fp16 or fp32; M <= 4 rows), w [N, K] int8, float8_e4m3fn or float8_e5m2, scale
-// [N] float32, bias [N] or none. Each weight byte is read once, in order, and widened to fp32 in
+// float32 [N] (one per row) or [N / bn, K / bk] (blockwise: each chunk of weights is scaled before
+// its FMAs), bias [N] or none. Each weight byte is read once, in order, and widened to fp32 in
 // registers (int8: vpmovsxbd + vcvtdq2ps; float8: a few integer ops make float16 bits, then
 // vcvtph2ps, below); the rows of x are multiplied with fp32 FMAs, so the result equals
 // dequantize-then-multiply up to fp32 summation order. R output rows are read at once, R
