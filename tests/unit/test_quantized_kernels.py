@@ -41,26 +41,15 @@ def _case(
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("k", [64, 100, 2048])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_kernel_equals_dequantize_then_multiply(m: int, k: int, with_bias: bool) -> None:
-    x, w, scale, bias = _case(m, k, 37, torch.float32)
-    b = bias if with_bias else None
-    got = torch.ops.nxdi_kernels.int8_linear(x, w, scale, b)
-    want = x.double() @ (w.double() * scale.double()[:, None]).T + (0 if b is None else b.double())
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-
-
-@needs_kernel
-@pytest.mark.parametrize("values", FLOAT8)
+@pytest.mark.parametrize("values", [torch.int8, *FLOAT8])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("k", [1, 64, 100, 2048])
-def test_float8_kernel_equals_dequantize_then_multiply(values: torch.dtype, m: int, k: int) -> None:
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_equals_dequantize_then_multiply(values: torch.dtype, m: int, k: int, with_bias: bool) -> None:
     x, w, scale, bias = _case(m, k, 37, torch.float32, values=values)
-    got = torch.ops.nxdi_kernels.fp8_linear(x, w, scale, bias)
-    want = x.double() @ (w.double() * scale.double()[:, None]).T + bias.double()
+    b = bias if with_bias else None
+    got = cpu_passes._quantized_kernel(values)(x, w, scale, b)
+    want = x.double() @ (w.double() * scale.double()[:, None]).T + (0 if b is None else b.double())
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 

@@ -28,11 +28,12 @@ out of place). When weights are bound, these rewrites make it fast without chang
    as stored: oneDNN's and MKL's bf16 paths read the weights well below the memory bandwidth at
    these few rows on CPUs with AMX. A weight no larger linear reads is then never packed.
 
-5. **Quantized weights.** A linear whose weight is a dequantized row-scaled int8 or float8 weight
-   input (`quantized=True`, `nxdi.core.programs.linear`) over a few rows (decode) calls a kernel on
-   the 1-byte values (nxdi's own, `kernels/`, or torch's for int8) instead of building the float
-   weight every step; over more rows (prefill) the float weight is built in one pass by nxdi's
-   `weight_dequantize`, the same bits as the three torch ops it replaces.
+5. **Quantized weights.** A linear whose weight is a dequantized int8 or float8 weight input,
+   row-scaled or blockwise (`quantized=True`, `nxdi.core.programs.linear`), over a few rows
+   (decode, up to 8) calls a kernel on the 1-byte values (nxdi's own, `kernels/`, on chunks of 4
+   rows past 4, or torch's for row-scaled int8) instead of building the float weight every step;
+   over more rows (prefill) the float weight is built in one pass by nxdi's `weight_dequantize`,
+   the same bits as the three torch ops it replaces.
 
 6. **One-op bf16 RMSNorms.** `w * rms_norm(x)` in bf16 (seven torch dispatches, each slow right
    after a linear has streamed its weights through the caches) calls nxdi's kernel
@@ -50,7 +51,6 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import Tensor, fx
@@ -219,7 +219,7 @@ def chunked_quantized_linear(x: Tensor, values: Tensor, scale: Tensor, bias: Ten
     return _on_rows(x, chunks)
 
 
-def _quantized_kernel(dtype: torch.dtype) -> Any:
+def _quantized_kernel(dtype: torch.dtype) -> torch._ops.OpOverloadPacket:
     """nxdi's decode kernel for weight values of `dtype` (the op packet; `.default` is its overload)."""
     return torch.ops.nxdi_kernels.int8_linear if dtype == torch.int8 else torch.ops.nxdi_kernels.fp8_linear
 
@@ -231,11 +231,11 @@ def _through_conversions(node: object) -> object:
 
 
 def _dequantized(w: object) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
-    """(values, scale, chain) when `w` is `programs.linear.dequantize` of a quantized weight: row
-    scaled, `to(mul(to(values, f32), unsqueeze(to(scale, f32), 1)), dtype)`, or blockwise,
-    `to(view(mul(view(to(values, f32), blocks), unsqueeze(unsqueeze(to(scale, f32), 1), 3)), shape),
-    dtype)` (views or reshapes; no outer `to` for fp32, no inner one for a float32 scale); chain = the nodes it made,
-    outermost first."""
+    """(values, scale, chain) when `w` is `programs.linear.dequantize` of a quantized weight:
+    row-scaled, `to(mul(to(values, f32), unsqueeze(to(scale, f32), 1)), dtype)`, or blockwise,
+    `to(view(mul(view(to(values, f32), blocks), unsqueeze(unsqueeze(to(scale, f32), 1), 3)),
+    shape), dtype)` (views or reshapes; no outer `to` for fp32, no inner one for a float32 scale);
+    chain = the nodes it made, outermost first."""
     if not isinstance(w, fx.Node):
         return None
     inner = w.args[0] if w.target in _CONVERSIONS else w

@@ -2,9 +2,9 @@
 
     nxdi kernels [--check]
 
-Builds the kernel library (`nxdi.effects.backends.kernels`: the quantized and bf16 decode linears) into
-its cache folder when it is not there yet (about 40 s on 2 cores, once per machine, torch version and kernel
-sources), then prints the folder and which kernels this CPU runs. `make setup` runs it, so
+Builds the kernel library (`nxdi.effects.backends.kernels`: the quantized and bf16 decode linears)
+into its cache folder when it is not there yet (about 40 s on 2 cores, once per machine, torch
+version and kernel sources), then prints the folder and which kernels this CPU runs. `make setup` runs it, so
 `compile()` and `load()` find the library built. `--check` builds nothing: it only reports.
 
 Exit status: 0 when the library is built and loads, or when this CPU cannot run it at all (no

@@ -14,12 +14,13 @@ Three source files, one library (torch ops `nxdi_kernels::*`), mostly for decode
   where torch dispatches seven ops, each slow just after a linear has streamed its weights.
 
 It is compiled with torch's C++ extension tooling (the system's g++, and ninja, a dependency) when
-the CPU backend first compiles a bf16 or quantized model (about 40 s on 2 cores; or at the first bind, if the model
-was compiled elsewhere), or ahead of time by `nxdi kernels` (the set-up step runs it), into a folder
-keyed by the torch version and the sources' hash (`NXDI_KERNEL_DIR`, default `~/.cache/nxdi/kernels`);
-later loads only load the library. Where it cannot be built or run (no AVX-512, no compiler), `load()`
-warns once with the reason and the CPU backend falls back to torch's int8 kernel and keeps oneDNN's
-GEMM for bf16.
+the CPU backend first compiles a bf16 or quantized model (about 40 s on 2 cores; or at the first
+bind, if the model was compiled elsewhere), or ahead of time by `nxdi kernels` (the set-up step
+runs it), into a folder keyed by the torch version and the sources' hash (`NXDI_KERNEL_DIR`,
+default `~/.cache/nxdi/kernels`); later loads only load the library. Where it cannot be built or
+run (no AVX-512, no compiler), `load()` warns once with the reason and the CPU backend falls back
+to torch's int8 kernel (float8 and blockwise weights then dequantize with torch's ops) and keeps
+oneDNN's GEMM for bf16.
 """
 
 from __future__ import annotations

@@ -165,9 +165,10 @@ void run_rows(const float* x, const typename W::T* w, const Scales& scales, cons
   });
 }
 
+// Blocked or not, the row-count template for M rows of x.
 template <typename W, bool Blocked, typename Out>
-void run_blocked(const float* x, const typename W::T* w, const Scales& scales, const float* bias, Out* y, int64_t M,
-                 int64_t K, int64_t Kp, int64_t N) {
+void run_scaled(const float* x, const typename W::T* w, const Scales& scales, const float* bias, Out* y, int64_t M,
+                int64_t K, int64_t Kp, int64_t N) {
   // R * M accumulators stay within the 32 vector registers with the loads beside them.
   switch (M) {
     case 1: run_rows<W, Blocked, 1, 8>(x, w, scales, bias, y, K, Kp, N); break;
@@ -181,9 +182,9 @@ template <typename W, typename Out>
 void run(const float* x, const typename W::T* w, const Scales& scales, const float* bias, Out* y, int64_t M, int64_t K,
          int64_t Kp, int64_t N) {
   if (scales.bk == K && scales.bn == 1)
-    run_blocked<W, false>(x, w, scales, bias, y, M, K, Kp, N);
+    run_scaled<W, false>(x, w, scales, bias, y, M, K, Kp, N);
   else
-    run_blocked<W, true>(x, w, scales, bias, y, M, K, Kp, N);
+    run_scaled<W, true>(x, w, scales, bias, y, M, K, Kp, N);
 }
 
 template <typename W>
@@ -230,8 +231,9 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 
 // --- dequantize, for prefill ------------------------------------------------------------------
 // Prefill's linears (more rows than the decode kernel takes) stay on oneDNN's bf16 GEMM, which
-// needs the float weight: built here in one pass, y[n, k] = dtype(float(values[n, k]) * scale[n]),
-// the bits of `programs.linear.dequantize` (float32 product, rounded to nearest even), where its
+// needs the float weight: built here in one pass, y[n, k] = dtype(float(values[n, k]) * s), s the
+// scale of row n (or of the block holding (n, k)), the bits of `programs.linear.dequantize`
+// (float32 product, rounded to nearest even), where its
 // three torch ops wrote a float32 weight twice and a third copy (2.3 s of a 1.1B int8 prefill).
 
 // float32 -> bf16 bits, round to nearest even, NaN kept a (quiet) NaN: c10's rounding, 16 lanes.
