@@ -18,6 +18,7 @@ from nxdi.core.programs import decoder as llama
 from nxdi.core.programs.block_kv import BlockInputs
 from nxdi.core.programs.inputs import StepInputs
 from nxdi.testing.strategies.decoders import dense_specs, random_weights
+from tests.support.program_checks import DTYPE
 from tests.support.program_checks import close as _close
 from tests.support.program_checks import random_tokens as _tokens
 
@@ -29,7 +30,7 @@ BS = 4
 def _full(spec: ModelSpec, w: object, toks: list[int]) -> torch.Tensor:
     """[n, V] logits of every position, from one contiguous forward."""
     n = len(toks)
-    cache = kv_cache.empty_cache(spec, batch=1, length=n, dtype=torch.float32)
+    cache = kv_cache.empty_cache(spec, batch=1, length=n, dtype=DTYPE)
     logits, _ = llama.forward(w, cache, inputs.prompt_inputs([toks], length=n), spec=spec, all_logits=True)
     return logits[0]
 
@@ -66,12 +67,12 @@ def _blocks_for(n: int, num_blocks: int, seed: int) -> list[int]:
 @given(spec=dense_specs(), seed=SEEDS, n=st.integers(2, 14), data=st.data())
 def test_block_prefill_then_decode_equals_full_forward(spec: ModelSpec, seed: int, n: int, data: st.DataObject) -> None:
     m = data.draw(st.integers(1, n - 1), label="prompt length")
-    w = random_weights(spec, seed)
+    w = random_weights(spec, seed, DTYPE)
     toks = _tokens(spec, seed, n)
     num_blocks = 8
     table = _blocks_for(n, num_blocks, seed)
     nb = len(table)
-    cache = block_kv.empty_block_cache(spec, num_blocks=num_blocks, block_size=BS, dtype=torch.float32)
+    cache = block_kv.empty_block_cache(spec, num_blocks=num_blocks, block_size=BS, dtype=DTYPE)
     width = data.draw(st.integers(m, m + 3), label="context bucket")
     x, b = _segment(toks[:m], table, 0, width=width, nb=nb)
     logits, cache = llama.forward(w, cache, x, spec=spec, blocks=b)
@@ -87,10 +88,10 @@ def test_block_prefill_then_decode_equals_full_forward(spec: ModelSpec, seed: in
 @given(spec=dense_specs(), seed=SEEDS, n=st.integers(2, 14), data=st.data())
 def test_prefix_cache_hit_equals_full_prefill(spec: ModelSpec, seed: int, n: int, data: st.DataObject) -> None:
     cached = data.draw(st.integers(1, n - 1), label="cached prefix")
-    w = random_weights(spec, seed)
+    w = random_weights(spec, seed, DTYPE)
     toks = _tokens(spec, seed, n)
     table = _blocks_for(n, 8, seed)
-    cache = block_kv.empty_block_cache(spec, num_blocks=8, block_size=BS, dtype=torch.float32)
+    cache = block_kv.empty_block_cache(spec, num_blocks=8, block_size=BS, dtype=DTYPE)
     x, b = _segment(toks[:cached], table, 0, width=cached, nb=len(table))
     _, cache = llama.forward(w, cache, x, spec=spec, blocks=b)
     x, b = _segment(toks, table, cached, width=n - cached + 2, nb=len(table))
@@ -103,7 +104,7 @@ def test_prefix_cache_hit_equals_full_prefill(spec: ModelSpec, seed: int, n: int
 def test_chunks_of_several_sequences_in_one_row_equal_each_alone(
     spec: ModelSpec, seed: int, lengths: list[int], data: st.DataObject
 ) -> None:
-    w = random_weights(spec, seed)
+    w = random_weights(spec, seed, DTYPE)
     seqs = [_tokens(spec, seed + i, n) for i, n in enumerate(lengths)]
     starts = [data.draw(st.integers(0, n - 1), label=f"cached {i}") for i, n in enumerate(lengths)]
     order = torch.randperm(12, generator=torch.Generator().manual_seed(seed)).tolist()
@@ -111,7 +112,7 @@ def test_chunks_of_several_sequences_in_one_row_equal_each_alone(
     for n in lengths:
         tables.append(order[: -(-n // BS)])
         order = order[-(-n // BS) :]
-    cache = block_kv.empty_block_cache(spec, num_blocks=12, block_size=BS, dtype=torch.float32)
+    cache = block_kv.empty_block_cache(spec, num_blocks=12, block_size=BS, dtype=DTYPE)
     for toks, table, start in zip(seqs, tables, starts, strict=True):  # each sequence's prefix, cached alone
         if start:
             x, b = _segment(toks[:start], table, 0, width=start, nb=nb)
@@ -146,10 +147,10 @@ def test_chunks_of_several_sequences_in_one_row_equal_each_alone(
 @settings(deadline=None, max_examples=10)
 @given(spec=dense_specs(), seed=SEEDS, n=st.integers(1, 6))
 def test_padding_tokens_write_only_the_garbage_block(spec: ModelSpec, seed: int, n: int) -> None:
-    w = random_weights(spec, seed)
+    w = random_weights(spec, seed, DTYPE)
     toks = _tokens(spec, seed, n)
     table = _blocks_for(n, 4, seed)
-    cache = block_kv.empty_block_cache(spec, num_blocks=4, block_size=BS, dtype=torch.float32)
+    cache = block_kv.empty_block_cache(spec, num_blocks=4, block_size=BS, dtype=DTYPE)
     x, b = _segment(toks, table, 0, width=n + 5, nb=len(table))
     _, new = llama.forward(w, cache, x, spec=spec, blocks=b)
     written = {table[p // BS] * BS + p % BS for p in range(n)}

@@ -23,7 +23,7 @@ from nxdi.core.model_spec import ModelSpec
 from nxdi.core.programs import decoder, eagle, inputs, kv_cache
 from nxdi.core.programs.linear import linear
 from nxdi.testing.strategies.decoders import LLAMA_SHAPED, decoder_specs, dense_specs, program_of, random_weights
-from tests.support.program_checks import close
+from tests.support.program_checks import DTYPE, close
 
 SEEDS = st.integers(0, 2**31 - 1)
 LAYOUTS = st.builds(EagleDraft, input_norm=st.booleans(), fc_bias=st.booleans())
@@ -42,7 +42,7 @@ def _draft(spec: ModelSpec, layout: EagleDraft, seed: int) -> eagle.EagleWeights
         else torch.randn(shape, generator=g) * (0.5 if len(shape) == 1 else shape[-1] ** -0.5)
         for name, shape in plan.source_shapes().items()
     }
-    tensors = weight_ops.convert(plan, state).unwrap()
+    tensors = {k: v.to(DTYPE) for k, v in weight_ops.convert(plan, state).unwrap().items()}
     return eagle.weights_from_slots(layout.table(program_of(spec).table).slots(tensors, spec), spec=spec)
 
 
@@ -50,7 +50,7 @@ def _pairs(spec: ModelSpec, seed: int, n: int) -> tuple[list[int], torch.Tensor]
     g = torch.Generator().manual_seed(seed + 1)
     return torch.randint(0, spec.vocab_size, (n,), generator=g).tolist(), torch.randn(
         1, n, spec.hidden_size, generator=g
-    )
+    ).to(DTYPE)
 
 
 @settings(deadline=None, max_examples=30)
@@ -83,9 +83,9 @@ def test_prefill_then_drafting_equals_one_forward(
     bucket = data.draw(st.integers(m, n), label="context bucket")
     w = _draft(spec, layout, seed)
     toks, hidden = _pairs(spec, seed, n)
-    cache = kv_cache.empty_cache(spec, batch=1, length=n, dtype=torch.float32)
+    cache = kv_cache.empty_cache(spec, batch=1, length=n, dtype=DTYPE)
     full, full_own, _ = eagle.forward(w, cache, inputs.prompt_inputs([toks], length=n), hidden, spec=spec)
-    padded = torch.cat((hidden[:, :m], torch.zeros(1, bucket - m, spec.hidden_size)), 1)
+    padded = torch.cat((hidden[:, :m], torch.zeros(1, bucket - m, spec.hidden_size, dtype=DTYPE)), 1)
     logits, own, part = eagle.forward(
         w, cache.prefix(bucket), inputs.prompt_inputs([toks[:m]], length=bucket), padded, spec=spec
     )
@@ -110,15 +110,15 @@ def test_padded_draft_rows_equal_rows_alone(spec: ModelSpec, layout: EagleDraft,
     w = _draft(spec, layout, seed)
     rows = [_pairs(spec, seed + i, n) for i, n in enumerate(lengths)]
     bucket = max(lengths) + 1
-    hidden = torch.zeros(len(rows), bucket, spec.hidden_size)
+    hidden = torch.zeros(len(rows), bucket, spec.hidden_size, dtype=DTYPE)
     for i, (_, h) in enumerate(rows):
         hidden[i, : h.shape[1]] = h[0]
-    cache = kv_cache.empty_cache(spec, batch=len(rows), length=bucket, dtype=torch.float32)
+    cache = kv_cache.empty_cache(spec, batch=len(rows), length=bucket, dtype=DTYPE)
     batched, own, _ = eagle.forward(
         w, cache, inputs.prompt_inputs([t for t, _ in rows], length=bucket), hidden, spec=spec
     )
     for i, (t, h) in enumerate(rows):
-        one = kv_cache.empty_cache(spec, batch=1, length=len(t), dtype=torch.float32)
+        one = kv_cache.empty_cache(spec, batch=1, length=len(t), dtype=DTYPE)
         alone, alone_own, _ = eagle.forward(w, one, inputs.prompt_inputs([t], length=len(t)), h, spec=spec)
         close(batched[i, : len(t)], alone[0])
         close(own[i, : len(t)], alone_own[0])
@@ -152,10 +152,10 @@ def test_pair_inputs_pair_each_hidden_state_with_the_next_token(lengths: list[in
 def test_the_hidden_state_output_changes_nothing_and_is_the_lm_heads_input(
     spec: ModelSpec, seed: int, lengths: list[int], every: bool
 ) -> None:
-    w = random_weights(spec, seed)
+    w = random_weights(spec, seed, DTYPE)
     g = torch.Generator().manual_seed(seed)
     x = inputs.prompt_inputs([torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for n in lengths], length=8)
-    cache = kv_cache.empty_cache(spec, batch=len(lengths), length=8, dtype=torch.float32)
+    cache = kv_cache.empty_cache(spec, batch=len(lengths), length=8, dtype=DTYPE)
     plain, plain_cache, plain_extras = decoder.forward_outputs(w, cache, x, spec=spec, all_logits=every)
     logits, new_cache, extras = decoder.forward_outputs(w, cache, x, spec=spec, all_logits=every, hidden=True)
     torch.testing.assert_close(logits, plain, atol=0, rtol=0)

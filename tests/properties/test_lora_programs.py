@@ -23,6 +23,7 @@ from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import lora as lora_plan
 from nxdi.core.programs import decoder, inputs, kv_cache, lora
 from nxdi.testing.strategies.decoders import LLAMA_SHAPED, dense_specs, random_weights
+from tests.support.program_checks import DTYPE
 from tests.support.program_checks import close as _close
 from tests.support.program_checks import random_tokens as _tokens
 
@@ -99,7 +100,7 @@ def _run(weights: Any, spec: ModelSpec, prompts: list[list[int]], slots: list[in
     x = inputs.prompt_inputs(prompts, length=n)
     if slots is not None:
         x = dataclasses.replace(x, adapter_ids=torch.tensor(slots))
-    cache = kv_cache.empty_cache(spec, batch=len(prompts), length=n, dtype=torch.float32)
+    cache = kv_cache.empty_cache(spec, batch=len(prompts), length=n, dtype=DTYPE)
     logits, _, _ = forward(weights, cache, x, spec=spec)
     return logits
 
@@ -108,8 +109,8 @@ def _run(weights: Any, spec: ModelSpec, prompts: list[list[int]], slots: list[in
 @given(case=cases(), data=st.data())
 def test_a_row_on_an_adapter_equals_the_merged_model(case: Any, data: st.DataObject) -> None:
     spec, layout, found, seed = case
-    base = random_weights(spec, seed)
-    stacked = lora.stack(layout, found, dtype=torch.float32)
+    base = random_weights(spec, seed, DTYPE)
+    stacked = lora.stack(layout, found, dtype=DTYPE)
     w = lora.weights_from_tensors(base, stacked, layout)
     rows = data.draw(st.lists(st.integers(0, layout.slots - 1), min_size=1, max_size=4), label="slots")
     prompts = [_tokens(spec, seed + i, 1 + (seed + i) % 5) for i in range(len(rows))]

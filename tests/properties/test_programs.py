@@ -20,6 +20,7 @@ from nxdi.core.model_spec import ModelSpec, NormKind, PositionKind
 from nxdi.core.programs import catalog, inputs, kv_cache
 from nxdi.core.programs import decoder as llama
 from nxdi.testing.strategies.decoders import dense_specs, program_of, random_weights
+from tests.support.program_checks import DTYPE
 from tests.support.program_checks import close as _close
 from tests.support.program_checks import random_tokens as _tokens
 
@@ -31,9 +32,9 @@ SEEDS = st.integers(0, 2**31 - 1)
 def test_prefill_then_decode_equals_full_forward(spec: ModelSpec, seed: int, n: int, data: st.DataObject) -> None:
     m = data.draw(st.integers(1, n - 1), label="prefill length")
     bucket = data.draw(st.integers(m, n), label="context bucket")
-    w = random_weights(spec, seed)
+    w = random_weights(spec, seed, DTYPE)
     toks = _tokens(spec, seed, n)
-    cache = kv_cache.empty_cache(spec, batch=1, length=n, dtype=torch.float32)
+    cache = kv_cache.empty_cache(spec, batch=1, length=n, dtype=DTYPE)
     full, _ = llama.forward(w, cache, inputs.prompt_inputs([toks], length=n), spec=spec, all_logits=True)
     logits, part = llama.forward(w, cache.prefix(bucket), inputs.prompt_inputs([toks[:m]], length=bucket), spec=spec)
     cache = cache.splice(part)
@@ -48,13 +49,13 @@ def test_prefill_then_decode_equals_full_forward(spec: ModelSpec, seed: int, n: 
 @settings(deadline=None, max_examples=20)
 @given(spec=dense_specs(), seed=SEEDS, lengths=st.lists(st.integers(1, 9), min_size=2, max_size=4))
 def test_padded_batch_rows_equal_rows_alone(spec: ModelSpec, seed: int, lengths: list[int]) -> None:
-    w = random_weights(spec, seed)
+    w = random_weights(spec, seed, DTYPE)
     prompts = [_tokens(spec, seed + i, n) for i, n in enumerate(lengths)]
     bucket = max(lengths) + 1
-    cache = kv_cache.empty_cache(spec, batch=len(prompts), length=bucket + 2, dtype=torch.float32)
+    cache = kv_cache.empty_cache(spec, batch=len(prompts), length=bucket + 2, dtype=DTYPE)
     batched, new = llama.forward(w, cache, inputs.prompt_inputs(prompts, length=bucket), spec=spec)
     for i, p in enumerate(prompts):
-        one = kv_cache.empty_cache(spec, batch=1, length=len(p), dtype=torch.float32)
+        one = kv_cache.empty_cache(spec, batch=1, length=len(p), dtype=DTYPE)
         alone, _ = llama.forward(w, one, inputs.prompt_inputs([p], length=len(p)), spec=spec)
         _close(batched[i], alone[0])
     # a decode step right after each prompt also matches, whatever the padding wrote
@@ -62,7 +63,7 @@ def test_padded_batch_rows_equal_rows_alone(spec: ModelSpec, seed: int, lengths:
     pos = torch.tensor(lengths)
     stepped, _ = llama.forward(w, new, inputs.token_inputs(nxt, pos), spec=spec)
     for i, p in enumerate(prompts):
-        one = kv_cache.empty_cache(spec, batch=1, length=len(p) + 1, dtype=torch.float32)
+        one = kv_cache.empty_cache(spec, batch=1, length=len(p) + 1, dtype=DTYPE)
         alone, _ = llama.forward(w, one, inputs.prompt_inputs([[*p, p[0]]], length=len(p) + 1), spec=spec)
         _close(stepped[i], alone[0])
 
@@ -119,7 +120,7 @@ def test_every_table_weight_lands_in_its_slot(spec: ModelSpec) -> None:
 @settings(deadline=None)
 @given(spec=dense_specs(), b=st.integers(1, 3), t=st.integers(1, 6))
 def test_cache_round_trips_through_flat_tensors(spec: ModelSpec, b: int, t: int) -> None:
-    cache = kv_cache.empty_cache(spec, batch=b, length=t, dtype=torch.float32)
+    cache = kv_cache.empty_cache(spec, batch=b, length=t, dtype=DTYPE)
     flat = cache.to_tensors()
     assert len(flat) == 2 * spec.num_layers and flat[0] is cache.k[0] and flat[1] is cache.v[0]
     back = kv_cache.KVCache.from_tensors(flat)

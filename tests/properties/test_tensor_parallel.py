@@ -33,6 +33,8 @@ from nxdi.testing.strategies.decoders import (
     random_state_dict,
     random_weights,
 )
+from tests.support.program_checks import DTYPE
+from tests.support.program_checks import close as _close
 from tests.support.thread_ranks import run_ranks
 
 SEEDS = st.integers(0, 2**31 - 1)
@@ -95,13 +97,8 @@ def _rank_weights(case: TPCase, seed: int) -> tuple[sharding.ShardPlan, list[Any
     weights = []
     for rank in range(tp):
         tensors = weight_ops.convert(rank_plan(plan_of(spec), shard, rank).unwrap(), state).unwrap()
-        weights.append(program.weights(tensors, spec=spec))
+        weights.append(program.weights({k: v.to(DTYPE) for k, v in tensors.items()}, spec=spec))
     return shard, weights
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    scale = max(expected.abs().max().item(), 1e-6)
-    assert (actual - expected).abs().max().item() <= 1e-4 * scale, (actual - expected).abs().max()
 
 
 def _run(spec: ModelSpec, w: Any, part: Partition, coll: Collectives, toks: list[int], bucket: int) -> torch.Tensor:
@@ -109,7 +106,7 @@ def _run(spec: ModelSpec, w: Any, part: Partition, coll: Collectives, toks: list
     program = program_of(spec)
     m = len(toks) // 2
     length = part.cache_slots(bucket + len(toks))
-    cache = kv_cache.empty_cache(spec, batch=1, length=length, dtype=torch.float32, heads=part.kv_heads)
+    cache = kv_cache.empty_cache(spec, batch=1, length=length, dtype=DTYPE, heads=part.kv_heads)
     prompt = inputs.prompt_inputs([toks[:m]], length=bucket)
     logits, part_cache = program.forward(
         w, cache.prefix(part.cache_slots(bucket)), prompt, spec=spec, part=part, coll=coll
@@ -129,7 +126,7 @@ def test_every_rank_gives_the_logits_of_one_rank(case: TPCase, seed: int, n: int
     spec, tp = case.spec, case.tp
     toks = torch.randint(0, spec.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
     bucket = -(-n // tp) * tp  # sequence parallelism splits the context bucket over the ranks
-    expected = _run(spec, random_weights(spec, seed), Partition.single(spec), SINGLE, toks, bucket)
+    expected = _run(spec, random_weights(spec, seed, DTYPE), Partition.single(spec), SINGLE, toks, bucket)
     _, weights = _rank_weights(case, seed)
     part = case.partition()
     for got in run_ranks(tp, lambda rank, coll: _run(spec, weights[rank], part, coll, toks, bucket)):
@@ -152,7 +149,7 @@ def test_flash_decoding_gives_the_logits_of_one_rank(case: tuple[ModelSpec, int]
     spec, tp = case
     toks = torch.randint(0, spec.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
     bucket = n + 1  # any length: the ranks of a group hold ceil(T / g) slots each
-    expected = _run(spec, random_weights(spec, seed), Partition.single(spec), SINGLE, toks, bucket)
+    expected = _run(spec, random_weights(spec, seed, DTYPE), Partition.single(spec), SINGLE, toks, bucket)
     shard, weights = _rank_weights(TPCase(spec, tp, vocab_parallel=False, sequence_parallel=False), seed)
     part = partition_of(shard, spec, kv_group=tp // spec.num_kv_heads)
     assert shard.counts.kv_per_rank == 1

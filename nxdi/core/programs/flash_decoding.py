@@ -120,8 +120,8 @@ def _decode(
 
     first = coll.rank() - index  # the group's first rank
     heads = torch.arange(group * h, device=q.device) + first * h
-    queries = coll.all_gather(q, 2).index_select(2, heads)[:, 0].float()  # [B, g*H_r, D]
-    keys, values = k_cache[:, 0].float(), v_cache[:, 0].float()  # [B, T_l, D]
+    queries = layers.at_least_fp32(coll.all_gather(q, 2).index_select(2, heads)[:, 0])  # [B, g*H_r, D]
+    keys, values = layers.at_least_fp32(k_cache[:, 0]), layers.at_least_fp32(v_cache[:, 0])  # [B, T_l, D]
     scores = torch.einsum("bhd,btd->bht", queries, keys)
     scores = scores / math.sqrt(d) if scale is None else scores * scale
     held = _held(local, group, index)[None, None, :]  # [1, 1, T_l]

@@ -23,6 +23,12 @@ from nxdi.core.model_spec import RopeKind, RopeSpec
 from nxdi.core.programs.linear import Weight, linear
 
 
+def at_least_fp32(x: Tensor) -> Tensor:
+    """`x` in fp32, or as it is in float64: the upcast of a bf16/fp16/float8 computation that must
+    not round a float64 program down."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float, *, offset: bool = False) -> Tensor:
     """RMSNorm over the last dim: `weight * (x / rms(x))`, the division in fp32. x [..., N], weight [N].
 
@@ -34,7 +40,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, offset: bool = False) -> 
     one rounding at the end, as transformers' Gemma3RMSNorm computes (`(1 + w)` in bf16 would round)."""
     if not offset:
         return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
-    return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + weight.float(), eps=eps).to(x.dtype)
+    return F.rms_norm(at_least_fp32(x), (x.shape[-1],), 1.0 + at_least_fp32(weight), eps=eps).to(x.dtype)
 
 
 def layer_norm(x: Tensor, weight: Tensor, eps: float, bias: Tensor | None = None) -> Tensor:

@@ -154,7 +154,9 @@ def random_state_dict(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def random_weights(spec: ModelSpec, seed: int) -> Any:
-    """`random_state_dict` converted by the weight plan into the program's weights value."""
+def random_weights(spec: ModelSpec, seed: int, dtype: torch.dtype = torch.float32) -> Any:
+    """`random_state_dict` converted by the weight plan into the program's weights value, its
+    floating tensors cast to `dtype` (the same draws whatever the dtype)."""
     tensors = weight_ops.convert(plan_of(spec), random_state_dict(spec, seed)).unwrap()
-    return program_of(spec).weights(tensors, spec=spec)
+    cast = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    return program_of(spec).weights(cast, spec=spec)
