@@ -1,18 +1,22 @@
 """nxdi's bf16 decode linear kernel and the CPU backend's rewrite to it.
 
 - The kernel equals F.linear computed in float64, up to the bf16 rounding of its output, for 1-4
-  rows (1-16 on CPUs with AMX, where 2-16 rows run on the tiles), widths that are and are not
+  rows (1-16 on CPUs with AMX, where 2-16 rows run on the tiles), on this CPU's path and on the path
+  of CPUs without AVX512-BF16 (bf16 widened to fp32, `bf16_linear_widened`), widths that are and are not
   multiples of its 32-wide step, output counts that are not multiples of its row blocks, with and
   without a bias; it refuses what it cannot take, and takes 16 rows exactly where the CPU has AMX.
 - The rewrite sends bf16 decode linears (<= `kernels.bf16_max_rows(K)` rows) to the kernel on the
-  weight as stored, leaves larger ones to oneDNN's prepacked GEMM (packing only weights those read),
-  leaves fp32 alone, and does nothing where the kernel cannot run; results stay equal to the pure
-  graph's.
+  weight as stored, leaves larger ones to oneDNN's prepacked GEMM (packing only weights those read)
+  on CPUs with AVX512-BF16 and, on CPUs without it, sends them to the kernel in chunks of 4 rows or
+  (from `WIDEN_MIN_ROWS`) to the fp32 GEMM on the weight widened block by block, packing nothing;
+  it leaves fp32 alone and does nothing where the kernel cannot run; results stay equal to the pure
+  graph's, and the chunked and widened linears equal float64 up to the bf16 rounding of the output.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +28,7 @@ from nxdi.effects.backends.base import WeightSet
 
 needs_kernel = pytest.mark.skipif(
     not kernels.bf16_supported(),
-    reason=f"nxdi's bf16 kernel cannot run here: {kernels.why_not() or 'the CPU lacks AVX512-BF16'}",
+    reason=f"nxdi's bf16 kernel cannot run here: {kernels.why_not()}",
 )
 
 
@@ -45,19 +49,29 @@ def _within_output_rounding(got: Tensor, want: Tensor) -> None:
     assert ((got.double() - want).abs() <= want.abs() * 2**-8 + floor).all()
 
 
+def _op(path: str, k: int = 32) -> tuple[Any, int]:
+    """The kernel op of a path ("here": this CPU's; "widened": that of CPUs without AVX512-BF16)
+    and its row limit at width `k`."""
+    if path == "here":
+        return torch.ops.nxdi_kernels.bf16_linear, kernels.bf16_max_rows(k)
+    return torch.ops.nxdi_kernels.bf16_linear_widened, 4
+
+
 @needs_kernel
+@pytest.mark.parametrize("path", ["here", "widened"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16])
 @pytest.mark.parametrize("k", [32, 100, 2048])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_kernel_equals_linear_up_to_the_outputs_rounding(m: int, k: int, with_bias: bool) -> None:
+def test_kernel_equals_linear_up_to_the_outputs_rounding(path: str, m: int, k: int, with_bias: bool) -> None:
     # 37 rows: four blocks of eight and a tail of five; with AMX two tiles of 16 and a tail of five
     x, w, bias = _case(m, k, 37)
     b = bias if with_bias else None
-    if m > kernels.bf16_max_rows(k):  # 5 and 16 rows need AMX and a width the tiles take
-        with pytest.raises(RuntimeError, match=f"1 to {kernels.bf16_max_rows(k)} rows"):
-            torch.ops.nxdi_kernels.bf16_linear(x, w, b)
+    op, limit = _op(path, k)
+    if m > limit:  # 5 and 16 rows need AMX and a width the tiles take
+        with pytest.raises(RuntimeError, match=f"1 to {limit} rows"):
+            op(x, w, b)
         return
-    got = torch.ops.nxdi_kernels.bf16_linear(x, w, b)
+    got = op(x, w, b)
     want = x.double() @ w.double().T + (0 if b is None else b.double())
     _within_output_rounding(got, want)
 
@@ -77,14 +91,16 @@ def test_sixteen_rows_exactly_where_the_cpu_has_amx() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("path", ["here", "widened"])
 @pytest.mark.parametrize("m", [1, 4])
-def test_kernel_is_not_a_copy_of_another_row(m: int) -> None:
+def test_kernel_is_not_a_copy_of_another_row(path: str, m: int) -> None:
     """Every output depends on its own weight row: changing row 13 changes output 13 only
-    (one row on vdpbf16ps; four on the AMX tiles where the CPU has them)."""
+    (one row on vdpbf16ps or widened; four on the AMX tiles where the CPU has them)."""
+    op, _ = _op(path)
     x, w, _ = _case(m, 256, 40)
-    before = torch.ops.nxdi_kernels.bf16_linear(x, w)
+    before = op(x, w)
     w[13] = -w[13]
-    after = torch.ops.nxdi_kernels.bf16_linear(x, w)
+    after = op(x, w)
     changed = (before != after).nonzero()[:, 1].unique().tolist()
     assert changed == [13]
 
@@ -145,7 +161,10 @@ def test_decode_rows_run_the_kernel_and_pack_nothing(shape: tuple[int, ...]) -> 
 
 
 @needs_kernel
-def test_larger_linears_keep_onednn_and_fp32_is_left_alone() -> None:
+def test_larger_linears_keep_onednn_where_the_cpu_has_avx512_bf16_and_fp32_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kernels, "bf16_native", lambda: True)
     gm, got, want, ws = _rewrite((kernels.bf16_max_rows(64) + 1,))
     assert torch.ops.nxdi_kernels.bf16_linear.default not in _targets(gm)
     if torch.bfloat16 in cpu_passes.packable_dtypes():
@@ -160,3 +179,39 @@ def test_without_the_kernel_nothing_is_rewritten(monkeypatch: pytest.MonkeyPatch
     gm, got, want, _ = _rewrite((1,))
     assert torch.ops.nxdi_kernels.bf16_linear.default not in _targets(gm)
     torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("rows", "route"),
+    [(5, cpu_passes.chunked_bf16_linear), (32, cpu_passes.chunked_bf16_linear), (33, cpu_passes.widened_bf16_linear)],
+)
+def test_without_avx512_bf16_larger_linears_run_chunked_or_widened_and_pack_nothing(
+    monkeypatch: pytest.MonkeyPatch, rows: int, route: object
+) -> None:
+    monkeypatch.setattr(kernels, "bf16_native", lambda: False)
+    assert cpu_passes.WIDEN_MIN_ROWS == 33  # the parameters sit on either side of it
+    gm, got, want, ws = _rewrite((rows,))
+    assert route in _targets(gm) and torch.ops.aten.linear.default not in _targets(gm)
+    assert not ws.derived  # no oneDNN copy: oneDNN's bf16 GEMM is slow on these CPUs
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+
+
+@needs_kernel
+@pytest.mark.parametrize("linear", [cpu_passes.chunked_bf16_linear, cpu_passes.widened_bf16_linear])
+@pytest.mark.parametrize("shape", [(5,), (33,), (2, 40)])
+@pytest.mark.parametrize(("k", "n"), [(100, 37), (64, 600)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_chunked_and_widened_linears_equal_linear_up_to_the_outputs_rounding(
+    linear: Any, shape: tuple[int, ...], k: int, n: int, with_bias: bool
+) -> None:
+    # n = 600: more than two blocks of WIDEN_BLOCK_ROWS weight rows, the last one partial
+    rows = 1
+    for d in shape:
+        rows *= d
+    x, w, bias = _case(rows, k, n)
+    b = bias if with_bias else None
+    got = linear(x.view(*shape, k), w, b)
+    assert got.shape == (*shape, n)
+    want = x.double() @ w.double().T + (0 if b is None else b.double())
+    _within_output_rounding(got.reshape(rows, n), want)

@@ -26,7 +26,10 @@ out of place). When weights are bound, these rewrites make it fast without chang
 4. **Streamed bf16 decode linears.** A bf16 linear over 1-4 rows (1-16 on CPUs with AMX; decode,
    short prefills, speculation) calls nxdi's own kernel (`kernels/bf16_linear.cpp`) on the weight
    as stored: oneDNN's and MKL's bf16 paths read the weights well below the memory bandwidth at
-   these few rows on CPUs with AMX. A weight no larger linear reads is then never packed.
+   these few rows on CPUs with AMX. A weight no larger linear reads is then never packed. On CPUs
+   without AVX512-BF16, where oneDNN's bf16 GEMM is slow at every size, larger bf16 linears run
+   the kernel on chunks of 4 rows (up to `WIDEN_MIN_ROWS`) or torch's fp32 GEMM on the weight
+   widened block by block (prefill), and no bf16 weight is packed.
 
 5. **Quantized weights.** A linear whose weight is a dequantized int8 or float8 weight input,
    row-scaled or blockwise (`quantized=True`, `nxdi.core.programs.linear`), over a few rows
@@ -155,24 +158,79 @@ def streamed_bf16_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Te
     return _on_rows(x, lambda rows: torch.ops.nxdi_kernels.bf16_linear(rows, w, bias))
 
 
+BF16_CHUNK_ROWS = 4
+"""Rows of x per call of the bf16 kernel in `chunked_bf16_linear` (its limit without AMX)."""
+WIDEN_MIN_ROWS = 33
+"""On CPUs without AVX512-BF16, bf16 linears over this many rows or more run `widened_bf16_linear`;
+from 5 rows up to one fewer, `chunked_bf16_linear` (each measured faster than oneDNN's bf16 GEMM,
+and than the other, in its range: docs/cpu-backend.md, "bf16 linears without AVX512-BF16")."""
+WIDEN_BLOCK_ROWS = 256
+"""Weight rows widened to fp32 at a time by `widened_bf16_linear` (a scratch of 2-6 MB at the 1.1B
+shape's widths: as fast as widening the whole weight, without its allocation)."""
+
+
+def chunked_bf16_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear` by nxdi's bf16 kernel on chunks of `BF16_CHUNK_ROWS` rows of x [..., K] bf16
+    (the weight read once per chunk), w [N, K] bf16 contiguous -> [..., N] bf16."""
+
+    def chunks(rows: Tensor) -> Tensor:
+        step = BF16_CHUNK_ROWS
+        op = torch.ops.nxdi_kernels.bf16_linear
+        return torch.cat([op(rows[i : i + step], w, bias) for i in range(0, rows.shape[0], step)])
+
+    return _on_rows(x, chunks)
+
+
+def widened_bf16_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear` for x [..., K] bf16, w [N, K] bf16 -> [..., N] bf16 by torch's fp32 GEMM: x and
+    `WIDEN_BLOCK_ROWS` rows of w at a time widened to fp32 (exact), the products summed in fp32 and
+    rounded to bf16 once, after the bias (as bf16 `F.linear` rounds)."""
+    n, k = w.shape
+
+    def rows_2d(rows: Tensor) -> Tensor:
+        xf = rows.float()
+        out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+        scratch = torch.empty(min(WIDEN_BLOCK_ROWS, n), k, dtype=torch.float32)
+        for n0 in range(0, n, WIDEN_BLOCK_ROWS):
+            n1 = min(n, n0 + WIDEN_BLOCK_ROWS)
+            block = scratch[: n1 - n0].copy_(w[n0:n1]).T
+            if bias is None:
+                torch.mm(xf, block, out=out[:, n0:n1])
+            else:
+                torch.addmm(bias[n0:n1].float(), xf, block, out=out[:, n0:n1])
+        return out.to(torch.bfloat16)
+
+    return _on_rows(x, rows_2d)
+
+
 def bf16_weight_linears(gm: fx.GraphModule, weight_nodes: Sequence[fx.Node], weights: WeightSet) -> int:
-    """Rewrite `linear(x, w)` with `w` a contiguous 2-D bf16 weight input and x bf16 of at most
-    `kernels.bf16_max_rows(K)` rows (16 with AMX, else 4; it measured faster than oneDNN's
-    prepacked GEMM there, docs/cpu-backend.md) into nxdi's bf16 kernel, which reads `w` as stored,
-    when this CPU runs it (`kernels.bf16_supported()`). Run before `prepack_linears`: a weight only
-    such linears read is then never packed. Returns the count."""
+    """Rewrite `linear(x, w)` with `w` a contiguous 2-D bf16 weight input and x bf16 into nxdi's bf16
+    kernel, which reads `w` as stored, when this CPU runs it (`kernels.bf16_supported()`):
+    - x of at most `kernels.bf16_max_rows(K)` rows (16 with AMX, else 4): the kernel (it measured
+      faster than oneDNN's prepacked GEMM there, docs/cpu-backend.md);
+    - more rows, on CPUs without AVX512-BF16 (`kernels.bf16_native()`): `chunked_bf16_linear` up
+      to `WIDEN_MIN_ROWS`, then `widened_bf16_linear`; with AVX512-BF16 they stay for oneDNN.
+    Run before `prepack_linears`: a weight only such linears read is then never packed. Returns the
+    count."""
     if not kernels.bf16_supported():
         return 0
-    count = 0
+    native, count = kernels.bf16_native(), 0
     for node, w in zip(weight_nodes, weights.tensors, strict=True):
         if w.dtype != torch.bfloat16 or w.dim() != 2 or not w.is_contiguous():
             continue
         for u in [u for u in node.users if u.target is _LINEAR and u.args[1] is node]:
             x_val = _val(u.args[0])
-            if x_val is None or x_val.dtype != torch.bfloat16 or _rows(u) > kernels.bf16_max_rows(w.shape[1]):
+            if x_val is None or x_val.dtype != torch.bfloat16:
                 continue
-            # 2-D x (the decoder's [N, E]) calls the op itself: no Python frame per call.
-            call = torch.ops.nxdi_kernels.bf16_linear.default if x_val.dim() == 2 else streamed_bf16_linear
+            rows = _rows(u)
+            call: Callable[..., object]
+            if rows <= kernels.bf16_max_rows(w.shape[1]):
+                # 2-D x (the decoder's [N, E]) calls the op itself: no Python frame per call.
+                call = torch.ops.nxdi_kernels.bf16_linear.default if x_val.dim() == 2 else streamed_bf16_linear
+            elif native:
+                continue
+            else:
+                call = chunked_bf16_linear if rows < WIDEN_MIN_ROWS else widened_bf16_linear
             _replace_linear(u, call, (u.args[0], node, u.args[2] if len(u.args) > 2 else None))
             count += 1
     return count

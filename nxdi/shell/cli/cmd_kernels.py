@@ -43,9 +43,9 @@ def run(args: argparse.Namespace) -> int:
     if not kernels.load():
         print(f"nxdi kernels: not available: {kernels.why_not()}; the CPU backend falls back to torch's kernels")
         return 1
-    rows = kernels.bf16_max_rows(32)  # 0: no bf16 kernel; 16: AMX tiles
-    if rows == 0:
-        bf16 = "no bf16 kernel: this CPU lacks AVX512-BF16"
+    rows = kernels.bf16_max_rows(32)  # 16: AMX tiles
+    if not kernels.bf16_native():
+        bf16 = f"bf16 decode linears (widened to fp32 with AVX-512 FMAs, up to {rows} rows: no AVX512-BF16)"
     elif rows > 4:
         bf16 = f"bf16 decode linears (AVX512-BF16, AMX tiles up to {rows} rows)"
     else:

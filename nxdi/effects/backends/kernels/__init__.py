@@ -7,9 +7,10 @@ Three source files, one library (torch ops `nxdi_kernels::*`), mostly for decode
   `_weight_int8pack_mm` is compute-bound at batch 1 and torch has no float8 one
   (docs/cpu-backend.md). Prefill's GEMMs get their float weight from its one-pass
   `weight_dequantize`.
-- `bf16_linear.cpp`: the bf16 linear (`cpu_passes.bf16_weight_linears`), 1-4 rows on CPUs with
-  AVX512-BF16 (`bf16_supported()`), 1-16 on CPUs with AMX too (`bf16_max_rows`): oneDNN's and MKL's
-  bf16 paths read the weights well below the memory bandwidth at decode's few rows.
+- `bf16_linear.cpp`: the bf16 linear (`cpu_passes.bf16_weight_linears`), 1-4 rows (on AVX512-BF16,
+  or widened to fp32 on AVX-512 CPUs without it, `bf16_native()`), 1-16 on CPUs with AMX
+  (`bf16_max_rows`): oneDNN's and MKL's bf16 paths read the weights well below the memory
+  bandwidth at decode's few rows, and far below it without AVX512-BF16.
 - `rms_norm.cpp`: a bf16 RMSNorm and its weight product in one op (`cpu_passes.fused_rms_norms`),
   where torch dispatches seven ops, each slow just after a linear has streamed its weights.
 
@@ -132,8 +133,14 @@ def _try_load() -> tuple[bool, str | None]:
 
 
 def bf16_supported() -> bool:
-    """Whether `nxdi_kernels::bf16_linear` can run here: the library loads and the CPU has AVX512-BF16."""
-    return load() and bool(torch.ops.nxdi_kernels.bf16_dot_supported())
+    """Whether `nxdi_kernels::bf16_linear` can run here: the library loads (any AVX-512 CPU)."""
+    return load()
+
+
+def bf16_native() -> bool:
+    """Whether the bf16 kernel runs on AVX512-BF16's `vdpbf16ps` here; without it, it widens bf16
+    to fp32 in registers and uses FMAs (equally exact, more instructions per weight)."""
+    return bf16_supported() and bool(torch.ops.nxdi_kernels.bf16_dot_supported())
 
 
 def bf16_max_rows(k: int) -> int:

@@ -1,4 +1,6 @@
-// nxdi's bf16 linear for decode on CPUs with AVX512-BF16: y = x @ w.T (+ bias).
+// nxdi's bf16 linear for decode on AVX-512 CPUs: y = x @ w.T (+ bias). Three paths: vdpbf16ps
+// (AVX512-BF16), the AMX tiles (2-16 rows, where the CPU has them), and, without AVX512-BF16, bf16
+// widened to fp32 and FMAs (`fma_rows`).
 //
 // x [M, K] bf16 (M <= 4 rows; 16 with AMX), w [N, K] bf16 as stored (row-major, not repacked),
 // bias [N] or none; y [M, N] bf16. Products are summed in fp32 and rounded to bf16 once, after the
@@ -19,6 +21,9 @@
 // 32 products per instruction whatever M is, so at 4 rows it ran out of instruction throughput
 // below the memory bandwidth (12 GB/s per core with w in L2, against 31 at one row); one tile
 // product covers all M <= 16 columns and stays memory bound. One row keeps vdpbf16ps (alike there).
+//
+// Without AVX512-BF16 (Ice Lake, Cascade Lake, ...), the same interleaved streams and prefetch,
+// each bf16 pair widened in registers (below: `fma_rows`).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <cpuid.h>
@@ -28,9 +33,23 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 namespace {
+
+// Output rows [0, N) split over torch's intra-op (OpenMP) threads, `R` rows per call of
+// `rows(n, R, next)` (`next`: the following R rows, to prefetch, or null) and the last few one per
+// call (`rows(n, 1, nullptr)`). Grain: at least 64 output rows per task, so two threads split a
+// matrix into two long runs.
+template <int R, typename Rows>
+void over_rows(int64_t N, int64_t K, const uint16_t* w, const Rows& rows) {
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    int64_t n = n0;
+    for (; n + R <= n1; n += R) rows(n, R, n + 2 * R <= n1 ? w + (n + R) * K : nullptr);
+    for (; n < n1; ++n) rows(n, 1, nullptr);
+  });
+}
 
 // The kernel alone is built for AVX512-BF16; `bf16_dot_supported()` is asked before it is used.
 #pragma GCC push_options
@@ -62,20 +81,77 @@ void dot_rows(const uint16_t* x, const uint16_t* w, const uint16_t* next, const 
 
 template <int M, int R>
 void run(const uint16_t* x, const uint16_t* w, const float* bias, at::BFloat16* y, int64_t K, int64_t N) {
-  // Grain: at least 64 output rows per task, so two threads split a matrix into two long runs.
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    int64_t n = n0;
-    for (; n + R <= n1; n += R) {
-      const uint16_t* next = n + 2 * R <= n1 ? w + (n + R) * K : nullptr;
+  over_rows<R>(N, K, w, [&](int64_t n, int64_t rows, const uint16_t* next) {
+    if (rows == R)
       dot_rows<M, R>(x, w + n * K, next, bias ? bias + n : nullptr, y + n, K, N);
-    }
-    for (; n < n1; ++n) dot_rows<M, 1>(x, w + n * K, nullptr, bias ? bias + n : nullptr, y + n, K, N);
+    else
+      dot_rows<M, 1>(x, w + n * K, nullptr, bias ? bias + n : nullptr, y + n, K, N);
   });
 }
 
 #pragma GCC pop_options
 
 bool bf16_dot_supported() { return __builtin_cpu_supports("avx512bf16"); }
+
+// --- CPUs without AVX512-BF16 (AVX-512 F and BW) ---------------------------------------------------
+
+// A bf16 is the upper half of an fp32: a 32-bit lane of w holds the pair (2i, 2i+1), whose values
+// are the lane shifted left 16 bits (even) and the lane with its lower half cleared (odd). x is
+// split once per call into its even and odd columns as fp32, so a chunk of 32 weights takes a shift,
+// an and and two FMAs per row of x, exact products summed in fp32 (torch's bf16 path on these CPUs
+// converts the whole weight first, and reads it at 4-10 GB/s: docs/cpu-backend.md).
+constexpr int64_t CHUNK = 32;
+
+inline float bf16_value(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof value);
+  return value;
+}
+
+// `xs`: each row of x as [P even columns][P odd columns] fp32, P = 16 per chunk of K, zero past K.
+template <int M, int R>
+void fma_rows(const float* xs, int64_t P, const uint16_t* w, const uint16_t* next, const float* bias, at::BFloat16* y,
+              int64_t K, int64_t N) {
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  const __m512i upper = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0, p = 0; k < K; k += CHUNK, p += CHUNK / 2) {
+    const __mmask32 mask = K - k >= CHUNK ? ~__mmask32(0) : (__mmask32(1) << (K - k)) - 1;
+    if (next)
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * K + k), _MM_HINT_T0);
+    __m512 even[M], odd[M];
+    for (int m = 0; m < M; ++m) {
+      even[m] = _mm512_loadu_ps(xs + 2 * m * P + p);
+      odd[m] = _mm512_loadu_ps(xs + (2 * m + 1) * P + p);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i pairs = _mm512_maskz_loadu_epi16(mask, w + r * K + k);
+      const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(pairs, upper));
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(wo, odd[m], _mm512_fmadd_ps(we, even[m], acc[r][m]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m)
+      y[m * N + r] = at::BFloat16(_mm512_reduce_add_ps(acc[r][m]) + (bias ? bias[r] : 0.0f));
+}
+
+template <int M, int R>
+void run_fma(const uint16_t* x, const uint16_t* w, const float* bias, at::BFloat16* y, int64_t K, int64_t N) {
+  const int64_t P = (K + CHUNK - 1) / CHUNK * (CHUNK / 2);
+  std::vector<float> xs(2 * M * P, 0.0f);
+  for (int m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k)
+      xs[(2 * m + k % 2) * P + k / 2] = bf16_value(x[m * K + k]);
+  over_rows<R>(N, K, w, [&](int64_t n, int64_t rows, const uint16_t* next) {
+    if (rows == R)
+      fma_rows<M, R>(xs.data(), P, w + n * K, next, bias ? bias + n : nullptr, y + n, K, N);
+    else
+      fma_rows<M, 1>(xs.data(), P, w + n * K, nullptr, bias ? bias + n : nullptr, y + n, K, N);
+  });
+}
 
 // --- AMX -----------------------------------------------------------------------------------------
 
@@ -172,13 +248,13 @@ void amx_linear(const uint16_t* x, const uint16_t* w, const float* bias, at::BFl
 
 int64_t max_rows(int64_t K) { return amx_supported() && K % 32 == 0 ? 16 : 4; }
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(bf16_dot_supported(), "bf16_linear: this CPU lacks AVX512-BF16");
+// y [M, N] = x [M, K] @ w [N, K].T (+ bias); `widened`: the AVX-512 FMA path whatever the CPU.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, bool widened) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "bf16_linear: x [M, K] and w [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16_linear: x and w must be bf16");
   TORCH_CHECK(w.is_contiguous(), "bf16_linear: w must be contiguous");  // a copy per call would cost more than it saves
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const int64_t limit = max_rows(K);
+  const int64_t limit = widened ? 4 : max_rows(K);
   TORCH_CHECK(M >= 1 && M <= limit, "bf16_linear: x must have 1 to ", limit, " rows here (bf16_max_rows)");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N), "bf16_linear: bias must be [N]");
   const at::Tensor xc = x.contiguous();
@@ -193,6 +269,15 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
     return y;
   }
   // R * M accumulators stay within the 32 vector registers with the loads beside them.
+  if (widened || !bf16_dot_supported()) {
+    switch (M) {
+      case 1: run_fma<1, 8>(xp, wp, bp, yp, K, N); break;
+      case 2: run_fma<2, 8>(xp, wp, bp, yp, K, N); break;
+      case 3: run_fma<3, 4>(xp, wp, bp, yp, K, N); break;
+      default: run_fma<4, 4>(xp, wp, bp, yp, K, N); break;
+    }
+    return y;
+  }
   switch (M) {
     case 1: run<1, 8>(xp, wp, bp, yp, K, N); break;
     case 2: run<2, 8>(xp, wp, bp, yp, K, N); break;
@@ -202,11 +287,22 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
   return y;
 }
 
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  return linear(x, w, bias, false);
+}
+
+// The FMA path on any AVX-512 CPU, so that it is tested where AVX512-BF16 takes bf16_linear's calls.
+at::Tensor bf16_linear_widened(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  return linear(x, w, bias, true);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(nxdi_kernels, m) {
   m.def("bf16_linear(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
   m.impl("bf16_linear", c10::DispatchKey::CPU, &bf16_linear);
+  m.def("bf16_linear_widened(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
+  m.impl("bf16_linear_widened", c10::DispatchKey::CPU, &bf16_linear_widened);
   m.def("bf16_dot_supported() -> bool", &bf16_dot_supported);
   m.def("bf16_max_rows(int k) -> int", &max_rows);
 }
