@@ -9,8 +9,9 @@
 - The rewrite sends a decode linear (<= 4 rows) to nxdi's kernel, 5-8 rows to torch's (row-scaled
   int8, bf16 x) or to nxdi's on chunks of 4 rows (the rest), and leaves prefill-sized linears
   dequantizing, by nxdi's one-pass `weight_dequantize` (the pure dequantize's bits, then the same
-  GEMM: equal results); without the kernels (an unsupported CPU) it falls back to torch's, and the
-  results stay equal to the pure graph's."""
+  GEMM: equal results; on CPUs without AVX512-BF16 a bf16 weight then takes the bf16 routes,
+  chunked kernel or widened fp32 GEMM, within bf16 rounding); without the kernels (an unsupported
+  CPU) it falls back to torch's, and the results stay equal to the pure graph's."""
 
 from __future__ import annotations
 
@@ -128,7 +129,8 @@ def test_decode_rows_run_nxdis_kernel(dtype: torch.dtype) -> None:
     _close(got, want, 2**-7 if dtype == torch.bfloat16 else 1e-5)
 
 
-def test_rows_beyond_the_kernel_take_torchs_or_stay_dequantized() -> None:
+def test_rows_beyond_the_kernel_take_torchs_or_stay_dequantized(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "bf16_native", lambda: True)  # a CPU with AVX512-BF16: oneDNN's GEMM
     targets, got, want = _rewrite(cpu_passes.KERNEL_MAX_ROWS + 1, torch.bfloat16)
     assert cpu_passes.int8_linear in targets
     _close(got, want, 2**-7)
@@ -156,7 +158,10 @@ def test_float8_decode_rows_run_nxdis_kernel(values: torch.dtype, dtype: torch.d
 @needs_kernel
 @pytest.mark.parametrize("values", [torch.int8, *FLOAT8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_prefill_rows_dequantize_in_one_pass_to_the_same_bits(values: torch.dtype, dtype: torch.dtype) -> None:
+def test_prefill_rows_dequantize_in_one_pass_to_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch, values: torch.dtype, dtype: torch.dtype
+) -> None:
+    monkeypatch.setattr(kernels, "bf16_native", lambda: True)  # the GEMM stays torch's
     targets, got, want = _rewrite(16, dtype, values)
     assert torch.ops.nxdi_kernels.weight_dequantize.default in targets and torch.ops.aten.linear.default in targets
     assert torch.ops.aten.mul.Tensor not in targets  # torch's three-op dequantize is gone
@@ -165,7 +170,25 @@ def test_prefill_rows_dequantize_in_one_pass_to_the_same_bits(values: torch.dtyp
 
 @needs_kernel
 @pytest.mark.parametrize("values", [torch.int8, *FLOAT8])
-def test_blockwise_weights_run_the_kernels_when_blocks_fit_their_chunks(values: torch.dtype) -> None:
+@pytest.mark.parametrize(("rows", "route"), [(16, "chunked_bf16_linear"), (40, "widened_bf16_linear")])
+def test_without_avx512_bf16_a_dequantized_bf16_prefill_takes_the_bf16_routes(
+    monkeypatch: pytest.MonkeyPatch, values: torch.dtype, rows: int, route: str
+) -> None:
+    """oneDNN's bf16 GEMM is slow on those CPUs: the one-pass bf16 weight goes where
+    `bf16_weight_linears` sends a bf16 weight of that many rows."""
+    monkeypatch.setattr(kernels, "bf16_native", lambda: False)
+    targets, got, want = _rewrite(rows, torch.bfloat16, values)
+    assert torch.ops.nxdi_kernels.weight_dequantize.default in targets and getattr(cpu_passes, route) in targets
+    assert torch.ops.aten.linear.default not in targets and torch.ops.aten.mul.Tensor not in targets
+    _close(got, want, 2**-7)
+
+
+@needs_kernel
+@pytest.mark.parametrize("values", [torch.int8, *FLOAT8])
+def test_blockwise_weights_run_the_kernels_when_blocks_fit_their_chunks(
+    monkeypatch: pytest.MonkeyPatch, values: torch.dtype
+) -> None:
+    monkeypatch.setattr(kernels, "bf16_native", lambda: True)  # prefill's GEMM stays torch's
     for block in [(1, 32), (8, 64), (16, 128)]:
         for rows in (1, 3):
             targets, got, want = _rewrite(rows, torch.float32, values, block)

@@ -203,6 +203,11 @@ def widened_bf16_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Ten
     return _on_rows(x, rows_2d)
 
 
+def _larger_bf16_linear(rows: int) -> Callable[..., Tensor]:
+    """The route of a bf16 linear over more `rows` than the kernel takes, on CPUs without AVX512-BF16."""
+    return chunked_bf16_linear if rows < WIDEN_MIN_ROWS else widened_bf16_linear
+
+
 def bf16_weight_linears(gm: fx.GraphModule, weight_nodes: Sequence[fx.Node], weights: WeightSet) -> int:
     """Rewrite `linear(x, w)` with `w` a contiguous 2-D bf16 weight input and x bf16 into nxdi's bf16
     kernel, which reads `w` as stored, when this CPU runs it (`kernels.bf16_supported()`):
@@ -230,7 +235,7 @@ def bf16_weight_linears(gm: fx.GraphModule, weight_nodes: Sequence[fx.Node], wei
             elif native:
                 continue
             else:
-                call = chunked_bf16_linear if rows < WIDEN_MIN_ROWS else widened_bf16_linear
+                call = _larger_bf16_linear(rows)
             _replace_linear(u, call, (u.args[0], node, u.args[2] if len(u.args) > 2 else None))
             count += 1
     return count
@@ -346,7 +351,9 @@ def quantized_weight_linears(
     (`kernels.load()`); up to `INT8_MAX_ROWS` rows torch's for row-scaled int8 and bf16 x (its bf16
     scale copy made once per `WeightSet`), else nxdi's on chunks of rows. Larger linears (prefill)
     keep the GEMM; their float weight is built by nxdi's one-pass `weight_dequantize` (the same
-    bits) where the kernels load. Returns the count of linears rewritten (the GEMMs not counted)."""
+    bits) where the kernels load, and a bf16 one goes to `chunked_bf16_linear` or
+    `widened_bf16_linear` on CPUs without AVX512-BF16 (as `bf16_weight_linears` sends a bf16
+    weight). Returns the count of linears rewritten (the GEMMs not counted)."""
     index = {n: i for i, n in enumerate(weight_nodes)}
     graph, count = gm.graph, 0
     for u in [n for n in graph.nodes if n.target is _LINEAR]:
@@ -381,6 +388,8 @@ def quantized_weight_linears(
                     deq.meta = dict(u.args[1].meta)
                     u.replace_input_with(u.args[1], deq)
                     _erase_unused(graph, chain)
+                    if w_val.dtype == x_val.dtype == torch.bfloat16 and not kernels.bf16_native():
+                        _replace_linear(u, _larger_bf16_linear(rows), (u.args[0], deq, bias))
                 continue
         _replace_linear(u, call, args)
         _erase_unused(graph, chain)
