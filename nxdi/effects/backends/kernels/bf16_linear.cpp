@@ -98,8 +98,8 @@ bool bf16_dot_supported() { return __builtin_cpu_supports("avx512bf16"); }
 // A bf16 is the upper half of an fp32: a 32-bit lane of w holds the pair (2i, 2i+1), whose values
 // are the lane shifted left 16 bits (even) and the lane with its lower half cleared (odd). x is
 // split once per call into its even and odd columns as fp32, so a chunk of 32 weights takes a shift,
-// an and and two FMAs per row of x, exact products summed in fp32 (torch's bf16 path on these CPUs
-// converts the whole weight first, and reads it at 4-10 GB/s: docs/cpu-backend.md).
+// an and and two FMAs per row of x, exact products summed in fp32 (oneDNN's bf16 GEMM read the
+// weights at 4-17 GB/s at 2-4 rows on such a CPU: docs/cpu-backend.md).
 constexpr int64_t CHUNK = 32;
 
 inline float bf16_value(uint16_t bits) {
