@@ -22,7 +22,14 @@ from nxdi.core.host import weight_ops
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.programs import decoder, eagle, inputs, kv_cache
 from nxdi.core.programs.linear import linear
-from nxdi.testing.strategies.decoders import LLAMA_SHAPED, decoder_specs, dense_specs, program_of, random_weights
+from nxdi.testing.strategies.decoders import (
+    LLAMA_SHAPED,
+    cast_floats,
+    decoder_specs,
+    dense_specs,
+    program_of,
+    random_weights,
+)
 from tests.support.program_checks import DTYPE, close
 
 SEEDS = st.integers(0, 2**31 - 1)
@@ -42,7 +49,7 @@ def _draft(spec: ModelSpec, layout: EagleDraft, seed: int) -> eagle.EagleWeights
         else torch.randn(shape, generator=g) * (0.5 if len(shape) == 1 else shape[-1] ** -0.5)
         for name, shape in plan.source_shapes().items()
     }
-    tensors = {k: v.to(DTYPE) for k, v in weight_ops.convert(plan, state).unwrap().items()}
+    tensors = cast_floats(weight_ops.convert(plan, state).unwrap(), DTYPE)
     return eagle.weights_from_slots(layout.table(program_of(spec).table).slots(tensors, spec), spec=spec)
 
 

@@ -26,6 +26,7 @@ from nxdi.core.planning.rank_weights import rank_plan
 from nxdi.core.programs import inputs, kv_cache
 from nxdi.core.programs.collectives import SINGLE, Collectives
 from nxdi.testing.strategies.decoders import (
+    cast_floats,
     decoder_specs,
     dense_specs,
     plan_of,
@@ -97,7 +98,7 @@ def _rank_weights(case: TPCase, seed: int) -> tuple[sharding.ShardPlan, list[Any
     weights = []
     for rank in range(tp):
         tensors = weight_ops.convert(rank_plan(plan_of(spec), shard, rank).unwrap(), state).unwrap()
-        weights.append(program.weights({k: v.to(DTYPE) for k, v in tensors.items()}, spec=spec))
+        weights.append(program.weights(cast_floats(tensors, DTYPE), spec=spec))
     return shard, weights
 
 

@@ -184,13 +184,16 @@ def test_without_the_kernel_nothing_is_rewritten(monkeypatch: pytest.MonkeyPatch
 @needs_kernel
 @pytest.mark.parametrize(
     ("rows", "route"),
-    [(5, cpu_passes.chunked_bf16_linear), (32, cpu_passes.chunked_bf16_linear), (33, cpu_passes.widened_bf16_linear)],
+    [
+        (5, cpu_passes.chunked_bf16_linear),
+        (cpu_passes.WIDEN_MIN_ROWS - 1, cpu_passes.chunked_bf16_linear),
+        (cpu_passes.WIDEN_MIN_ROWS, cpu_passes.widened_bf16_linear),
+    ],
 )
 def test_without_avx512_bf16_larger_linears_run_chunked_or_widened_and_pack_nothing(
     monkeypatch: pytest.MonkeyPatch, rows: int, route: object
 ) -> None:
     monkeypatch.setattr(kernels, "bf16_native", lambda: False)
-    assert cpu_passes.WIDEN_MIN_ROWS == 33  # the parameters sit on either side of it
     gm, got, want, ws = _rewrite((rows,))
     assert route in _targets(gm) and torch.ops.aten.linear.default not in _targets(gm)
     assert not ws.derived  # no oneDNN copy: oneDNN's bf16 GEMM is slow on these CPUs

@@ -83,9 +83,8 @@ def attend(
         qk = layers.apply_rope(qkv[:, :, : h + kh], *rope)
         q, k = qk[:, :, :h], qk[:, :, h:]
     dtype = q.dtype
-    q = (
-        layers.at_least_fp32(q) if spec.attention_upcast else q
-    )  # scores, softmax and mix in fp32 (GPT-J); the cache is read as fp32
+    # scores, softmax and mix in fp32 (GPT-J); the cache is read as fp32
+    q = layers.at_least_fp32(q) if spec.attention_upcast else q
     if blocks is not None:
         assert mask is not None, "a block step has a mask per layer"
         o, k_cache, v_cache = _block_attention(q, k, v, k_cache, v_cache, mask, blocks, scale=spec.attention_scale)

@@ -169,16 +169,15 @@ WIDEN_BLOCK_ROWS = 256
 shape's widths: as fast as widening the whole weight, without its allocation)."""
 
 
+def _on_row_chunks(x: Tensor, step: int, linear_2d: Callable[[Tensor], Tensor]) -> Tensor:
+    """A 2-D linear kernel of at most `step` rows applied to x [..., K], `step` rows at a time."""
+    return _on_rows(x, lambda rows: torch.cat([linear_2d(rows[i : i + step]) for i in range(0, rows.shape[0], step)]))
+
+
 def chunked_bf16_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear` by nxdi's bf16 kernel on chunks of `BF16_CHUNK_ROWS` rows of x [..., K] bf16
     (the weight read once per chunk), w [N, K] bf16 contiguous -> [..., N] bf16."""
-
-    def chunks(rows: Tensor) -> Tensor:
-        step = BF16_CHUNK_ROWS
-        op = torch.ops.nxdi_kernels.bf16_linear
-        return torch.cat([op(rows[i : i + step], w, bias) for i in range(0, rows.shape[0], step)])
-
-    return _on_rows(x, chunks)
+    return _on_row_chunks(x, BF16_CHUNK_ROWS, lambda rows: torch.ops.nxdi_kernels.bf16_linear(rows, w, bias))
 
 
 def widened_bf16_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -274,12 +273,7 @@ def chunked_quantized_linear(x: Tensor, values: Tensor, scale: Tensor, bias: Ten
     """The same for more rows: nxdi's kernel on chunks of `KERNEL_MAX_ROWS` rows of x [..., K]
     (the weights read once per chunk), for the routes torch's int8 kernel does not take."""
     op = _quantized_kernel(values.dtype)
-
-    def chunks(rows: Tensor) -> Tensor:
-        step = KERNEL_MAX_ROWS
-        return torch.cat([op(rows[i : i + step], values, scale, bias) for i in range(0, rows.shape[0], step)])
-
-    return _on_rows(x, chunks)
+    return _on_row_chunks(x, KERNEL_MAX_ROWS, lambda rows: op(rows, values, scale, bias))
 
 
 def _quantized_kernel(dtype: torch.dtype) -> torch._ops.OpOverloadPacket:

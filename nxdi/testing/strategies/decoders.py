@@ -154,9 +154,13 @@ def random_state_dict(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def cast_floats(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`tensors` with their floating ones cast to `dtype` (integer ones as they are)."""
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+
+
 def random_weights(spec: ModelSpec, seed: int, dtype: torch.dtype = torch.float32) -> Any:
     """`random_state_dict` converted by the weight plan into the program's weights value, its
     floating tensors cast to `dtype` (the same draws whatever the dtype)."""
     tensors = weight_ops.convert(plan_of(spec), random_state_dict(spec, seed)).unwrap()
-    cast = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    return program_of(spec).weights(cast, spec=spec)
+    return program_of(spec).weights(cast_floats(tensors, dtype), spec=spec)
