@@ -60,15 +60,31 @@ def test_roofline_reports_both_sides_against_the_checkpoint_bytes(
     assert "bytes per decode step" in text and "% of roofline" in text and "ratio (transformers / nxdi)" in text
 
 
-def test_int8_weights_shrink_the_roofline(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_int8_weights_run_beside_the_unquantized_model_and_transformers(
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(_argv(tiny_llama, tmp_path, "--weights", "int8-per-channel")) == 0
     doc = _doc(capsys)
     (r,) = doc["results"]
     assert main(_argv(tiny_llama, tmp_path, "--skip-hf")) == 0
     (float_r,) = _doc(capsys)["results"]
+    assert "transformers" not in float_r and "nxdi_unquantized" not in float_r
     assert r["step_bytes"]["weight_bytes"] < float_r["step_bytes"]["weight_bytes"]
-    assert "transformers" not in r  # it would run float weights
-    assert ("nxdi" in r) != ("not_measured" in doc)  # measured, or the reason it could not be
+    assert r["float_roofline"]["ms_per_step"] > r["roofline"]["ms_per_step"]  # same bandwidth, more bytes
+    assert "not_measured" not in doc
+    # Each side against the roofline of the weights it reads; the ratios from the same run.
+    for side, roof in (
+        ("nxdi", r["roofline"]),
+        ("nxdi_unquantized", r["float_roofline"]),
+        ("transformers", r["float_roofline"]),
+    ):
+        m = r[side]
+        assert m["pct_of_roofline"] == pytest.approx(100 * roof["ms_per_step"] / m["tpot_ms_p50"])
+    tpot = {side: r[side]["tpot_ms_p50"] for side in ("nxdi", "nxdi_unquantized", "transformers")}
+    assert r["ratio_unquantized_over_nxdi"] == pytest.approx(tpot["nxdi_unquantized"] / tpot["nxdi"])
+    assert r["ratio_hf_over_nxdi"] == pytest.approx(tpot["transformers"] / tpot["nxdi"])
+    text = bench_roofline.render(doc)
+    assert "ratio (nxdi float32 weights / nxdi int8-per-channel)" in text and "roofline of float32 weights" in text
 
 
 def test_bad_flags_are_one_message(capsys: pytest.CaptureFixture[str]) -> None:

@@ -67,6 +67,7 @@ import itertools
 import json
 import statistics
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -318,23 +319,30 @@ def _bench_batch(
     return result
 
 
-def bench_side_by_side(model: Any, args: argparse.Namespace, batch: int, hf: Any, tp: int) -> dict[str, Any]:
+def bench_side_by_side(
+    model: Any, args: argparse.Namespace, batch: int, hf: Any, tp: int, *, others: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """nxdi's (and, with `hf`, transformers') TTFT, TPOT and throughput, alternating runs in this process
-    (`args.prompt_len`, `args.new_tokens`, `args.repeat`; also used by `nxdi bench roofline`)."""
+    (`args.prompt_len`, `args.new_tokens`, `args.repeat`; also used by `nxdi bench roofline`).
+    `others`: more nxdi models by label (`nxdi bench roofline --weights` adds the unquantized one), run
+    in the same alternation and summarized under their labels."""
     import torch
 
     ids = prompt(model, batch, args.prompt_len)
-    ours: list[dict[str, Any]] = []
+    nxdi_models = {"nxdi": model, **(others or {})}
+    ours: dict[str, list[dict[str, Any]]] = {label: [] for label in nxdi_models}
     theirs: list[dict[str, Any]] = []
     with torch.inference_mode():
         warm_up = min(4, args.new_tokens)  # tokens past --new-tokens would not fit seq_len
-        _nxdi_once(model, ids, warm_up)
+        for m in nxdi_models.values():
+            _nxdi_once(m, ids, warm_up)
         if hf is not None:
             _hf_once(hf, ids, warm_up)
-        for _ in range(args.repeat):  # alternate sides so drifting machine load hits both
-            run = _nxdi_once(model, ids, args.new_tokens)
-            run["total"] = nxdi_generate_s(model, ids, args.new_tokens)
-            ours.append(run)
+        for _ in range(args.repeat):  # alternate sides so drifting machine load hits every one
+            for label, m in nxdi_models.items():
+                run = _nxdi_once(m, ids, args.new_tokens)
+                run["total"] = nxdi_generate_s(m, ids, args.new_tokens)
+                ours[label].append(run)
             if hf is not None:
                 theirs.append(_hf_once(hf, ids, args.new_tokens))
     flops = roofline.prefill_flops(model.model_spec, batch=batch, prompt_len=args.prompt_len)
@@ -342,7 +350,7 @@ def bench_side_by_side(model: Any, args: argparse.Namespace, batch: int, hf: Any
         "batch_size": batch,
         "tp_degree": tp,
         "prefill_gflop": flops / 1e9,
-        "nxdi": _summary(ours, batch, args.new_tokens, flops),
+        **{label: _summary(runs, batch, args.new_tokens, flops) for label, runs in ours.items()},
     }
     if hf is not None:
         result["transformers"] = _summary(theirs, batch, args.new_tokens, flops)

@@ -23,14 +23,17 @@ decoding at the measured bandwidth) and as the bandwidth it implies (bytes per s
 `--weights int8-per-channel` (or `int8-per-tensor`, `fp8-per-channel`) computes the roofline of
 quantized decoder linears (1 byte per value plus float32 scales, lm_head unquantized) and measures
 nxdi with `quantized=True` on a quantized checkpoint written once into `--work-dir` by
-`save_quantized_state_dict` (lm_head left unquantized, as counted); where the CPU engine refuses
-`quantized=True`, the roofline alone is printed, with the reason. transformers is not measured
-then (it would run float weights).
+`save_quantized_state_dict` (lm_head left unquantized, as counted). In the same alternation it
+measures nxdi on the unquantized checkpoint (`nxdi_unquantized`) and transformers (unless
+`--skip-hf`), both reading `--dtype` weights: the quantized model's speed-up over each is a ratio
+of one run. Each side's share of the roofline is against the roofline of the weights it reads.
+Where the CPU engine refuses `quantized=True`, the rooflines alone are printed, with the reason.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -172,22 +175,36 @@ def _against(roof: dict[str, Any], tpot_ms: float) -> dict[str, float]:
     }
 
 
+SIDES = ("nxdi", "nxdi_unquantized", "transformers")
+"""The measured sides, in the report's order (`nxdi_unquantized` only with `--weights`)."""
+
+
 def _tpots(path: Path, args: argparse.Namespace, batch: int, hf: Any) -> dict[str, float]:
-    """nxdi's (and transformers') TPOT p50 in ms, measured side by side in this process."""
+    """Each side's TPOT p50 in ms, measured side by side in this process."""
     from nxdi.shell.cli import bench_generate
 
+    def load(extra: dict[str, Any] | None, tag: str) -> Any:
+        model_type, compiled, _ = bench_generate.compile_for(path, args, batch, 1, "cpu", extra=extra, tag=tag)
+        return bench_generate.load_compiled(model_type, compiled, "cpu")
+
     extra, tag = quantization_kwargs(path, args)
-    model_type, compiled, _ = bench_generate.compile_for(path, args, batch, 1, "cpu", extra=extra, tag=tag)
-    model = bench_generate.load_compiled(model_type, compiled, "cpu")
-    with model:
-        measured = bench_generate.bench_side_by_side(model, args, batch, hf, 1)
-    return {side: measured[side]["tpot_ms"]["p50"] for side in ("nxdi", "transformers") if side in measured}
+    with contextlib.ExitStack() as stack:
+        model = stack.enter_context(load(extra, tag))
+        others = {} if extra is None else {"nxdi_unquantized": stack.enter_context(load(None, ""))}
+        measured = bench_generate.bench_side_by_side(model, args, batch, hf, 1, others=others)
+    return {side: measured[side]["tpot_ms"]["p50"] for side in SIDES if side in measured}
 
 
-def _with_tpots(roof: dict[str, Any], tpots: dict[str, float]) -> dict[str, Any]:
-    out = {**roof, **{side: _against(roof, ms) for side, ms in tpots.items()}}
-    if len(tpots) == 2:
-        out["ratio_hf_over_nxdi"] = tpots["transformers"] / tpots["nxdi"]
+def _with_tpots(roof: dict[str, Any], float_roof: dict[str, Any], tpots: dict[str, float]) -> dict[str, Any]:
+    """The roofline with each side's TPOT against the roofline of the weights it reads (`float_roof`:
+    `--dtype` weights), and the speed-ups of nxdi over the other sides."""
+    out = {**roof, **{side: _against(roof if side == "nxdi" else float_roof, ms) for side, ms in tpots.items()}}
+    if float_roof is not roof:
+        out["float_roofline"] = float_roof["roofline"]
+    if "nxdi" in tpots:
+        for side, key in (("transformers", "ratio_hf_over_nxdi"), ("nxdi_unquantized", "ratio_unquantized_over_nxdi")):
+            if side in tpots:
+                out[key] = tpots[side] / tpots["nxdi"]
     return out
 
 
@@ -213,14 +230,18 @@ def _bench_run(args: argparse.Namespace) -> dict[str, Any]:
     tpots: dict[int, dict[str, float]] = {b: {} for b in args.batch_size}
     if skipped is None:
         hf = None
-        if not (args.skip_hf or quantized):  # transformers would run float weights
+        if not args.skip_hf:
             from transformers import AutoModelForCausalLM
 
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
         for b in args.batch_size:
             tpots[b] = _tpots(path, args, b, hf)
             bw = bw.merged(_bandwidth(args))
-    results = [_with_tpots(_step(model_spec, args, b, bw.best), tpots[b]) for b in args.batch_size]
+    float_args = argparse.Namespace(**{**vars(args), "weights": "dtype"})
+    results = []
+    for b in args.batch_size:
+        roof = _step(model_spec, args, b, bw.best)
+        results.append(_with_tpots(roof, _step(model_spec, float_args, b, bw.best) if quantized else roof, tpots[b]))
     doc = {
         "model": str(path),
         "dtype": args.dtype,
@@ -254,17 +275,27 @@ def render(doc: dict[str, Any]) -> str:
             f"  roofline at {b['best_gb_s']:.1f} GB/s: {roof['ms_per_step']:.3g} ms/step,"
             f" {roof['tok_s_per_seq']:.1f} tok/s/seq, {roof['tok_s']:.1f} tok/s",
         ]
-        for side in ("nxdi", "transformers"):
+        if "float_roofline" in r:
+            lines.append(
+                f"  roofline of {doc['dtype']} weights: {r['float_roofline']['ms_per_step']:.3g} ms/step"
+                " (the share the unquantized sides reach is of this one)"
+            )
+        labels = {"nxdi_unquantized": f"nxdi, {doc['dtype']}"}
+        for side in SIDES:
             if side in r:
                 m = r[side]
                 lines.append(
-                    f"  {side:<12} TPOT p50 {m['tpot_ms_p50']:7.2f} ms   {m['pct_of_roofline']:5.1f}% of roofline"
-                    f"   (reads at {m['effective_gb_s']:.1f} GB/s)"
+                    f"  {labels.get(side, side):<15} TPOT p50 {m['tpot_ms_p50']:7.2f} ms"
+                    f"   {m['pct_of_roofline']:5.1f}% of roofline   (reads at {m['effective_gb_s']:.1f} GB/s)"
                 )
         if "ratio_hf_over_nxdi" in r:
             lines.append(f"  ratio (transformers / nxdi): TPOT {r['ratio_hf_over_nxdi']:.2f}x")
+        if "ratio_unquantized_over_nxdi" in r:
+            lines.append(
+                f"  ratio (nxdi {doc['dtype']} weights / nxdi {doc['weights']}): TPOT {r['ratio_unquantized_over_nxdi']:.2f}x"
+            )
     if "not_measured" in doc:
-        lines.append(f"nxdi and transformers not measured: {doc['not_measured']} (roofline only)")
+        lines.append(f"nothing measured: {doc['not_measured']} (rooflines only)")
     return "\n".join(lines)
 
 
