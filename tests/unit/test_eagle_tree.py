@@ -6,7 +6,8 @@ level-by-level draft expansion (`nxdi.core.programs.eagle_tree.expand`).
   broken tree is listed at once, under `token_tree_config` (or `speculation_length`).
 - Expansion: each drafted node's children are the draft's top-c tokens at it, where its logits are
   those a chain decode of its path gives (pair by pair through the cache), and each node's keys and
-  values at its tree slot equal the chain's at its depth.
+  values at its tree slot equal the chain's at its depth (in float64, as the structural program
+  properties are: `tests/support/program_checks.DTYPE`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from nxdi.core.planning import eagle_tree as plan
 from nxdi.core.planning.token_tree import TokenTree
 from nxdi.core.programs import eagle, eagle_tree, inputs, kv_cache
 from nxdi.core.programs.step import StepSpec
-from nxdi.testing.strategies.decoders import LLAMA_SHAPED, dense_specs, program_of
-from tests.support.program_checks import close
+from nxdi.testing.strategies.decoders import LLAMA_SHAPED, cast_floats, dense_specs, program_of
+from tests.support.program_checks import DTYPE, close
 
 TREE = {"0": ["1", "2"], "1": ["3", "4"], "2": ["5"], "3": ["6"]}
 
@@ -138,7 +139,7 @@ def _draft(spec: ModelSpec, seed: int) -> eagle.EagleWeights:
         wplan.stored_key(name): torch.randn(shape, generator=g) * (0.5 if len(shape) == 1 else shape[-1] ** -0.5)
         for name, shape in wplan.source_shapes().items()
     }
-    tensors = weight_ops.convert(wplan, state).unwrap()
+    tensors = cast_floats(weight_ops.convert(wplan, state).unwrap(), DTYPE)
     return eagle.weights_from_slots(layout.table(table).slots(tensors, spec), spec=spec)
 
 
@@ -152,9 +153,10 @@ def test_each_level_drafts_what_a_chain_decode_of_its_paths_drafts(
     prefix, n = 3, tree.nodes
     length = prefix + n
     toks = torch.randint(0, spec.vocab_size, (1, prefix), generator=g)
-    cache = kv_cache.empty_cache(spec, batch=1, length=length, dtype=torch.float32)
+    cache = kv_cache.empty_cache(spec, batch=1, length=length, dtype=DTYPE)
     cache = _prefill(w, cache, toks, spec, g)
-    root, state = torch.randint(0, spec.vocab_size, (1,), generator=g), torch.randn(1, spec.hidden_size, generator=g)
+    root = torch.randint(0, spec.vocab_size, (1,), generator=g)
+    state = torch.randn(1, spec.hidden_size, generator=g, dtype=DTYPE)
     origin = torch.tensor([prefix])
     tokens, drafted = eagle_tree.expand(w, cache, root, origin, state, tree=tree, spec=StepSpec(model=spec))
     assert tokens.shape == (1, n) and int(tokens[0, 0]) == int(root)
@@ -179,7 +181,7 @@ def _prefill(
 ) -> kv_cache.KVCache:
     """The cache after `toks` [1, P] paired with random hidden states at slots 0..P-1."""
     p = toks.shape[1]
-    hidden = torch.randn(1, p, spec.hidden_size, generator=g)
+    hidden = torch.randn(1, p, spec.hidden_size, generator=g, dtype=DTYPE)
     x = inputs.prompt_inputs([toks[0].tolist()], length=p)
     _, _, part = eagle.forward(w, cache.prefix(p), x, hidden, spec=spec)
     return cache.splice(part)
