@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import attrs
+import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from nxdi.core.config.neuron_spec import NeuronSpec
+from nxdi.core.host.quant.weights import QuantScheme, QuantType, scale_shape_for
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import memory, sharding
 from nxdi.core.platform import Platform
@@ -97,3 +102,30 @@ def test_quantized_weights_count_lm_head_and_honour_modules_to_not_convert() -> 
     assert weights("lm_head") - weights() == 2 * lm_head - (lm_head + 10 * 4)
     up = 16 * 8  # one layer's up_proj
     assert weights("layers.0.mlp.up_proj") - weights() == 2 * up - (up + 16 * 4)
+
+
+@pytest.mark.parametrize(("axes", "sizes"), [((1,), (4,)), ((0, 1), (2, 4)), ((-2,), (8,))])
+def test_blockwise_scales_count_the_stored_block_grid(axes: tuple[int, ...], sizes: tuple[int, ...]) -> None:
+    """Blockwise weights carry the scale grid the quantizer stores (`scale_shape_for`), not one scale
+    per row: the planner's bytes are the values plus that grid in float32, for every linear."""
+    model = ModelSpec(
+        model_type="llama", hidden_size=8, num_attention_heads=2, num_kv_heads=1, head_dim=4,
+        num_layers=2, vocab_size=16, intermediate_size=16, max_position_embeddings=64,
+    )  # fmt: skip
+    plan = sharding.shard_plan(model, tp=1, fused_qkv=True).unwrap()
+    spec = NeuronSpec(  # type: ignore[call-arg]
+        tp_degree=1, quantized=True, quantization_type="blockwise_symmetric", quantization_dtype="int8",
+        quantization_block_axis=list(axes), quantization_block_size=list(sizes),
+    )  # fmt: skip
+    req = memory.memory_request_for(model, spec).unwrap()
+    scheme = QuantScheme(type=QuantType.BLOCKWISE_SYMMETRIC, block_axis=axes, block_size=sizes)
+    expected = 0
+    for w in plan.weights:
+        copies = model.num_layers if w.per_layer else 1
+        if memory._is_linear(w):
+            grid = scale_shape_for(scheme, w.rank_shape()).unwrap()
+            expected += copies * (w.rank_numel() + math.prod(grid) * memory.SCALE_BYTES)
+        else:
+            expected += copies * w.rank_numel() * 2  # bf16
+    assert req.scale_block is not None
+    assert memory.weight_bytes_per_core(plan, req) == expected

@@ -5,8 +5,8 @@ Theory of operation (all figures per logical core; every rank holds the same amo
   heads and zero-padded intermediate/vocab sizes are counted. `lm_head` is counted even when tied to the
   embedding, since the reference keeps a separate copy on device. With weight quantization, linear
   weights (lm_head included) take one byte per value (mxfp4 too: an overestimate) plus fp32 scales (one
-  per tensor, or one per output row per channel), except those `modules_to_not_convert` keeps;
-  embeddings and norms keep the dtype.
+  per tensor, one per output row per channel, or one per block of the blockwise grid), except those
+  `modules_to_not_convert` keeps; embeddings and norms keep the dtype.
 - KV cache: `kv_layout.KVLayout.bytes_per_rank`.
 - LoRA: `max_loras` adapter slots (the base model's included) at what the engine allocates per slot
   (`lora_ranks.bytes_per_slot`), or `lora.bytes_per_core`'s estimate for an adapter known by size.
@@ -22,6 +22,8 @@ Theory of operation (all figures per logical core; every rank holds the same amo
 """
 
 from __future__ import annotations
+
+import math
 
 import attrs
 from returns.result import Result, Success
@@ -70,6 +72,9 @@ class MemoryRequest:
     weight_quant_dtype: str | None = None
     """Storage dtype of quantized decoder linear weights (`int8`, `f8e4m3`, ...); None when not quantized."""
     per_channel_scales: bool = False
+    scale_block: tuple[int, int] | None = None
+    """Blockwise quantization: the rows and columns of a linear weight one scale covers (1: a scale per
+    element along that axis); None for one scale per row (`per_channel_scales`) or per tensor."""
     quant_skip: tuple[str, ...] = ()
     """`modules_to_not_convert`: linears whose module path contains one of these stay in the dtype."""
     strategy: gqa.GQAStrategy | None = None
@@ -157,6 +162,17 @@ def _is_linear(w: sharding.WeightShard) -> bool:
     return w.name.endswith(".weight") and ("_proj." in w.name or ".Wqkv." in w.name or w.name == "lm_head.weight")
 
 
+def _scale_count(shape: tuple[int, ...], req: MemoryRequest) -> int:
+    """Scales of one rank's quantized linear weight of `shape` ([..., out, in]): a grid of
+    `scale_block` blocks over each [out, in] matrix, one per output row, or one."""
+    out_features, in_features = shape[-2], shape[-1]
+    if req.scale_block is None:
+        return out_features if req.per_channel_scales else 1
+    rows, cols = req.scale_block
+    matrices = math.prod(shape[:-2])
+    return matrices * -(-out_features // rows) * -(-in_features // cols)
+
+
 def weight_bytes_per_core(plan: sharding.ShardPlan, req: MemoryRequest) -> int:
     """Bytes of one rank's weights (see the module rules for quantization)."""
     dt = DTYPE_BYTES[req.torch_dtype]
@@ -166,8 +182,7 @@ def weight_bytes_per_core(plan: sharding.ShardPlan, req: MemoryRequest) -> int:
         names = [w.name.replace("{i}", str(i)) for i in range(plan.num_layers)] if w.per_layer else [w.name]
         for name in names:
             if req.weight_quant_dtype is not None and _is_linear(w) and not kept_in_float(name, req.quant_skip):
-                out_features = w.rank_shape()[-2]
-                total += n + (out_features if req.per_channel_scales else 1) * SCALE_BYTES
+                total += n + _scale_count(w.rank_shape(), req) * SCALE_BYTES
             else:
                 total += n * dt
     return total
@@ -298,6 +313,18 @@ def memory_plan(model: ModelSpec, req: MemoryRequest) -> Result[MemoryPlan, Conf
     return _per_core(model, req).map(lambda p: attrs.evolve(p, min_tp_degree=min_tp_degree(model, req)))
 
 
+def _scale_block(spec: NeuronSpec) -> tuple[int, int] | None:
+    """Blockwise scales' [rows, columns] block over a linear weight (an axis not cut into blocks
+    has a scale per element); None for the other quantization types."""
+    if spec.quantization_type != "blockwise_symmetric":
+        return None
+    block = {0: 1, 1: 1}
+    for axis, size in zip(spec.quantization_block_axis or (), spec.quantization_block_size or (), strict=False):
+        if axis in (-2, -1, 0, 1):  # [out, in]: a linear weight has no other axis
+            block[axis % 2] = size
+    return block[0], block[1]
+
+
 def memory_request_for(
     model: ModelSpec,
     spec: NeuronSpec,
@@ -340,6 +367,7 @@ def memory_request_for(
             kv_quant_dtype=spec.kv_dtype if spec.kv_quant_config is not None else kv_layout.KV_QUANT_DTYPE,
             weight_quant_dtype=spec.quantization_dtype if quantized else None,
             per_channel_scales=quantized and spec.quantization_type != "per_tensor_symmetric",
+            scale_block=_scale_block(spec) if quantized else None,
             quant_skip=spec.modules_to_not_convert or (),
             fused_qkv=spec.fused_qkv,
             vocab_parallel=spec.vocab_parallel,
