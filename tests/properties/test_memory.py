@@ -105,9 +105,13 @@ def test_quantized_weights_count_lm_head_and_honour_modules_to_not_convert() -> 
 
 
 @pytest.mark.parametrize(("axes", "sizes"), [((1,), (4,)), ((0, 1), (2, 4)), ((-2,), (8,))])
-def test_blockwise_scales_count_the_stored_block_grid(axes: tuple[int, ...], sizes: tuple[int, ...]) -> None:
+@pytest.mark.parametrize(("scale_dtype", "scale_bytes"), [("f32", 4), ("bf16", 2)])
+def test_blockwise_scales_count_the_stored_block_grid(
+    axes: tuple[int, ...], sizes: tuple[int, ...], scale_dtype: str, scale_bytes: int
+) -> None:
     """Blockwise weights carry the scale grid the quantizer stores (`scale_shape_for`), not one scale
-    per row: the planner's bytes are the values plus that grid in float32, for every linear."""
+    per row, in `quantization_scale_dtype`: the planner's bytes are the values plus that grid, for
+    every linear."""
     model = ModelSpec(
         model_type="llama", hidden_size=8, num_attention_heads=2, num_kv_heads=1, head_dim=4,
         num_layers=2, vocab_size=16, intermediate_size=16, max_position_embeddings=64,
@@ -115,7 +119,7 @@ def test_blockwise_scales_count_the_stored_block_grid(axes: tuple[int, ...], siz
     plan = sharding.shard_plan(model, tp=1, fused_qkv=True).unwrap()
     spec = NeuronSpec(  # type: ignore[call-arg]
         tp_degree=1, quantized=True, quantization_type="blockwise_symmetric", quantization_dtype="int8",
-        quantization_block_axis=list(axes), quantization_block_size=list(sizes),
+        quantization_block_axis=list(axes), quantization_block_size=list(sizes), quantization_scale_dtype=scale_dtype,
     )  # fmt: skip
     req = memory.memory_request_for(model, spec).unwrap()
     scheme = QuantScheme(type=QuantType.BLOCKWISE_SYMMETRIC, block_axis=axes, block_size=sizes)
@@ -124,7 +128,7 @@ def test_blockwise_scales_count_the_stored_block_grid(axes: tuple[int, ...], siz
         copies = model.num_layers if w.per_layer else 1
         if memory._is_linear(w):
             grid = scale_shape_for(scheme, w.rank_shape()).unwrap()
-            expected += copies * (w.rank_numel() + math.prod(grid) * memory.SCALE_BYTES)
+            expected += copies * (w.rank_numel() + math.prod(grid) * scale_bytes)
         else:
             expected += copies * w.rank_numel() * 2  # bf16
     assert req.scale_block is not None

@@ -43,6 +43,9 @@ from nxdi.core.config.sub_specs import ChunkedPrefillSpec, KVQuantSpec, LoraSpec
 DType = Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
 
+SCALE_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+"""`quantization_scale_dtype` -> the dtype name the program holds quantization scales in."""
+
 
 class Phase(enum.Enum):
     """Which compiled sub-model a spec describes."""

@@ -4,9 +4,10 @@ Theory of operation (all figures per logical core; every rank holds the same amo
 - Weights: the rank's slice of every weight of the sharding plan, so padded Q heads, replicated KV
   heads and zero-padded intermediate/vocab sizes are counted. `lm_head` is counted even when tied to the
   embedding, since the reference keeps a separate copy on device. With weight quantization, linear
-  weights (lm_head included) take one byte per value (mxfp4 too: an overestimate) plus fp32 scales (one
-  per tensor, one per output row per channel, or one per block of the blockwise grid), except those
-  `modules_to_not_convert` keeps; embeddings and norms keep the dtype.
+  weights (lm_head included) take one byte per value (mxfp4 too: an overestimate) plus scales in
+  `quantization_scale_dtype` (one per tensor, one per output row per channel, or one per block of
+  the blockwise grid), except those `modules_to_not_convert` keeps; embeddings and norms keep the
+  dtype.
 - KV cache: `kv_layout.KVLayout.bytes_per_rank`.
 - LoRA: `max_loras` adapter slots (the base model's included) at what the engine allocates per slot
   (`lora_ranks.bytes_per_slot`), or `lora.bytes_per_core`'s estimate for an adapter known by size.
@@ -28,7 +29,7 @@ import math
 import attrs
 from returns.result import Result, Success
 
-from nxdi.core.config.neuron_spec import DTYPE_BYTES, NeuronSpec
+from nxdi.core.config.neuron_spec import DTYPE_BYTES, SCALE_DTYPES, NeuronSpec
 from nxdi.core.errors import ConfigError
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import gqa, kv_layout, lora, lora_ranks, sharding, speculation_memory
@@ -72,6 +73,8 @@ class MemoryRequest:
     weight_quant_dtype: str | None = None
     """Storage dtype of quantized decoder linear weights (`int8`, `f8e4m3`, ...); None when not quantized."""
     per_channel_scales: bool = False
+    scale_bytes: int = SCALE_BYTES
+    """Bytes of one quantization scale (`quantization_scale_dtype`: float32 unless set)."""
     scale_block: tuple[int, int] | None = None
     """Blockwise quantization: the rows and columns of a linear weight one scale covers (1: a scale per
     element along that axis); None for one scale per row (`per_channel_scales`) or per tensor."""
@@ -182,7 +185,7 @@ def weight_bytes_per_core(plan: sharding.ShardPlan, req: MemoryRequest) -> int:
         names = [w.name.replace("{i}", str(i)) for i in range(plan.num_layers)] if w.per_layer else [w.name]
         for name in names:
             if req.weight_quant_dtype is not None and _is_linear(w) and not kept_in_float(name, req.quant_skip):
-                total += n + _scale_count(w.rank_shape(), req) * SCALE_BYTES
+                total += n + _scale_count(w.rank_shape(), req) * req.scale_bytes
             else:
                 total += n * dt
     return total
@@ -368,6 +371,7 @@ def memory_request_for(
             weight_quant_dtype=spec.quantization_dtype if quantized else None,
             per_channel_scales=quantized and spec.quantization_type != "per_tensor_symmetric",
             scale_block=_scale_block(spec) if quantized else None,
+            scale_bytes=DTYPE_BYTES[SCALE_DTYPES[spec.quantization_scale_dtype]],
             quant_skip=spec.modules_to_not_convert or (),
             fused_qkv=spec.fused_qkv,
             vocab_parallel=spec.vocab_parallel,

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 from returns.result import Failure, Result, Success
 
-from nxdi.core.config.neuron_spec import NeuronSpec
+from nxdi.core.config.neuron_spec import SCALE_DTYPES, NeuronSpec
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.host.quant import weights
 from nxdi.core.weight_plan import WeightQuant
-
-SCALE_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
-"""`quantization_scale_dtype` -> torch dtype name."""
 
 
 def weight_quant(spec: NeuronSpec) -> WeightQuant | None:
