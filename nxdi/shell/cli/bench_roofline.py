@@ -134,12 +134,12 @@ def quantization_kwargs(path: Path, args: argparse.Namespace) -> tuple[dict[str,
     }, tag
 
 
-def _step(model_spec: Any, args: argparse.Namespace, batch: int, bandwidth: float) -> dict[str, Any]:
-    """The roofline of one batch size, as a JSON-ready dict."""
+def _step(model_spec: Any, args: argparse.Namespace, batch: int, bandwidth: float, weights: str) -> dict[str, Any]:
+    """The roofline of one batch size with `weights` (a `--weights` choice), as a JSON-ready dict."""
     from nxdi.core.planning import roofline
     from nxdi.shell.exceptions import unwrap
 
-    quant = WEIGHTS[args.weights]
+    quant = WEIGHTS[weights]
     context = args.prompt_len + args.new_tokens // 2
     step = unwrap(
         roofline.decode_step_bytes(
@@ -195,11 +195,13 @@ def _tpots(path: Path, args: argparse.Namespace, batch: int, hf: Any) -> dict[st
     return {side: measured[side]["tpot_ms"]["p50"] for side in SIDES if side in measured}
 
 
-def _with_tpots(roof: dict[str, Any], float_roof: dict[str, Any], tpots: dict[str, float]) -> dict[str, Any]:
+def _with_tpots(roof: dict[str, Any], float_roof: dict[str, Any] | None, tpots: dict[str, float]) -> dict[str, Any]:
     """The roofline with each side's TPOT against the roofline of the weights it reads (`float_roof`:
-    `--dtype` weights), and the speed-ups of nxdi over the other sides."""
-    out = {**roof, **{side: _against(roof if side == "nxdi" else float_roof, ms) for side, ms in tpots.items()}}
-    if float_roof is not roof:
+    that of `--dtype` weights when nxdi's are quantized, else None), and nxdi's speed-ups over the
+    other sides."""
+    others = float_roof or roof
+    out = {**roof, **{side: _against(roof if side == "nxdi" else others, ms) for side, ms in tpots.items()}}
+    if float_roof is not None:
         out["float_roofline"] = float_roof["roofline"]
     if "nxdi" in tpots:
         for side, key in (("transformers", "ratio_hf_over_nxdi"), ("nxdi_unquantized", "ratio_unquantized_over_nxdi")):
@@ -237,11 +239,14 @@ def _bench_run(args: argparse.Namespace) -> dict[str, Any]:
         for b in args.batch_size:
             tpots[b] = _tpots(path, args, b, hf)
             bw = bw.merged(_bandwidth(args))
-    float_args = argparse.Namespace(**{**vars(args), "weights": "dtype"})
-    results = []
-    for b in args.batch_size:
-        roof = _step(model_spec, args, b, bw.best)
-        results.append(_with_tpots(roof, _step(model_spec, float_args, b, bw.best) if quantized else roof, tpots[b]))
+    results = [
+        _with_tpots(
+            _step(model_spec, args, b, bw.best, args.weights),
+            _step(model_spec, args, b, bw.best, "dtype") if quantized else None,
+            tpots[b],
+        )
+        for b in args.batch_size
+    ]
     doc = {
         "model": str(path),
         "dtype": args.dtype,
