@@ -46,8 +46,11 @@ def _case(
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("k", [1, 64, 100, 2048])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_kernel_equals_dequantize_then_multiply(values: torch.dtype, m: int, k: int, with_bias: bool) -> None:
-    x, w, scale, bias = _case(m, k, 37, torch.float32, values=values)
+# n: 37 rows: one group of rows read 4 apart, then blocks of adjacent rows, then single rows; 165:
+# split over two threads at an odd row, each part read in groups from where it starts.
+@pytest.mark.parametrize("n", [37, 165])
+def test_kernel_equals_dequantize_then_multiply(values: torch.dtype, m: int, k: int, with_bias: bool, n: int) -> None:
+    x, w, scale, bias = _case(m, k, n, torch.float32, values=values)
     b = bias if with_bias else None
     got = cpu_passes._quantized_kernel(values)(x, w, scale, b)
     want = x.double() @ (w.double() * scale.double()[:, None]).T + (0 if b is None else b.double())

@@ -10,7 +10,8 @@
 // sequential streams interleaved: on the development machine with AMX one stream per core read
 // 13 GB/s of int8 and eight 15-20 GB/s (on an earlier Zen 5 machine one stream with unrolled
 // accumulators had measured best; the interleaved loop was chosen on the machine it runs on now),
-// and the next block of rows is prefetched while one is read (30 GB/s of int8 then). Output rows
+// and the next block of rows is prefetched while one is read (30 GB/s of int8 then). A block's rows
+// are S rows apart, not adjacent (`run_rows`: 1.03-1.4x per call at one row of x). Output rows
 // are split over torch's intra-op (OpenMP) threads. Measurements: docs/cpu-backend.md,
 // "Quantized weights".
 #include <ATen/ATen.h>
@@ -105,16 +106,18 @@ bool blocks_fit(const at::Tensor& scale, int64_t N, int64_t K, int64_t step) {
          K % scale.size(1) == 0 && (K / scale.size(1)) % step == 0;
 }
 
-// `next`: the following block of R rows (or null): fetched into cache while this block is read.
-// Blocked: each chunk of weights is multiplied by its block's scale before the FMAs; otherwise the
-// row's one scale multiplies the sum.
+// The block's R output rows are n, n + step, ..., n + (R - 1) * step (below: `run_rows`).
+// `next`: the following block's first row (or null; its rows `step` apart too): fetched into cache
+// while this block is read. Blocked: each chunk of weights is multiplied by its block's scale before
+// the FMAs; otherwise the row's one scale multiplies the sum.
 template <typename W, bool Blocked, int M, int R, typename Out>
-void dot_rows(const float* x, const typename W::T* w, const typename W::T* next, const Scales& scales, int64_t n,
-              const float* bias, Out* y, int64_t K, int64_t Kp, int64_t N) {
+void dot_rows(const float* x, const typename W::T* w, const typename W::T* next, int64_t step, const Scales& scales,
+              int64_t n, const float* bias, Out* y, int64_t K, int64_t Kp, int64_t N) {
   __m512 acc[R][M];
   const float* srow[R];
+  const int64_t stride = step * K;  // between the block's rows
   for (int r = 0; r < R; ++r) {
-    srow[r] = scales.row(n + r);
+    srow[r] = scales.row(n + r * step);
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
   }
   int64_t block = 0, block_end = scales.bk;  // the column block of chunk k (no division per chunk)
@@ -123,7 +126,7 @@ void dot_rows(const float* x, const typename W::T* w, const typename W::T* next,
   // (zeros are loaded past the end).
   auto chunk = [&](int64_t k, auto... mask) __attribute__((always_inline)) {
     if (next && k % 64 == 0)  // one cache line per row
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * K + k), _MM_HINT_T0);
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * stride + k), _MM_HINT_T0);
     __m512 xv[M][V];  // x is padded with zero columns to a multiple of 32 (quantized_linear)
     for (int m = 0; m < M; ++m)
       for (int v = 0; v < V; ++v) xv[m][v] = _mm512_loadu_ps(x + m * Kp + k + 16 * v);
@@ -132,7 +135,7 @@ void dot_rows(const float* x, const typename W::T* w, const typename W::T* next,
     }
     for (int r = 0; r < R; ++r) {
       __m512 wv[V];
-      W::load(w + r * K + k, mask..., wv);
+      W::load(w + r * stride + k, mask..., wv);
       if constexpr (Blocked) {
         const __m512 s = _mm512_set1_ps(srow[r][block]);
         for (int v = 0; v < V; ++v) wv[v] = _mm512_mul_ps(wv[v], s);
@@ -146,22 +149,34 @@ void dot_rows(const float* x, const typename W::T* w, const typename W::T* next,
   if (k < K) chunk(k, first<W::step>(K - k));
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m)
-      y[m * N + r] = static_cast<Out>(_mm512_reduce_add_ps(acc[r][m]) * W::unit * (Blocked ? 1.0f : srow[r][0]) +
-                                      (bias ? bias[r] : 0.0f));
+      y[m * N + r * step] = static_cast<Out>(_mm512_reduce_add_ps(acc[r][m]) * W::unit *
+                                                 (Blocked ? 1.0f : srow[r][0]) +
+                                             (bias ? bias[r * step] : 0.0f));
 }
+
+// Rows are read in groups of S * R: the group's block j is its rows j, j + S, ..., j + (R - 1) * S,
+// so the R streams read at once lie in different 4 KB pages, and the hardware prefetcher, running on
+// past a row to its page's end, fetches rows the next blocks read. Reading R adjacent rows of 2 KB
+// (two streams per page) measured 17-19 GB/s of int8 at one row of x, 22-25 with S = 4 or 8 on the
+// Ice Lake machine (docs/cpu-backend.md, "Quantized weights").
+constexpr int64_t S = 4;
 
 template <typename W, bool Blocked, int M, int R, typename Out>
 void run_rows(const float* x, const typename W::T* w, const Scales& scales, const float* bias, Out* y, int64_t K,
               int64_t Kp, int64_t N) {
+  auto block = [&](int64_t n, int64_t step, const typename W::T* next) __attribute__((always_inline)) {
+    dot_rows<W, Blocked, M, R>(x, w + n * K, next, step, scales, n, bias ? bias + n : nullptr, y + n, K, Kp, N);
+  };
   // Grain: at least 64 output rows (a few KB of weights) per task.
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    constexpr int64_t G = S * R;
     int64_t n = n0;
-    for (; n + R <= n1; n += R) {
-      const typename W::T* next = n + 2 * R <= n1 ? w + (n + R) * K : nullptr;
-      dot_rows<W, Blocked, M, R>(x, w + n * K, next, scales, n, bias ? bias + n : nullptr, y + n, K, Kp, N);
-    }
+    for (; n + G <= n1; n += G)
+      for (int64_t j = 0; j < S; ++j)
+        block(n + j, S, j + 1 < S ? w + (n + j + 1) * K : (n + 2 * G <= n1 ? w + (n + G) * K : nullptr));
+    for (; n + R <= n1; n += R) block(n, 1, n + 2 * R <= n1 ? w + (n + R) * K : nullptr);
     for (; n < n1; ++n)
-      dot_rows<W, Blocked, M, 1>(x, w + n * K, nullptr, scales, n, bias ? bias + n : nullptr, y + n, K, Kp, N);
+      dot_rows<W, Blocked, M, 1>(x, w + n * K, nullptr, 1, scales, n, bias ? bias + n : nullptr, y + n, K, Kp, N);
   });
 }
 
