@@ -31,6 +31,7 @@ import attrs
 from returns.result import Failure, Result, Success
 
 from nxdi.core import eagle_layout
+from nxdi.core.config.neuron_spec import SCALE_DTYPES, NeuronSpec
 from nxdi.core.eagle_layout import EagleDraft
 from nxdi.core.errors import CheckpointError, ConfigError, Problem
 from nxdi.core.model_spec import ModelSpec
@@ -111,6 +112,20 @@ class WeightQuant:
             why = f"has shape {shape}, which blocks of {rows} x {cols} do not tile"
             return Failure(Problem.of(name, shape, why, "choose a quantization_block_size that divides it"))
         return Success((shape[0] // rows, shape[1] // cols))
+
+
+def weight_quant(spec: NeuronSpec) -> WeightQuant | None:
+    """How the quantized checkpoint stores the linear weights; None unless `spec.quantized`."""
+    if not spec.quantized:
+        return None
+    return WeightQuant(
+        type=spec.quantization_type,
+        dtype=spec.quantization_dtype,
+        block_axis=spec.quantization_block_axis or (),
+        block_size=spec.quantization_block_size or (),
+        skip=spec.modules_to_not_convert or (),
+        scale_dtype=SCALE_DTYPES[spec.quantization_scale_dtype],
+    )
 
 
 class Combine(enum.Enum):

@@ -202,7 +202,7 @@ class NeuronApplicationBase:
             torch_dtype=spec.torch_dtype,
             model_prefix=cls._STATE_DICT_MODEL_PREFIX,
             new_prefix=cls._NEW_STATE_DICT_MODEL_PREFIX,
-            quant=quant_config.weight_quant(spec),
+            quant=weight_plans.weight_quant(spec),
             eagle_draft=draft,
         )
         return unwrap(plan)

@@ -1,6 +1,6 @@
 """A NeuronConfig's quantization settings as the weight plan and the quantizer take them. Pure.
 
-`weight_quant` is what loading reads (`nxdi.core.weight_plan.WeightQuant`, torch-free); `scheme` is
+`nxdi.core.weight_plan.weight_quant` is what loading reads (torch-free); `scheme` is
 what `save_quantized_state_dict` quantizes with (`weights.QuantScheme`). Scales are always computed
 and saved in float32, as the reference's observers produce them; `quantization_scale_dtype` is the
 dtype the program holds them in after loading (the reference's scale parameters have that dtype).
@@ -10,24 +10,9 @@ from __future__ import annotations
 
 from returns.result import Failure, Result, Success
 
-from nxdi.core.config.neuron_spec import SCALE_DTYPES, NeuronSpec
+from nxdi.core.config.neuron_spec import NeuronSpec
 from nxdi.core.errors import ConfigError, Problem
 from nxdi.core.host.quant import weights
-from nxdi.core.weight_plan import WeightQuant
-
-
-def weight_quant(spec: NeuronSpec) -> WeightQuant | None:
-    """How the quantized checkpoint stores the linear weights; None unless `spec.quantized`."""
-    if not spec.quantized:
-        return None
-    return WeightQuant(
-        type=spec.quantization_type,
-        dtype=spec.quantization_dtype,
-        block_axis=spec.quantization_block_axis or (),
-        block_size=spec.quantization_block_size or (),
-        skip=spec.modules_to_not_convert or (),
-        scale_dtype=SCALE_DTYPES[spec.quantization_scale_dtype],
-    )
 
 
 def scheme(spec: NeuronSpec) -> Result[weights.QuantScheme, ConfigError]:
