@@ -91,10 +91,13 @@ class WeightQuant:
         return kept_in_float(name, self.skip)
 
     def block(self) -> tuple[int, int]:
-        """(rows, columns) per scale block of a [out, in] weight; 1 for an axis not blocked."""
+        """(rows, columns) per scale block of a [out, in] weight; 1 for an axis not blocked. An axis
+        without a size, or not one of a [out, in] weight's, is ignored: such settings are refused
+        before loading (`cpu_support`), and the planner (`nxdi plan`) still plans for them."""
         sizes = [1, 1]
-        for axis, size in zip(self.block_axis, self.block_size, strict=True):
-            sizes[axis % 2] = size
+        for axis, size in zip(self.block_axis, self.block_size, strict=False):
+            if axis in (-2, -1, 0, 1):
+                sizes[axis % 2] = size
         return sizes[0], sizes[1]
 
     def scale_block(self) -> tuple[int, int] | None:

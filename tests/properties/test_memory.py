@@ -133,3 +133,24 @@ def test_blockwise_scales_count_the_stored_block_grid(
             expected += copies * w.rank_numel() * 2  # bf16
     assert req.scale_block is not None
     assert memory.weight_bytes_per_core(plan, req) == expected
+
+
+@pytest.mark.parametrize(
+    ("axes", "sizes", "block"),
+    [((1, 0), (64,), (1, 64)), ((1,), (64, 8), (1, 64)), ((2,), (64,), (1, 1)), ((), (), (1, 1))],
+)
+def test_blockwise_settings_the_engine_refuses_still_plan(
+    axes: tuple[int, ...], sizes: tuple[int, ...], block: tuple[int, int]
+) -> None:
+    """`nxdi plan` plans a Neuron config the CPU engine would refuse (`cpu_support`): block axes
+    without a size, sizes without an axis or an axis no linear weight has are left out of the
+    block, not a crash."""
+    spec = NeuronSpec(  # type: ignore[call-arg]
+        tp_degree=1, quantized=True, quantization_type="blockwise_symmetric", quantization_dtype="int8",
+        quantization_block_axis=list(axes), quantization_block_size=list(sizes),
+    )  # fmt: skip
+    model = ModelSpec(
+        model_type="llama", hidden_size=8, num_attention_heads=2, num_kv_heads=1, head_dim=4,
+        num_layers=2, vocab_size=16, intermediate_size=16, max_position_embeddings=64,
+    )  # fmt: skip
+    assert memory.memory_request_for(model, spec).unwrap().scale_block == block

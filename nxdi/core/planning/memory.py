@@ -35,7 +35,7 @@ from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import gqa, kv_layout, lora, lora_ranks, sharding, speculation_memory
 from nxdi.core.planning.speculation_memory import SpeculationLoad
 from nxdi.core.platform import PLATFORMS, Platform
-from nxdi.core.weight_plan import kept_in_float
+from nxdi.core.weight_plan import kept_in_float, weight_quant
 
 SCORE_TILE_ROWS = 1024
 """Query rows whose attention scores are assumed live at once (flash-attention style tiling)."""
@@ -316,18 +316,6 @@ def memory_plan(model: ModelSpec, req: MemoryRequest) -> Result[MemoryPlan, Conf
     return _per_core(model, req).map(lambda p: attrs.evolve(p, min_tp_degree=min_tp_degree(model, req)))
 
 
-def _scale_block(spec: NeuronSpec) -> tuple[int, int] | None:
-    """Blockwise scales' [rows, columns] block over a linear weight (an axis not cut into blocks
-    has a scale per element); None for the other quantization types."""
-    if spec.quantization_type != "blockwise_symmetric":
-        return None
-    block = {0: 1, 1: 1}
-    for axis, size in zip(spec.quantization_block_axis or (), spec.quantization_block_size or (), strict=False):
-        if axis in (-2, -1, 0, 1):  # [out, in]: a linear weight has no other axis
-            block[axis % 2] = size
-    return block[0], block[1]
-
-
 def memory_request_for(
     model: ModelSpec,
     spec: NeuronSpec,
@@ -356,6 +344,7 @@ def memory_request_for(
             )
         )
     quantized = spec.quantized
+    quant = weight_quant(spec)
     return load.map(
         lambda lora_load: MemoryRequest(
             tp_degree=spec.tp_degree,
@@ -370,7 +359,7 @@ def memory_request_for(
             kv_quant_dtype=spec.kv_dtype if spec.kv_quant_config is not None else kv_layout.KV_QUANT_DTYPE,
             weight_quant_dtype=spec.quantization_dtype if quantized else None,
             per_channel_scales=quantized and spec.quantization_type != "per_tensor_symmetric",
-            scale_block=_scale_block(spec) if quantized else None,
+            scale_block=quant.scale_block() if quant is not None else None,
             scale_bytes=DTYPE_BYTES[SCALE_DTYPES[spec.quantization_scale_dtype]],
             quant_skip=spec.modules_to_not_convert or (),
             fused_qkv=spec.fused_qkv,
