@@ -156,9 +156,9 @@ void dot_rows(const float* x, const typename W::T* w, const typename W::T* next,
 
 // Rows are read in groups of S * R: the group's block j is its rows j, j + S, ..., j + (R - 1) * S,
 // so the R streams read at once lie in different 4 KB pages, and the hardware prefetcher, running on
-// past a row to its page's end, fetches rows the next blocks read. Reading R adjacent rows of 2 KB
-// (two streams per page) measured 17-19 GB/s of int8 at one row of x, 22-25 with S = 4 or 8 on the
-// Ice Lake machine (docs/cpu-backend.md, "Quantized weights").
+// past a row to its page's end, fetches rows the next blocks read. On the 1.1B shapes at one row of
+// x, R adjacent rows (of 2 KB at K = 2048: two streams per page) read 18-25 GB/s of int8 and S = 4
+// 22-30 on the Ice Lake machine (docs/cpu-backend.md, "Int8 decode against bf16").
 constexpr int64_t S = 4;
 
 template <typename W, bool Blocked, int M, int R, typename Out>
