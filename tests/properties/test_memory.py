@@ -104,6 +104,13 @@ def test_quantized_weights_count_lm_head_and_honour_modules_to_not_convert() -> 
     assert weights("layers.0.mlp.up_proj") - weights() == 2 * up - (up + 16 * 4)
 
 
+TINY_LLAMA = ModelSpec(
+    model_type="llama", hidden_size=8, num_attention_heads=2, num_kv_heads=1, head_dim=4,
+    num_layers=2, vocab_size=16, intermediate_size=16, max_position_embeddings=64,
+)  # fmt: skip
+"""The blockwise tests' model: small enough to count every linear's scale grid by hand."""
+
+
 @pytest.mark.parametrize(("axes", "sizes"), [((1,), (4,)), ((0, 1), (2, 4)), ((-2,), (8,))])
 @pytest.mark.parametrize(("scale_dtype", "scale_bytes"), [("f32", 4), ("bf16", 2)])
 def test_blockwise_scales_count_the_stored_block_grid(
@@ -112,10 +119,7 @@ def test_blockwise_scales_count_the_stored_block_grid(
     """Blockwise weights carry the scale grid the quantizer stores (`scale_shape_for`), not one scale
     per row, in `quantization_scale_dtype`: the planner's bytes are the values plus that grid, for
     every linear."""
-    model = ModelSpec(
-        model_type="llama", hidden_size=8, num_attention_heads=2, num_kv_heads=1, head_dim=4,
-        num_layers=2, vocab_size=16, intermediate_size=16, max_position_embeddings=64,
-    )  # fmt: skip
+    model = TINY_LLAMA
     plan = sharding.shard_plan(model, tp=1, fused_qkv=True).unwrap()
     spec = NeuronSpec(  # type: ignore[call-arg]
         tp_degree=1, quantized=True, quantization_type="blockwise_symmetric", quantization_dtype="int8",
@@ -149,8 +153,4 @@ def test_blockwise_settings_the_engine_refuses_still_plan(
         tp_degree=1, quantized=True, quantization_type="blockwise_symmetric", quantization_dtype="int8",
         quantization_block_axis=list(axes), quantization_block_size=list(sizes),
     )  # fmt: skip
-    model = ModelSpec(
-        model_type="llama", hidden_size=8, num_attention_heads=2, num_kv_heads=1, head_dim=4,
-        num_layers=2, vocab_size=16, intermediate_size=16, max_position_embeddings=64,
-    )  # fmt: skip
-    assert memory.memory_request_for(model, spec).unwrap().scale_block == block
+    assert memory.memory_request_for(TINY_LLAMA, spec).unwrap().scale_block == block

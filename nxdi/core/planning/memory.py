@@ -29,7 +29,7 @@ import math
 import attrs
 from returns.result import Result, Success
 
-from nxdi.core.config.neuron_spec import DTYPE_BYTES, SCALE_DTYPES, NeuronSpec
+from nxdi.core.config.neuron_spec import DTYPE_BYTES, NeuronSpec
 from nxdi.core.errors import ConfigError
 from nxdi.core.model_spec import ModelSpec
 from nxdi.core.planning import gqa, kv_layout, lora, lora_ranks, sharding, speculation_memory
@@ -343,7 +343,6 @@ def memory_request_for(
                 )
             )
         )
-    quantized = spec.quantized
     quant = weight_quant(spec)
     return load.map(
         lambda lora_load: MemoryRequest(
@@ -357,11 +356,11 @@ def memory_request_for(
             attention_dtype=spec.attention_dtype,
             kv_cache_quant=spec.kv_cache_quant or spec.kv_quant_config is not None,
             kv_quant_dtype=spec.kv_dtype if spec.kv_quant_config is not None else kv_layout.KV_QUANT_DTYPE,
-            weight_quant_dtype=spec.quantization_dtype if quantized else None,
-            per_channel_scales=quantized and spec.quantization_type != "per_tensor_symmetric",
+            weight_quant_dtype=quant.dtype if quant is not None else None,
+            per_channel_scales=quant is not None and quant.type != "per_tensor_symmetric",
             scale_block=quant.scale_block() if quant is not None else None,
-            scale_bytes=DTYPE_BYTES[SCALE_DTYPES[spec.quantization_scale_dtype]],
-            quant_skip=spec.modules_to_not_convert or (),
+            scale_bytes=DTYPE_BYTES[quant.scale_dtype] if quant is not None else SCALE_BYTES,
+            quant_skip=quant.skip if quant is not None else (),
             fused_qkv=spec.fused_qkv,
             vocab_parallel=spec.vocab_parallel,
             flash_decoding_enabled=spec.flash_decoding_enabled,
