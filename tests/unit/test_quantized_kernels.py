@@ -87,6 +87,23 @@ def test_kernel_bf16_rounds_only_the_output() -> None:
     assert ((got.double() - want.double()).abs() <= want.double().abs() * 2**-8 + 1e-6).all()
 
 
+@needs_kernel
+@pytest.mark.parametrize("values", [torch.int8, *FLOAT8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [7, 100, 2048])
+def test_16_bit_x_is_widened_exactly_and_any_scale_or_bias_dtype_is_read(
+    values: torch.dtype, dtype: torch.dtype, k: int
+) -> None:
+    # The kernel widens a 16-bit x itself (no torch conversion): the same bits as an fp32 x of the
+    # same values, rounded once at the output; a strided x, a float64 scale and a 16-bit bias too.
+    x, w, scale, bias = _case(3, 2 * k, 70, dtype, values=values)
+    x, w = x[:, ::2], w[:, ::2].contiguous()
+    b = bias.to(dtype)
+    got = cpu_passes._quantized_kernel(values)(x, w, scale.double(), b)
+    want = cpu_passes._quantized_kernel(values)(x.float(), w, scale, b.float()).to(dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
 class _Linear(torch.nn.Module):
     def forward(self, x: Tensor, values: Tensor, scale: Tensor) -> Tensor:
         return linear(x, QuantizedWeight(values=values, scale=scale))

@@ -19,7 +19,9 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -202,6 +204,32 @@ void run(const float* x, const typename W::T* w, const Scales& scales, const flo
     run_scaled<W, true>(x, w, scales, bias, y, M, K, Kp, N);
 }
 
+// x [M, K] (bf16, fp16 or fp32, contiguous) as fp32 rows of Kp >= K columns, zeros past K. Exact:
+// each 16-bit value is a float32 value.
+void widen_rows(const at::Tensor& x, float* out, int64_t M, int64_t K, int64_t Kp) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* o = out + m * Kp;
+    if (x.scalar_type() == at::kFloat) {
+      std::copy_n(x.data_ptr<float>() + m * K, K, o);
+    } else {
+      const auto* r = static_cast<const uint16_t*>(x.data_ptr()) + m * K;
+      const bool bf16 = x.scalar_type() == at::kBFloat16;
+      for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 mask = first<16>(K - k);
+        const __m256i h = _mm256_maskz_loadu_epi16(mask, r + k);
+        const __m512 f = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+        _mm512_mask_storeu_ps(o + k, mask, f);
+      }
+    }
+    std::fill(o + K, o + Kp, 0.0f);
+  }
+}
+
+// t as float32 and contiguous, without a torch dispatch when it already is.
+at::Tensor as_f32(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat && t.is_contiguous() ? t : t.to(at::kFloat).contiguous();
+}
+
 template <typename W>
 at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& bias) {
@@ -211,22 +239,29 @@ at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Ten
               W::step);
   TORCH_CHECK(M >= 1 && M <= 4, name, ": x must have 1 to 4 rows");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N), name, ": bias must be [N]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat, name,
+              ": x must be bf16, fp16 or fp32");
   // x is at most 4 rows: widened to fp32 once, here, rather than per weight vector, and padded
-  // with zero columns to a multiple of 32 (the weights' last chunk is read masked).
+  // with zero columns to a multiple of 32 (the weights' last chunk is read masked). Widened by
+  // `widen_rows` into this thread's buffer, and the scale and bias read as they are when already
+  // float32: in a decode step each op runs after a linear has streamed its weights through the
+  // caches, where every extra torch dispatch (a conversion is four) costs tens of microseconds
+  // (docs/cpu-backend.md, "Int8 decode against bf16").
   const int64_t Kp = (K + 31) / 32 * 32;
-  const at::Tensor xf = Kp == K ? x.to(at::kFloat).contiguous() : at::constant_pad_nd(x.to(at::kFloat), {0, Kp - K});
+  thread_local std::vector<float> xf;
+  xf.resize(M * Kp);
+  widen_rows(x.contiguous(), xf.data(), M, K, Kp);
   const at::Tensor wc = w.contiguous();
   const auto* wp = static_cast<const typename W::T*>(wc.data_ptr());
-  const at::Tensor sf = scale.to(at::kFloat).contiguous();
+  const at::Tensor sf = as_f32(scale);
   const Scales scales = scales_of(sf, N, K);
-  const at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor bf = bias.has_value() ? as_f32(*bias) : at::Tensor();
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({M, N}, x.options());  // written in x's dtype: no conversion pass after
   switch (x.scalar_type()) {
-    case at::kBFloat16: run<W>(xf.data_ptr<float>(), wp, scales, bp, y.data_ptr<at::BFloat16>(), M, K, Kp, N); break;
-    case at::kHalf: run<W>(xf.data_ptr<float>(), wp, scales, bp, y.data_ptr<at::Half>(), M, K, Kp, N); break;
-    case at::kFloat: run<W>(xf.data_ptr<float>(), wp, scales, bp, y.data_ptr<float>(), M, K, Kp, N); break;
-    default: TORCH_CHECK(false, name, ": x must be bf16, fp16 or fp32");
+    case at::kBFloat16: run<W>(xf.data(), wp, scales, bp, y.data_ptr<at::BFloat16>(), M, K, Kp, N); break;
+    case at::kHalf: run<W>(xf.data(), wp, scales, bp, y.data_ptr<at::Half>(), M, K, Kp, N); break;
+    default: run<W>(xf.data(), wp, scales, bp, y.data_ptr<float>(), M, K, Kp, N); break;
   }
   return y;
 }
