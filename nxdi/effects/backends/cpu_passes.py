@@ -40,7 +40,7 @@ out of place). When weights are bound, these rewrites make it fast without chang
 
 6. **One-op bf16 RMSNorms.** `w * rms_norm(x)` in bf16 (seven torch dispatches, each slow right
    after a linear has streamed its weights through the caches) calls nxdi's kernel
-   (`kernels/rms_norm.cpp`), which rounds where torch does.
+   (`kernels/bf16_pointwise.cpp`), which rounds where torch does.
 
 7. **16-bit scatters as int16.** torch's CPU scatter of a bf16 or fp16 tensor copies the whole
    destination twice per call; the same scatter on an int16 view of the bits does not. A decode
@@ -506,7 +506,7 @@ _RMS_NORM = torch.ops.aten.rms_norm.default
 
 def fused_rms_norms(gm: fx.GraphModule) -> int:
     """Rewrite `w * rms_norm(x, [N], eps=eps)` (`nxdi.core.programs.layers.rms_norm`) with x and w
-    bf16 into nxdi's one-op kernel (`kernels/rms_norm.cpp`; the same two roundings), when this CPU
+    bf16 into nxdi's one-op kernel (`kernels/bf16_pointwise.cpp`; the same two roundings), when this CPU
     runs the kernels. Returns the count.
 
     Why: in a decode step every op runs just after a linear streamed megabytes of weights through

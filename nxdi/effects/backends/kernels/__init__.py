@@ -11,7 +11,7 @@ Three source files, one library (torch ops `nxdi_kernels::*`), mostly for decode
   or widened to fp32 on AVX-512 CPUs without it, `bf16_native()`), 1-16 on CPUs with AMX
   (`bf16_max_rows`): oneDNN's and MKL's bf16 paths read the weights well below the memory
   bandwidth at decode's few rows, and far below it without AVX512-BF16.
-- `rms_norm.cpp`: a bf16 RMSNorm and its weight product in one op (`cpu_passes.fused_rms_norms`),
+- `bf16_pointwise.cpp`: a bf16 RMSNorm and its weight product in one op (`cpu_passes.fused_rms_norms`),
   where torch dispatches seven ops, each slow just after a linear has streamed its weights.
 
 It is compiled with torch's C++ extension tooling (the system's g++, and ninja, a dependency) when
@@ -40,7 +40,7 @@ import torch
 
 from nxdi.effects import env
 
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("quantized_linear.cpp", "bf16_linear.cpp", "rms_norm.cpp"))
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("quantized_linear.cpp", "bf16_linear.cpp", "bf16_pointwise.cpp"))
 LIBRARY = "nxdi_kernels"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-fopenmp"]
 _loaded: bool | None = None
