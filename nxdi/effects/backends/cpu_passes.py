@@ -546,6 +546,88 @@ def _weighted_bf16_norm(norm: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.No
     return norm, mul, x, w, eps
 
 
+_ROLL = torch.ops.aten.roll.default
+_ADD = torch.ops.aten.add.Tensor
+
+
+def fused_ropes(gm: fx.GraphModule) -> int:
+    """Rewrite `x * cos + roll(x, D/2, -1) * sin` (`nxdi.core.programs.layers.apply_rope`) with x, cos
+    and sin bf16 into nxdi's one-op kernel (`kernels/bf16_pointwise.cpp`; the same roundings, so the
+    same bits), when this CPU runs the kernels. Returns the count.
+
+    Why: the four dispatches (two products, the roll, the sum) each run just after the qkv linear
+    streamed its weights, where a dispatch costs tens of microseconds (docs/cpu-backend.md)."""
+    found = [m for m in map(_bf16_rope, gm.graph.nodes) if m is not None]
+    if not found or not kernels.load():
+        return 0
+    for add, x, cos, sin, dead in found:
+        with gm.graph.inserting_before(add):
+            fused = gm.graph.call_function(torch.ops.nxdi_kernels.rope.default, (x, cos, sin))
+        fused.meta = dict(add.meta)
+        add.replace_all_uses_with(fused)
+        for node in (add, *dead):
+            gm.graph.erase_node(node)
+    return len(found)
+
+
+def _bf16_rope(add: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node, tuple[fx.Node, ...]] | None:
+    """`(add, x, cos, sin, (the products and the roll))` when `add` is `x * cos + roll(x, D/2, -1) *
+    sin` (either order in each op) of bf16 x [..., D], cos and sin of x's rank broadcasting to it,
+    a contiguous result, and the products and the roll used only there; else None."""
+    if add.target is not _ADD or len(add.args) != 2 or add.kwargs or not _is_bf16(add, contiguous=True):
+        return None
+    for plain, turned in (add.args, add.args[::-1]):
+        if not (_sole_user_mul(plain, add) and _sole_user_mul(turned, add)):
+            continue
+        for roll, sin in (turned.args, turned.args[::-1]):
+            x = _half_roll_of(roll)
+            if x is None or x not in plain.args:
+                continue
+            cos = plain.args[1] if plain.args[0] is x else plain.args[0]
+            if _is_bf16(x) and _broadcasts_to(cos, x) and _broadcasts_to(sin, x):
+                return add, x, cos, sin, (plain, turned, roll)
+    return None
+
+
+def _half_roll_of(roll: object) -> fx.Node | None:
+    """x when `roll` is `roll(x, [D/2], [-1])` of x [..., D] (D even) with one user; else None."""
+    if not isinstance(roll, fx.Node) or roll.target is not _ROLL or len(roll.args) != 3 or roll.kwargs:
+        return None
+    x, shifts, dims = roll.args
+    x_val = _val(x)
+    if (
+        not isinstance(shifts, list | tuple)
+        or not isinstance(dims, list | tuple)
+        or x_val is None
+        or x_val.dim() == 0
+        or x_val.shape[-1] % 2
+        or len(roll.users) != 1
+    ):
+        return None
+    if list(shifts) != [x_val.shape[-1] // 2] or list(dims) not in ([-1], [x_val.dim() - 1]):
+        return None
+    return x if isinstance(x, fx.Node) else None
+
+
+def _sole_user_mul(node: object, user: fx.Node) -> bool:
+    return isinstance(node, fx.Node) and node.target is _MUL and len(node.args) == 2 and list(node.users) == [user]
+
+
+def _is_bf16(node: object, *, contiguous: bool = False) -> bool:
+    val = _val(node)
+    return val is not None and val.dtype == torch.bfloat16 and (not contiguous or val.is_contiguous())
+
+
+def _broadcasts_to(t: object, x: object) -> bool:
+    """t is a bf16 node of x's rank and last dim whose every other dim is 1 or x's."""
+    t_val, x_val = _val(t), _val(x)
+    if t_val is None or x_val is None or t_val.dtype != torch.bfloat16 or t_val.dim() != x_val.dim():
+        return False
+    return t_val.shape[-1] == x_val.shape[-1] and all(
+        a in (1, b) for a, b in zip(t_val.shape, x_val.shape, strict=True)
+    )
+
+
 _SCATTERS = (torch.ops.aten.scatter.src, torch.ops.aten.scatter_.src)
 _HALF_FLOATS = (torch.bfloat16, torch.float16)
 
