@@ -235,7 +235,10 @@ def test_kernels_builds_then_reports_what_runs_here(capsys: pytest.CaptureFixtur
         pytest.skip(f"nxdi's kernels cannot run on this machine: {kernels.why_not()}")
     assert main(["kernels"]) == 0
     out = capsys.readouterr().out
-    assert f"ready in {kernels.kernel_dir()}: int8 and float8 decode linears and their dequantize, bf16 RMSNorm" in out
+    assert (
+        f"ready in {kernels.kernel_dir()}: int8 and float8 decode linears and their dequantize, bf16 RMSNorm and RoPE"
+        in out
+    )
     if kernels.bf16_max_rows(32) > 4:
         assert "AMX tiles up to 16 rows" in out
     assert main(["kernels", "--check"]) == 0

@@ -50,5 +50,7 @@ def run(args: argparse.Namespace) -> int:
         bf16 = f"bf16 decode linears (AVX512-BF16, AMX tiles up to {rows} rows)"
     else:
         bf16 = f"bf16 decode linears (AVX512-BF16, up to {rows} rows: no AMX)"
-    print(f"nxdi kernels: ready in {folder}: int8 and float8 decode linears and their dequantize, bf16 RMSNorm; {bf16}")
+    print(
+        f"nxdi kernels: ready in {folder}: int8 and float8 decode linears and their dequantize, bf16 RMSNorm and RoPE; {bf16}"
+    )
     return 0

@@ -11,8 +11,9 @@ Three source files, one library (torch ops `nxdi_kernels::*`), mostly for decode
   or widened to fp32 on AVX-512 CPUs without it, `bf16_native()`), 1-16 on CPUs with AMX
   (`bf16_max_rows`): oneDNN's and MKL's bf16 paths read the weights well below the memory
   bandwidth at decode's few rows, and far below it without AVX512-BF16.
-- `bf16_pointwise.cpp`: a bf16 RMSNorm and its weight product in one op (`cpu_passes.fused_rms_norms`),
-  where torch dispatches seven ops, each slow just after a linear has streamed its weights.
+- `bf16_pointwise.cpp`: a bf16 RMSNorm and its weight product in one op (`cpu_passes.fused_rms_norms`)
+  and RoPE in one op (`cpu_passes.fused_ropes`), where torch dispatches seven and four ops, each
+  slow just after a linear has streamed its weights (`bf16_lanes.h`: their shared bf16 lanes).
 
 It is compiled with torch's C++ extension tooling (the system's g++, and ninja, a dependency) when
 the CPU backend first compiles a bf16 or quantized model (40-60 s on 2 cores; or at the first
@@ -41,6 +42,8 @@ import torch
 from nxdi.effects import env
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("quantized_linear.cpp", "bf16_linear.cpp", "bf16_pointwise.cpp"))
+HEADERS = (Path(__file__).with_name("bf16_lanes.h"),)
+"""Included by the sources: part of what a build is keyed by."""
 LIBRARY = "nxdi_kernels"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-fopenmp"]
 _loaded: bool | None = None
@@ -49,7 +52,7 @@ _why_not: str | None = None
 
 def kernel_dir() -> Path:
     """The folder holding the built library for this torch version and these sources."""
-    hashed = b"".join(s.read_bytes() for s in SOURCES) + " ".join(_FLAGS).encode()
+    hashed = b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS)) + " ".join(_FLAGS).encode()
     digest = hashlib.sha256(hashed).hexdigest()[:16]
     root = Path(env.read_env().kernel_dir or Path.home() / ".cache" / "nxdi" / "kernels")
     return root / f"torch-{torch.__version__}-{digest}"
