@@ -183,6 +183,7 @@ class CpuBackend:
             cpu_passes.quantized_weight_linears(gm, w_nodes, sig.weights, weights)
             cpu_passes.fused_rms_norms(gm)
             cpu_passes.fused_ropes(gm)
+            cpu_passes.decode_attentions(gm)
         in_place = cpu_passes.reinplace_cache_writes(gm, c_nodes) if self.in_place_cache else (False,) * len(c_nodes)
         cpu_passes.scatter_half_floats_as_bits(gm)  # bit for bit torch's scatter, so in every form
         gm.recompile()

@@ -628,6 +628,59 @@ def _broadcasts_to(t: object, x: object) -> bool:
     )
 
 
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+_SDPA_DEFAULTS = {"dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+DECODE_ATTENTION_MAX_ROWS = 64
+"""Query rows per (sequence, head) up to which attention runs nxdi's decode kernel: a decode step's
+tokens times the GQA group folded into them (8 x 8 at most in speculation). Longer ones (prefill)
+keep torch's flash attention, whose GEMMs are faster there."""
+
+
+def decode_attentions(gm: fx.GraphModule) -> int:
+    """Rewrite `scaled_dot_product_attention(q, k, v, mask)` of bf16 q [B, H, L, D] and k, v [B, H, T, D]
+    (L <= `DECODE_ATTENTION_MAX_ROWS`, D a multiple of 16 up to 256) with a bool mask and torch's
+    other defaults into nxdi's kernel (`kernels/decode_attention.cpp`; torch's roundings, within a
+    bf16 step), when this CPU runs the kernels. Returns the count.
+
+    Why: the attention runs just after the qkv linear streamed its weights, where torch's op (its
+    dispatch, mask conversion and GEMM set-up) costs 140-230 us per call (docs/cpu-backend.md)."""
+    found = [(node, args) for node in gm.graph.nodes if (args := _decode_attention_args(node)) is not None]
+    if not found or not kernels.load():
+        return 0
+    for node, args in found:
+        node.target, node.args, node.kwargs = torch.ops.nxdi_kernels.decode_attention.default, args, {}
+    return len(found)
+
+
+def _decode_attention_args(node: fx.Node) -> tuple[object, object, object, object] | None:
+    """(q, k, v, mask) when `node` is an attention `decode_attentions` takes; else None."""
+    if node.target is not _SDPA:
+        return None
+    given = dict(zip(_SDPA_ARGS, node.args, strict=False)) | dict(node.kwargs)
+    if any(given.get(name, value) != value for name, value in _SDPA_DEFAULTS.items()):
+        return None
+    q, k, v, mask = (given.get(name) for name in _SDPA_ARGS[:4])
+    vals = [_val(t) for t in (q, k, v, mask)]
+    if any(val is None or val.dim() != 4 for val in vals):
+        return None
+    q_val, k_val, v_val, m_val = vals
+    b, h, rows, d = q_val.shape
+    if any(val.dtype != torch.bfloat16 for val in (q_val, k_val, v_val)) or m_val.dtype != torch.bool:
+        return None
+    if k_val.shape != v_val.shape or tuple(k_val.shape[:2]) != (b, h) or k_val.shape[3] != d:
+        return None
+    full = (b, h, rows, k_val.shape[2])
+    if (
+        rows > DECODE_ATTENTION_MAX_ROWS
+        or d % 16
+        or d > 256
+        or any(a not in (1, f) for a, f in zip(m_val.shape, full, strict=True))
+    ):
+        return None
+    return q, k, v, mask
+
+
 _SCATTERS = (torch.ops.aten.scatter.src, torch.ops.aten.scatter_.src)
 _HALF_FLOATS = (torch.bfloat16, torch.float16)
 

@@ -41,7 +41,10 @@ import torch
 
 from nxdi.effects import env
 
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("quantized_linear.cpp", "bf16_linear.cpp", "bf16_pointwise.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name(f)
+    for f in ("quantized_linear.cpp", "bf16_linear.cpp", "bf16_pointwise.cpp", "decode_attention.cpp")
+)
 HEADERS = (Path(__file__).with_name("bf16_lanes.h"),)
 """Included by the sources: part of what a build is keyed by."""
 LIBRARY = "nxdi_kernels"
