@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx
 
-from nxdi.effects.backends import cpu_passes, kernels
+from nxdi.effects.backends import cpu_fusions, kernels
 
 needs_kernel = pytest.mark.skipif(not kernels.load(), reason=f"nxdi's kernels cannot run here: {kernels.why_not()}")
 
@@ -118,7 +118,7 @@ def _bound(dtype: torch.dtype, rows: int) -> tuple[fx.GraphModule, int, tuple[Te
     args = (q.to(dtype), k.to(dtype), v.to(dtype), mask)
     gm = torch.export.export(_Attentions(), args).run_decompositions({}).module()
     want = gm(*args)
-    count = cpu_passes.decode_attentions(gm)
+    count = cpu_fusions.decode_attentions(gm)
     gm.recompile()
     return gm, count, gm(*args), want
 
@@ -135,7 +135,7 @@ def test_the_rewrite_takes_bf16_decode_rows_only() -> None:
     q, k, v, mask = _case(2, 2, 8, 24, 64, seed=5)
     _as_close_as_torch(got[0], q, k, v, mask)
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
-    for dtype, rows in ((torch.float32, 8), (torch.bfloat16, cpu_passes.DECODE_ATTENTION_MAX_ROWS + 1)):
+    for dtype, rows in ((torch.float32, 8), (torch.bfloat16, cpu_fusions.DECODE_ATTENTION_MAX_ROWS + 1)):
         gm, count, _, _ = _bound(dtype, rows)
         assert count == 0 and torch.ops.nxdi_kernels.decode_attention.default not in _targets(gm)
 

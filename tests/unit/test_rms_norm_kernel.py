@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx
 
 from nxdi.core.programs import layers
-from nxdi.effects.backends import cpu_passes, kernels
+from nxdi.effects.backends import cpu_fusions, kernels
 
 needs_kernel = pytest.mark.skipif(not kernels.load(), reason=f"nxdi's kernels cannot run here: {kernels.why_not()}")
 
@@ -75,7 +75,7 @@ def _bound(dtype: torch.dtype) -> tuple[fx.GraphModule, int, tuple[Tensor, Tenso
     x, w = torch.randn(2, 1, 64, generator=g).to(dtype), torch.randn(64, generator=g).to(dtype)
     gm = torch.export.export(_Norms(), (x, w)).run_decompositions({}).module()
     want = gm(x, w)
-    count = cpu_passes.fused_rms_norms(gm)
+    count = cpu_fusions.fused_rms_norms(gm)
     gm.recompile()
     return gm, count, gm(x, w), want
 

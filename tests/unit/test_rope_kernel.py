@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, fx
 
 from nxdi.core.programs import layers
-from nxdi.effects.backends import cpu_passes, kernels
+from nxdi.effects.backends import cpu_fusions, kernels
 
 needs_kernel = pytest.mark.skipif(not kernels.load(), reason=f"nxdi's kernels cannot run here: {kernels.why_not()}")
 
@@ -88,7 +88,7 @@ def _bound(dtype: torch.dtype) -> tuple[fx.GraphModule, int, tuple[Tensor, Tenso
     args = (torch.randn(2, 1, 8, 64, generator=g).to(dtype), cos.to(dtype), sin.to(dtype))
     gm = torch.export.export(_Ropes(), args).run_decompositions({}).module()
     want = gm(*args)
-    count = cpu_passes.fused_ropes(gm)
+    count = cpu_fusions.fused_ropes(gm)
     gm.recompile()
     return gm, count, gm(*args), want
 

@@ -31,7 +31,7 @@ from returns.result import Failure, Result, Success
 from torch import Tensor, fx
 
 from nxdi.core.errors import CheckpointError, Problem
-from nxdi.effects.backends import cpu_passes, kernels
+from nxdi.effects.backends import cpu_fusions, cpu_passes, kernels
 from nxdi.effects.backends.base import CompiledProgram, FlatProgram, LoadedProgram, Signature, WeightSet
 
 _KERNEL_WEIGHTS = (torch.bfloat16, torch.int8)
@@ -181,9 +181,9 @@ class CpuBackend:
             cpu_passes.bf16_weight_linears(gm, w_nodes, weights)
             cpu_passes.prepack_linears(gm, w_nodes, sig.weights, weights, packable)
             cpu_passes.quantized_weight_linears(gm, w_nodes, sig.weights, weights)
-            cpu_passes.fused_rms_norms(gm)
-            cpu_passes.fused_ropes(gm)
-            cpu_passes.decode_attentions(gm)
+            cpu_fusions.fused_rms_norms(gm)
+            cpu_fusions.fused_ropes(gm)
+            cpu_fusions.decode_attentions(gm)
         in_place = cpu_passes.reinplace_cache_writes(gm, c_nodes) if self.in_place_cache else (False,) * len(c_nodes)
         cpu_passes.scatter_half_floats_as_bits(gm)  # bit for bit torch's scatter, so in every form
         gm.recompile()

@@ -11,8 +11,8 @@ Three source files, one library (torch ops `nxdi_kernels::*`), mostly for decode
   or widened to fp32 on AVX-512 CPUs without it, `bf16_native()`), 1-16 on CPUs with AMX
   (`bf16_max_rows`): oneDNN's and MKL's bf16 paths read the weights well below the memory
   bandwidth at decode's few rows, and far below it without AVX512-BF16.
-- `bf16_pointwise.cpp`: a bf16 RMSNorm and its weight product in one op (`cpu_passes.fused_rms_norms`)
-  and RoPE in one op (`cpu_passes.fused_ropes`), where torch dispatches seven and four ops, each
+- `bf16_pointwise.cpp`: a bf16 RMSNorm and its weight product in one op (`cpu_fusions.fused_rms_norms`)
+  and RoPE in one op (`cpu_fusions.fused_ropes`), where torch dispatches seven and four ops, each
   slow just after a linear has streamed its weights (`bf16_lanes.h`: their shared bf16 lanes).
 
 It is compiled with torch's C++ extension tooling (the system's g++, and ninja, a dependency) when
