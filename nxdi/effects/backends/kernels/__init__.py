@@ -1,6 +1,6 @@
 """nxdi's own CPU kernels, built ahead of time or on first use. Effects: runs the C++ compiler, writes a cache folder.
 
-Three source files, one library (torch ops `nxdi_kernels::*`), mostly for decode steps:
+Four source files, one library (torch ops `nxdi_kernels::*`), mostly for decode steps:
 - `quantized_linear.cpp`: the weight-only int8 and float8 linears of quantized models
   (`cpu_passes.quantized_weight_linears`), 1-4 rows of x, per-row or blockwise scales. They read
   each weight byte once, near the memory bandwidth for int8, where torch's own
@@ -14,6 +14,8 @@ Three source files, one library (torch ops `nxdi_kernels::*`), mostly for decode
 - `bf16_pointwise.cpp`: a bf16 RMSNorm and its weight product in one op (`cpu_fusions.fused_rms_norms`)
   and RoPE in one op (`cpu_fusions.fused_ropes`), where torch dispatches seven and four ops, each
   slow just after a linear has streamed its weights (`bf16_lanes.h`: their shared bf16 lanes).
+- `decode_attention.cpp`: bf16 attention with a bool mask over a decode step's few query rows in
+  one op (`cpu_fusions.decode_attentions`), where torch's costs 140-230 us per call in the step.
 
 It is compiled with torch's C++ extension tooling (the system's g++, and ninja, a dependency) when
 the CPU backend first compiles a bf16 or quantized model (40-60 s on 2 cores; or at the first
