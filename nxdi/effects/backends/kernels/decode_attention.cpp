@@ -8,7 +8,9 @@
 // p rounded to bf16 for the product with v (fp32 sums), divided by the sum and rounded once. The
 // results differ from torch's by summation order and exp's last bits (within a bf16 step);
 // a row that sees no slot gives zeros, as torch's does. Slots the mask hides are not read, so a
-// short sequence in a long cache bucket costs its length.
+// short sequence in a long cache bucket costs its length. Scores are taken 16 slots at a time
+// (the block's k rows widened once for all rows, 16 dot products finished together by `sum16`),
+// and each widened row of v serves several query rows.
 //
 // Why: each op of a decode step runs just after a linear has streamed megabytes of weights through
 // the caches, where torch's attention (its dispatch, mask conversion and GEMM set-up) costs
@@ -18,6 +20,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -51,50 +54,105 @@ struct Rows {
   const bool* mask;
   uint16_t* out;
   int64_t q_row, k_row, v_row, mask_row, mask_col;  // element strides
+  bool seen(int64_t l, int64_t t) const { return mask[l * mask_row + t * mask_col]; }
 };
 
-// One (sequence, head): its L query rows against T slots; `s` holds T floats.
-void attend(const Rows& a, int64_t L, int64_t T, int64_t D, float scale, float* s) {
-  const int64_t V = D / 16;
+// Lane i of the result: the sum of a[i]'s 16 lanes (16 dot products finished at once: 45 shuffles
+// and adds, where a horizontal sum each costs 8 in a chain).
+inline __m512 sum16(const __m512* a) {
+  __m512 t[8], u[4];
+  for (int j = 0; j < 8; ++j)  // per 128-bit block: a[2j] in lanes 0 and 2, a[2j + 1] in 1 and 3
+    t[j] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * j], a[2 * j + 1]), _mm512_unpackhi_ps(a[2 * j], a[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {  // per block: lane k holds a[4j + k]'s partial sum
+    const __m512d x = _mm512_castps_pd(t[2 * j]), y = _mm512_castps_pd(t[2 * j + 1]);
+    u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // Blocks summed across: block j of the result holds a[4j .. 4j + 3].
+  const __m512 v01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 v23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, 0x88), _mm512_shuffle_f32x4(v01, v23, 0xDD));
+}
+
+// One (sequence, head): its L query rows against T slots of D = 16 * V (VT: V known when compiled,
+// so the vectors of a row stay in registers; 0: V = `v_count`). `s`: L * T floats; `kf`: 16 * D.
+template <int VT>
+void attend(const Rows& a, int64_t L, int64_t T, int64_t v_count, float scale, float* s, float* kf) {
+  const int64_t V = VT ? VT : v_count, D = 16 * V;
   constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-  for (int64_t l = 0; l < L; ++l) {
-    __m512 qv[MAX_VECTORS];
-    for (int64_t j = 0; j < V; ++j) qv[j] = load_bf16(a.q + l * a.q_row + 16 * j, 0xFFFF);
-    const bool* seen = a.mask + l * a.mask_row;
-    float top = NEG_INF;
-    for (int64_t t = 0; t < T; ++t) {
-      if (!seen[t * a.mask_col]) {
-        s[t] = NEG_INF;
-        continue;
-      }
-      const uint16_t* kr = a.k + t * a.k_row;
-      __m512 acc = _mm512_mul_ps(qv[0], load_bf16(kr, 0xFFFF));
-      for (int64_t j = 1; j < V; ++j) acc = _mm512_fmadd_ps(qv[j], load_bf16(kr + 16 * j, 0xFFFF), acc);
-      s[t] = _mm512_reduce_add_ps(acc) * scale;
-      top = std::max(top, s[t]);
+  // Scores, 16 slots at a time: the block's k rows widened to fp32 once for all L rows.
+  for (int64_t t0 = 0; t0 < T; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, T - t0);
+    __mmask16 any = 0;  // the block's slots some row sees; a block no row sees is not read
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t i = 0; i < n; ++i) any |= __mmask16(a.seen(l, t0 + i)) << i;
+    if (!any) {
+      for (int64_t l = 0; l < L; ++l) std::fill_n(s + l * T + t0, n, NEG_INF);
+      continue;
     }
-    __m512 out[MAX_VECTORS];
-    for (int64_t j = 0; j < V; ++j) out[j] = _mm512_setzero_ps();
-    uint16_t* o = a.out + l * D;
-    if (top == NEG_INF) {  // no slot visible: zeros, as torch gives
-      for (int64_t j = 0; j < V; ++j) store_bf16(o + 16 * j, 0xFFFF, out[j]);
+    for (int64_t i = 0; i < 16; ++i)
+      for (int64_t j = 0; j < V; ++j)
+        _mm512_storeu_ps(kf + i * D + 16 * j, load_bf16(a.k + (t0 + i) * a.k_row + 16 * j, (any >> i) & 1 ? 0xFFFF : 0));
+    for (int64_t l = 0; l < L; ++l) {
+      __m512 qv[MAX_VECTORS], acc[16];
+      for (int64_t j = 0; j < V; ++j) qv[j] = load_bf16(a.q + l * a.q_row + 16 * j, 0xFFFF);
+      for (int64_t i = 0; i < 16; ++i) {
+        acc[i] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kf + i * D));
+        for (int64_t j = 1; j < V; ++j) acc[i] = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kf + i * D + 16 * j), acc[i]);
+      }
+      __mmask16 seen = 0;
+      for (int64_t i = 0; i < n; ++i) seen |= __mmask16(a.seen(l, t0 + i)) << i;
+      const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(NEG_INF), seen, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+      _mm512_mask_storeu_ps(s + l * T + t0, tail(n), scores);
+    }
+  }
+  // Per row: p = exp(score - max), its sum, and p rounded to bf16 in place.
+  std::vector<float> inv(L);
+  for (int64_t l = 0; l < L; ++l) {
+    float* sl = s + l * T;
+    __m512 top = _mm512_set1_ps(NEG_INF);
+    for (int64_t t = 0; t < T; t += 16) top = _mm512_mask_max_ps(top, tail(T - t), top, _mm512_loadu_ps(sl + t));
+    const float m = _mm512_reduce_max_ps(top);
+    if (m == NEG_INF) {  // no slot visible: zeros, as torch gives
+      std::fill_n(sl, T, 0.0f);
+      inv[l] = 0.0f;
       continue;
     }
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t = 0; t < T; t += 16) {
-      const __mmask16 m = tail(T - t);
-      const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), _mm512_set1_ps(top)));
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, p));
-      _mm512_mask_storeu_ps(s + t, m, as_bf16(p));  // v is multiplied by p rounded to bf16, as torch's GEMM does
+      const __mmask16 mask = tail(T - t);
+      const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sl + t), _mm512_set1_ps(m)));
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, p));
+      _mm512_mask_storeu_ps(sl + t, mask, as_bf16(p));  // v is multiplied by p rounded to bf16, as torch's GEMM does
     }
+    inv[l] = 1.0f / _mm512_reduce_add_ps(sum);
+  }
+  // p v, R rows at a time sharing each widened row of v (their R x V accumulators: 16 of the 32
+  // vector registers); a slot none of them sees is not read. Rows past L read p = 0 from `none`.
+  constexpr int64_t R = VT ? (VT >= 16 ? 1 : 16 / VT) : 1;
+  for (int64_t l0 = 0; l0 < L; l0 += R) {
+    const float* p_row[R];
+    bool live[R];
+    for (int64_t r = 0; r < R; ++r) {
+      live[r] = l0 + r < L;
+      p_row[r] = live[r] ? s + (l0 + r) * T : s + l0 * T;  // a dead row's p is never used
+    }
+    __m512 out[R][MAX_VECTORS];
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < V; ++j) out[r][j] = _mm512_setzero_ps();
     for (int64_t t = 0; t < T; ++t) {
-      if (!seen[t * a.mask_col]) continue;
-      const __m512 p = _mm512_set1_ps(s[t]);
-      const uint16_t* vr = a.v + t * a.v_row;
-      for (int64_t j = 0; j < V; ++j) out[j] = _mm512_fmadd_ps(p, load_bf16(vr + 16 * j, 0xFFFF), out[j]);
+      bool any = false;
+      for (int64_t r = 0; r < R; ++r) any |= live[r] && a.seen(l0 + r, t);
+      if (!any) continue;
+      __m512 vv[MAX_VECTORS];
+      for (int64_t j = 0; j < V; ++j) vv[j] = load_bf16(a.v + t * a.v_row + 16 * j, 0xFFFF);
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512 p = _mm512_set1_ps(p_row[r][t]);
+        for (int64_t j = 0; j < V; ++j) out[r][j] = _mm512_fmadd_ps(p, vv[j], out[r][j]);
+      }
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-    for (int64_t j = 0; j < V; ++j) store_bf16(o + 16 * j, 0xFFFF, _mm512_mul_ps(out[j], inv));
+    for (int64_t r = 0; r < R && l0 + r < L; ++r)
+      for (int64_t j = 0; j < V; ++j)
+        store_bf16(a.out + (l0 + r) * D + 16 * j, 0xFFFF, _mm512_mul_ps(out[r][j], _mm512_set1_ps(inv[l0 + r])));
   }
 }
 
@@ -126,8 +184,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const bool* mp = mask.data_ptr<bool>();
   at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
-    thread_local std::vector<float> scores;
-    scores.resize(T);
+    thread_local std::vector<float> scores, widened_k;
+    scores.resize(L * T);
+    widened_k.resize(16 * D);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H, h = i % H;
       const Rows rows{qp + b * qc.stride(0) + h * qc.stride(1),
@@ -140,7 +199,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                       vc.stride(2),
                       stride_as(mask, 2, L),
                       stride_as(mask, 3, T)};
-      attend(rows, L, T, D, scale, scores.data());
+      switch (D / 16) {  // the 1.1B and 7-8B shapes' head dims: their own code
+        case 4: attend<4>(rows, L, T, 4, scale, scores.data(), widened_k.data()); break;
+        case 8: attend<8>(rows, L, T, 8, scale, scores.data(), widened_k.data()); break;
+        default: attend<0>(rows, L, T, D / 16, scale, scores.data(), widened_k.data()); break;
+      }
     }
   });
   return out;
