@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx
 
 from nxdi.effects.backends import cpu_fusions, kernels
+from tests.support.graph_rewrites import rewritten, targets
 
 needs_kernel = pytest.mark.skipif(not kernels.load(), reason=f"nxdi's kernels cannot run here: {kernels.why_not()}")
 
@@ -116,29 +117,20 @@ class _Attentions(torch.nn.Module):
 
 def _bound(dtype: torch.dtype, rows: int) -> tuple[fx.GraphModule, int, tuple[Tensor, ...], tuple[Tensor, ...]]:
     q, k, v, mask = _case(2, 2, rows, 24, 64, seed=5)
-    args = (q.to(dtype), k.to(dtype), v.to(dtype), mask)
-    gm = torch.export.export(_Attentions(), args).run_decompositions({}).module()
-    want = gm(*args)
-    count = cpu_fusions.decode_attentions(gm)
-    gm.recompile()
-    return gm, count, gm(*args), want
-
-
-def _targets(gm: fx.GraphModule) -> list[object]:
-    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    return rewritten(_Attentions(), (q.to(dtype), k.to(dtype), v.to(dtype), mask), cpu_fusions.decode_attentions)
 
 
 @needs_kernel
 def test_the_rewrite_takes_bf16_decode_rows_only() -> None:
     gm, count, got, want = _bound(torch.bfloat16, 8)
-    assert count == 1 and _targets(gm).count(torch.ops.nxdi_kernels.decode_attention.default) == 1
-    assert _targets(gm).count(torch.ops.aten.scaled_dot_product_attention.default) == 2
+    assert count == 1 and targets(gm).count(torch.ops.nxdi_kernels.decode_attention.default) == 1
+    assert targets(gm).count(torch.ops.aten.scaled_dot_product_attention.default) == 2
     q, k, v, mask = _case(2, 2, 8, 24, 64, seed=5)
     _as_close_as_torch(got[0], q, k, v, mask)
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
     for dtype, rows in ((torch.float32, 8), (torch.bfloat16, cpu_fusions.DECODE_ATTENTION_MAX_ROWS + 1)):
         gm, count, _, _ = _bound(dtype, rows)
-        assert count == 0 and torch.ops.nxdi_kernels.decode_attention.default not in _targets(gm)
+        assert count == 0 and torch.ops.nxdi_kernels.decode_attention.default not in targets(gm)
 
 
 def test_without_the_kernels_nothing_is_rewritten(monkeypatch: pytest.MonkeyPatch) -> None:

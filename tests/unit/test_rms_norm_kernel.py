@@ -16,6 +16,7 @@ from torch import Tensor, fx
 
 from nxdi.core.programs import layers
 from nxdi.effects.backends import cpu_fusions, kernels
+from tests.support.graph_rewrites import rewritten, targets
 
 needs_kernel = pytest.mark.skipif(not kernels.load(), reason=f"nxdi's kernels cannot run here: {kernels.why_not()}")
 
@@ -73,26 +74,18 @@ class _Norms(torch.nn.Module):
 def _bound(dtype: torch.dtype) -> tuple[fx.GraphModule, int, tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(2, 1, 64, generator=g).to(dtype), torch.randn(64, generator=g).to(dtype)
-    gm = torch.export.export(_Norms(), (x, w)).run_decompositions({}).module()
-    want = gm(x, w)
-    count = cpu_fusions.fused_rms_norms(gm)
-    gm.recompile()
-    return gm, count, gm(x, w), want
-
-
-def _targets(gm: fx.GraphModule) -> set[object]:
-    return {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    return rewritten(_Norms(), (x, w), cpu_fusions.fused_rms_norms)
 
 
 @needs_kernel
 def test_the_rewrite_fuses_llamas_norm_in_bf16_only() -> None:
     gm, count, (h, gemma), (want_h, want_gemma) = _bound(torch.bfloat16)
-    assert count == 1 and torch.ops.nxdi_kernels.rms_norm.default in _targets(gm)
-    assert torch.ops.aten.rms_norm.default in _targets(gm)  # the offset form stays torch's
+    assert count == 1 and torch.ops.nxdi_kernels.rms_norm.default in targets(gm)
+    assert torch.ops.aten.rms_norm.default in targets(gm)  # the offset form stays torch's
     _one_step_apart(h, want_h)
     torch.testing.assert_close(gemma, want_gemma, rtol=2**-7, atol=1e-2)
     gm, count, _, _ = _bound(torch.float32)
-    assert count == 0 and torch.ops.nxdi_kernels.rms_norm.default not in _targets(gm)
+    assert count == 0 and torch.ops.nxdi_kernels.rms_norm.default not in targets(gm)
 
 
 def test_without_the_kernels_nothing_is_rewritten(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,6 +16,7 @@ from torch import Tensor, fx
 
 from nxdi.core.programs import layers
 from nxdi.effects.backends import cpu_fusions, kernels
+from tests.support.graph_rewrites import rewritten, targets
 
 needs_kernel = pytest.mark.skipif(not kernels.load(), reason=f"nxdi's kernels cannot run here: {kernels.why_not()}")
 
@@ -86,26 +87,18 @@ def _bound(dtype: torch.dtype) -> tuple[fx.GraphModule, int, tuple[Tensor, Tenso
     g = torch.Generator().manual_seed(3)
     cos, sin = _tables(2, 1, 64, g)
     args = (torch.randn(2, 1, 8, 64, generator=g).to(dtype), cos.to(dtype), sin.to(dtype))
-    gm = torch.export.export(_Ropes(), args).run_decompositions({}).module()
-    want = gm(*args)
-    count = cpu_fusions.fused_ropes(gm)
-    gm.recompile()
-    return gm, count, gm(*args), want
-
-
-def _targets(gm: fx.GraphModule) -> list[object]:
-    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    return rewritten(_Ropes(), args, cpu_fusions.fused_ropes)
 
 
 @needs_kernel
 def test_the_rewrite_fuses_apply_rope_in_bf16_only() -> None:
     gm, count, (qk, other), (want_qk, want_other) = _bound(torch.bfloat16)
-    assert count == 1 and _targets(gm).count(torch.ops.nxdi_kernels.rope.default) == 1
-    assert _targets(gm).count(torch.ops.aten.roll.default) == 1  # the roll with another user
+    assert count == 1 and targets(gm).count(torch.ops.nxdi_kernels.rope.default) == 1
+    assert targets(gm).count(torch.ops.aten.roll.default) == 1  # the roll with another user
     _same_bits(qk, want_qk)
     assert torch.equal(other, want_other)
     gm, count, _, _ = _bound(torch.float32)
-    assert count == 0 and torch.ops.nxdi_kernels.rope.default not in _targets(gm)
+    assert count == 0 and torch.ops.nxdi_kernels.rope.default not in targets(gm)
 
 
 def test_without_the_kernels_nothing_is_rewritten(monkeypatch: pytest.MonkeyPatch) -> None:

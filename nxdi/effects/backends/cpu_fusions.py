@@ -16,6 +16,8 @@ a time into one call each, when this CPU runs the kernels (`kernels.load()`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import fx
 
@@ -37,13 +39,25 @@ def fused_rms_norms(gm: fx.GraphModule) -> int:
     if not found or not kernels.load():
         return 0
     for norm, mul, x, w, eps in found:
-        with gm.graph.inserting_before(mul):
-            fused = gm.graph.call_function(torch.ops.nxdi_kernels.rms_norm.default, (x, w, eps))
-        fused.meta = dict(mul.meta)
-        mul.replace_all_uses_with(fused)
-        gm.graph.erase_node(mul)
-        gm.graph.erase_node(norm)
+        _replace(gm, mul, torch.ops.nxdi_kernels.rms_norm.default, (x, w, eps), (norm,))
     return len(found)
+
+
+def _replace(
+    gm: fx.GraphModule,
+    last: fx.Node,
+    kernel: Callable[..., object],
+    args: tuple[object, ...],
+    dead: tuple[fx.Node, ...],
+) -> None:
+    """Put `kernel(*args)` where `last` was (its users now read the kernel's result) and erase `last`
+    and the nodes only it used (`dead`, users first)."""
+    with gm.graph.inserting_before(last):
+        fused = gm.graph.call_function(kernel, args)
+    fused.meta = dict(last.meta)
+    last.replace_all_uses_with(fused)
+    for node in (last, *dead):
+        gm.graph.erase_node(node)
 
 
 def _weighted_bf16_norm(norm: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node, float] | None:
@@ -82,12 +96,7 @@ def fused_ropes(gm: fx.GraphModule) -> int:
     if not found or not kernels.load():
         return 0
     for add, x, cos, sin, dead in found:
-        with gm.graph.inserting_before(add):
-            fused = gm.graph.call_function(torch.ops.nxdi_kernels.rope.default, (x, cos, sin))
-        fused.meta = dict(add.meta)
-        add.replace_all_uses_with(fused)
-        for node in (add, *dead):
-            gm.graph.erase_node(node)
+        _replace(gm, add, torch.ops.nxdi_kernels.rope.default, (x, cos, sin), dead)
     return len(found)
 
 
@@ -154,8 +163,9 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 _SDPA_DEFAULTS = {"dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 DECODE_ATTENTION_MAX_ROWS = 64
 """Query rows per (sequence, head) up to which attention runs nxdi's decode kernel: a decode step's
-tokens times the GQA group folded into them (8 x 8 at most in speculation). Longer ones (prefill)
-keep torch's flash attention, whose GEMMs are faster there."""
+tokens times the GQA group folded into them (8 rows for the 1.1B shape at one token; speculation's
+k + 1 tokens multiply them). Longer ones (prefill, larger trees) keep torch's flash attention,
+whose GEMMs are faster there."""
 
 
 def decode_attentions(gm: fx.GraphModule) -> int:
@@ -165,7 +175,8 @@ def decode_attentions(gm: fx.GraphModule) -> int:
     bf16 step), when this CPU runs the kernels. Returns the count.
 
     Why: the attention runs just after the qkv linear streamed its weights, where torch's op (its
-    dispatch, mask conversion and GEMM set-up) costs 140-230 us per call (docs/cpu-backend.md)."""
+    dispatch, mask conversion and GEMM set-up) cost 120-230 us per call at 1 x 144 slots, and this
+    one 70-105 (docs/cpu-backend.md)."""
     found = [(node, args) for node in gm.graph.nodes if (args := _decode_attention_args(node)) is not None]
     if not found or not kernels.load():
         return 0

@@ -13,8 +13,9 @@
 // and each widened row of v serves several query rows.
 //
 // Why: each op of a decode step runs just after a linear has streamed megabytes of weights through
-// the caches, where torch's attention (its dispatch, mask conversion and GEMM set-up) costs
-// 140-230 us per call against 50 us alone (docs/cpu-backend.md, "Decode steps outside the linears").
+// the caches, where torch's attention (its dispatch, mask conversion and GEMM set-up) cost 120-230
+// us per call at 1 x 144 slots, against 40-70 us alone; this one 70-105 against 28-37
+// (docs/cpu-backend.md, "Decode steps outside the linears (Ice Lake)").
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

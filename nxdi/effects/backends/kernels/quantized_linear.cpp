@@ -246,7 +246,7 @@ at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Ten
   // `widen_rows` into this thread's buffer, and the scale and bias read as they are when already
   // float32: in a decode step each op runs after a linear has streamed its weights through the
   // caches, where every extra torch dispatch (a conversion is four) costs tens of microseconds
-  // (docs/cpu-backend.md, "Int8 decode against bf16").
+  // (docs/cpu-backend.md, "Decode steps outside the linears (Ice Lake)").
   const int64_t Kp = (K + 31) / 32 * 32;
   thread_local std::vector<float> xf;
   xf.resize(M * Kp);
