@@ -1,10 +1,12 @@
-// 16 bf16 lanes at a time as fp32 on AVX-512, with torch's rounding back: the helpers nxdi's bf16
-// kernels share (bf16_pointwise.cpp, decode_attention.cpp).
+// The helpers nxdi's bf16 kernels share (bf16_pointwise.cpp, decode_attention.cpp): 16 bf16 lanes
+// at a time as fp32 on AVX-512, with torch's rounding back, and broadcast strides.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <immintrin.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace nxdi_lanes {
 
@@ -30,6 +32,14 @@ inline __m512 as_bf16(__m512 f) { return _mm512_castsi512_ps(_mm512_slli_epi32(r
 
 inline void store_bf16(uint16_t* p, __mmask16 mask, __m512 f) {
   _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(round_bf16(f)));
+}
+
+// The element strides of t read as a tensor of `sizes` (t's dims of size 1 broadcast: stride 0),
+// without the torch dispatch `expand` would cost.
+inline std::vector<int64_t> broadcast_strides(const at::Tensor& t, at::IntArrayRef sizes) {
+  std::vector<int64_t> st(sizes.size());
+  for (size_t i = 0; i < sizes.size(); ++i) st[i] = t.size(i) == 1 ? 0 : t.stride(i);
+  return st;
 }
 
 }  // namespace nxdi_lanes

@@ -74,13 +74,6 @@ void rope_row(const uint16_t* x, const uint16_t* c, const uint16_t* s, uint16_t*
   }
 }
 
-// The element strides of t read as a tensor of `sizes` (t's dims of size 1 broadcast: stride 0).
-std::vector<int64_t> broadcast_strides(const at::Tensor& t, at::IntArrayRef sizes) {
-  std::vector<int64_t> st(sizes.size());
-  for (size_t i = 0; i < sizes.size(); ++i) st[i] = t.size(i) == 1 ? 0 : t.stride(i);
-  return st;
-}
-
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 &&
                   sin.scalar_type() == at::kBFloat16,

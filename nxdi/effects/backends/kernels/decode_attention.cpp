@@ -75,7 +75,8 @@ inline __m512 sum16(const __m512* a) {
 }
 
 // One (sequence, head): its L query rows against T slots of D = 16 * V (VT: V known when compiled,
-// so the vectors of a row stay in registers; 0: V = `v_count`). `s`: L * T floats; `kf`: 16 * D.
+// so the vectors of a row stay in registers; 0: V = `v_count`). `s`: L * T + L floats (p, then
+// each row's 1 / sum); `kf`: 16 * D.
 template <int VT>
 void attend(const Rows& a, int64_t L, int64_t T, int64_t v_count, float scale, float* s, float* kf) {
   const int64_t V = VT ? VT : v_count, D = 16 * V;
@@ -107,7 +108,7 @@ void attend(const Rows& a, int64_t L, int64_t T, int64_t v_count, float scale, f
     }
   }
   // Per row: p = exp(score - max), its sum, and p rounded to bf16 in place.
-  std::vector<float> inv(L);
+  float* inv = s + L * T;
   for (int64_t l = 0; l < L; ++l) {
     float* sl = s + l * T;
     __m512 top = _mm512_set1_ps(NEG_INF);
@@ -157,9 +158,6 @@ void attend(const Rows& a, int64_t L, int64_t T, int64_t v_count, float scale, f
   }
 }
 
-// The stride of t's dim i read as a dim of `size` (a broadcast dim of size 1: 0).
-int64_t stride_as(const at::Tensor& t, int64_t i, int64_t size) { return t.size(i) == 1 && size != 1 ? 0 : t.stride(i); }
-
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "decode_attention: q, k and v must be bf16");
@@ -184,22 +182,23 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const auto* vp = reinterpret_cast<const uint16_t*>(vc.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const bool* mp = mask.data_ptr<bool>();
+  const std::vector<int64_t> ms = broadcast_strides(mask, {B, H, L, T});
   at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
     thread_local std::vector<float> scores, widened_k;
-    scores.resize(L * T);
+    scores.resize(L * T + L);  // the rows' p, then their 1 / sum
     widened_k.resize(16 * D);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H, h = i % H;
       const Rows rows{qp + b * qc.stride(0) + h * qc.stride(1),
                       kp + b * kc.stride(0) + h * kc.stride(1),
                       vp + b * vc.stride(0) + h * vc.stride(1),
-                      mp + b * stride_as(mask, 0, B) + h * stride_as(mask, 1, H),
+                      mp + b * ms[0] + h * ms[1],
                       op + i * L * D,
                       qc.stride(2),
                       kc.stride(2),
                       vc.stride(2),
-                      stride_as(mask, 2, L),
-                      stride_as(mask, 3, T)};
+                      ms[2],
+                      ms[3]};
       switch (D / 16) {  // the 1.1B and 7-8B shapes' head dims: their own code
         case 4: attend<4>(rows, L, T, 4, scale, scores.data(), widened_k.data()); break;
         case 8: attend<8>(rows, L, T, 8, scale, scores.data(), widened_k.data()); break;
