@@ -236,7 +236,7 @@ def test_kernels_builds_then_reports_what_runs_here(capsys: pytest.CaptureFixtur
     assert main(["kernels"]) == 0
     out = capsys.readouterr().out
     assert (
-        f"ready in {kernels.kernel_dir()}: int8 and float8 decode linears and their dequantize, bf16 RMSNorm, RoPE and decode attention"
+        f"ready in {kernels.kernel_dir()}: int8 and float8 decode linears, their SwiGLU and dequantize, bf16 RMSNorm (with its residual sum), RoPE and decode attention"
         in out
     )
     if kernels.bf16_max_rows(32) > 4:

@@ -182,8 +182,10 @@ class CpuBackend:
             cpu_passes.prepack_linears(gm, w_nodes, sig.weights, weights, packable)
             cpu_passes.quantized_weight_linears(gm, w_nodes, sig.weights, weights)
             cpu_fusions.fused_rms_norms(gm)
+            cpu_fusions.fused_residual_norms(gm)
             cpu_fusions.fused_ropes(gm)
             cpu_fusions.decode_attentions(gm)
+            cpu_fusions.fused_swiglus(gm)
         in_place = cpu_passes.reinplace_cache_writes(gm, c_nodes) if self.in_place_cache else (False,) * len(c_nodes)
         cpu_passes.scatter_half_floats_as_bits(gm)  # bit for bit torch's scatter, so in every form
         gm.recompile()

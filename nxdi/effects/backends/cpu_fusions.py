@@ -7,6 +7,7 @@ caches, where each torch dispatch costs tens of microseconds instead of a few (d
 a time into one call each, when this CPU runs the kernels (`kernels.load()`):
 
 - `fused_rms_norms`: `w * rms_norm(x)` (seven dispatches), the same two roundings;
+- `fused_residual_norms`: the residual sum before such a norm, into the same op (one fewer);
 - `fused_ropes`: `x * cos + roll(x, D/2) * sin` (four), the same bits;
 - `decode_attentions`: `scaled_dot_product_attention` over a decode step's few query rows, torch's
   roundings within a bf16 step.
@@ -16,6 +17,7 @@ a time into one call each, when this CPU runs the kernels (`kernels.load()`):
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import torch
@@ -41,6 +43,96 @@ def fused_rms_norms(gm: fx.GraphModule) -> int:
     for norm, mul, x, w, eps in found:
         _replace(gm, mul, torch.ops.nxdi_kernels.rms_norm.default, (x, w, eps), (norm,))
     return len(found)
+
+
+def fused_residual_norms(gm: fx.GraphModule) -> int:
+    """Rewrite `s = a + b` of bf16 a, b of one shape, normed by nxdi's `rms_norm(s, w, eps)` (after
+    `fused_rms_norms`), into one `add_rms_norm(a, b, w, eps)` giving both s and the norm (the same
+    bits: torch's rounded sum, then the norm's). Returns the count.
+
+    Why: the decoder's residual sum comes right after the o or down linear, where its dispatch costs
+    tens of microseconds (docs/cpu-backend.md); s is still read by the next residual sum."""
+    found = [m for m in map(_residual_norm, gm.graph.nodes) if m is not None]
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    count = 0
+    for add, norm in found:
+        a, b = add.args
+        w, eps = norm.args[1], norm.args[2]
+        if not isinstance(w, fx.Node) or order[w] > order[add]:
+            continue  # the weight is read where the sum was computed
+        with gm.graph.inserting_before(add):
+            fused = gm.graph.call_function(torch.ops.nxdi_kernels.add_rms_norm.default, (a, b, w, eps))
+            total = gm.graph.call_function(operator.getitem, (fused, 0))
+            normed = gm.graph.call_function(operator.getitem, (fused, 1))
+        total.meta, normed.meta = dict(add.meta), dict(norm.meta)
+        norm.replace_all_uses_with(normed)
+        add.replace_all_uses_with(total)
+        gm.graph.erase_node(norm)
+        gm.graph.erase_node(add)
+        count += 1
+    return count
+
+
+def _residual_norm(norm: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """`(add, norm)` when `norm` is nxdi's `rms_norm(add, w, eps)` and `add` is `a + b` of bf16
+    nodes of one shape (no alpha); else None."""
+    if str(norm.target) != "nxdi_kernels.rms_norm.default":  # present only once the kernels loaded
+        return None
+    add = norm.args[0]
+    if not isinstance(add, fx.Node) or add.target is not _ADD or len(add.args) != 2 or add.kwargs:
+        return None
+    a_val, b_val = _val(add.args[0]), _val(add.args[1])
+    if not (_is_bf16(add.args[0]) and _is_bf16(add.args[1]) and _is_bf16(add)) or a_val is None or b_val is None:
+        return None
+    return (add, norm) if a_val.shape == b_val.shape and all(isinstance(t, fx.Node) for t in add.args) else None
+
+
+_SILU = torch.ops.aten.silu.default
+_SWIGLU_OF = {"nxdi_kernels.int8_linear.default": "int8_swiglu", "nxdi_kernels.fp8_linear.default": "fp8_swiglu"}
+"""nxdi's quantized decode linear (`cpu_passes.quantized_weight_linears`) -> its SwiGLU op."""
+
+
+def fused_swiglus(gm: fx.GraphModule) -> int:
+    """Rewrite `silu(linear(x, w_gate, s_gate)) * linear(x, w_up, s_up)` over nxdi's int8 or float8
+    decode linears (bf16 x, no bias, each result used only there) into one `int8_swiglu` or
+    `fp8_swiglu` (`kernels/quantized_linear.cpp`; the same bits: torch's silu is reproduced on every
+    bf16 input). Returns the count.
+
+    Why: the MLP's two linears and two pointwise ops become one call and one parallel region, where
+    each dispatch after a linear costs tens of microseconds (docs/cpu-backend.md)."""
+    found = [m for m in map(_swiglu, gm.graph.nodes) if m is not None]
+    for mul, op, args, dead in found:
+        _replace(gm, mul, getattr(torch.ops.nxdi_kernels, op).default, args, dead)
+    return len(found)
+
+
+def _swiglu(mul: fx.Node) -> tuple[fx.Node, str, tuple[fx.Node, ...], tuple[fx.Node, ...]] | None:
+    """`(mul, the SwiGLU op's name, (x, w_gate, s_gate, w_up, s_up), (silu, gate, up))` when `mul` is a
+    SwiGLU `fused_swiglus` takes; else None."""
+    if mul.target is not _MUL or len(mul.args) != 2 or mul.kwargs or not _is_bf16(mul):
+        return None
+    for silu, up in (mul.args, mul.args[::-1]):
+        if not isinstance(silu, fx.Node) or silu.target is not _SILU or list(silu.users) != [mul]:
+            continue
+        gate = silu.args[0]
+        if not (_plain_quantized_linear(gate, silu) and _plain_quantized_linear(up, mul)):
+            continue
+        assert isinstance(gate, fx.Node) and isinstance(up, fx.Node)
+        x, w_gate, s_gate = gate.args[:3]
+        w_val, u_val = _val(w_gate), _val(up.args[1])
+        if up.args[0] is not x or up.target is not gate.target or not _is_bf16(x) or w_val is None or u_val is None:
+            continue
+        if w_val.shape != u_val.shape or w_val.dtype != u_val.dtype:
+            continue
+        return mul, _SWIGLU_OF[str(gate.target)], (x, w_gate, s_gate, up.args[1], up.args[2]), (silu, gate, up)
+    return None
+
+
+def _plain_quantized_linear(node: object, user: fx.Node) -> bool:
+    """`node` is nxdi's int8 or float8 decode linear without a bias, read only by `user`."""
+    if not isinstance(node, fx.Node) or str(node.target) not in _SWIGLU_OF or list(node.users) != [user]:
+        return False
+    return len(node.args) == 3 or (len(node.args) == 4 and node.args[3] is None)
 
 
 def _replace(

@@ -51,6 +51,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         bf16 = f"bf16 decode linears (AVX512-BF16, up to {rows} rows: no AMX)"
     print(
-        f"nxdi kernels: ready in {folder}: int8 and float8 decode linears and their dequantize, bf16 RMSNorm, RoPE and decode attention; {bf16}"
+        f"nxdi kernels: ready in {folder}: int8 and float8 decode linears, their SwiGLU and dequantize, bf16 RMSNorm (with its residual sum), RoPE and decode attention; {bf16}"
     )
     return 0

@@ -6,13 +6,14 @@ Four source files, one library (torch ops `nxdi_kernels::*`), mostly for decode 
   each weight byte once, near the memory bandwidth for int8, where torch's own
   `_weight_int8pack_mm` is compute-bound at batch 1 and torch has no float8 one
   (docs/cpu-backend.md). Prefill's GEMMs get their float weight from its one-pass
-  `weight_dequantize`.
+  `weight_dequantize`. The MLP's gate and up linears with their SwiGLU take one op
+  (`cpu_fusions.fused_swiglus`), calling torch's own SLEEF exp so silu keeps torch's bits.
 - `bf16_linear.cpp`: the bf16 linear (`cpu_passes.bf16_weight_linears`), 1-4 rows (on AVX512-BF16,
   or widened to fp32 on AVX-512 CPUs without it, `bf16_native()`), 1-16 on CPUs with AMX
   (`bf16_max_rows`): oneDNN's and MKL's bf16 paths read the weights well below the memory
   bandwidth at decode's few rows, and far below it without AVX512-BF16.
-- `bf16_pointwise.cpp`: a bf16 RMSNorm and its weight product in one op (`cpu_fusions.fused_rms_norms`)
-  and RoPE in one op (`cpu_fusions.fused_ropes`), where torch dispatches seven and four ops, each
+- `bf16_pointwise.cpp`: a bf16 RMSNorm and its weight product in one op (`cpu_fusions.fused_rms_norms`),
+  with the residual sum before it (`fused_residual_norms`), and RoPE in one op (`cpu_fusions.fused_ropes`), where torch dispatches seven and four ops, each
   slow just after a linear has streamed its weights (`bf16_lanes.h`: their shared bf16 lanes).
 - `decode_attention.cpp`: bf16 attention with a bool mask over a decode step's few query rows in
   one op (`cpu_fusions.decode_attentions`), where torch's cost 120-230 us per call in the step.

@@ -9,6 +9,8 @@
 //   in fp32, r = 1 / sqrt(mean + eps), n = bf16(x * r) and y = bf16(w * n): what transformers'
 //   Llama RMSNorm and `w * F.rms_norm(x)` compute (both round after the norm and again after the
 //   weight). Seven torch dispatches.
+// - add_rms_norm: s = bf16(a + b) (the decoder's residual sum) and rms_norm(s, w), both returned:
+//   the sum feeds the next residual. One dispatch fewer per norm, and s normed while in L1.
 // - rope: y = x * cos + roll(x, D / 2, -1) * sin for bf16 x [..., D] and cos, sin broadcast to it
 //   (`programs.layers.apply_rope`, the "rotate half" layout with the sign folded into sin): each
 //   product rounded to bf16, then the sum. Four torch dispatches (two products, the roll, the sum).
@@ -42,21 +44,48 @@ void norm_row(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t N, floa
   }
 }
 
+// A decode step's few rows stay on this thread (waking another costs more than they take).
+int64_t rows_grain(int64_t N) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1)); }
+
+const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+uint16_t* bits(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "rms_norm: x and w must be bf16");
   TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && x.size(-1) == w.size(0), "rms_norm: x [..., N] and w [N]");
   const at::Tensor xc = x.contiguous(), wc = w.contiguous();
   const int64_t N = w.size(0), rows = N ? xc.numel() / N : 0;
   at::Tensor y = at::empty_like(xc);
-  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  // A decode step's few rows stay on this thread (waking another costs more than they take).
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+  const uint16_t *xp = bits(xc), *wp = bits(wc);
+  uint16_t* yp = bits(y);
+  at::parallel_for(0, rows, rows_grain(N), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * N, wp, yp + r * N, N, float(eps));
   });
   return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& w,
+                                                double eps) {
+  TORCH_CHECK(a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
+              "add_rms_norm: a, b and w must be bf16");
+  TORCH_CHECK(a.sizes() == b.sizes(), "add_rms_norm: a and b must have one shape");
+  TORCH_CHECK(a.dim() >= 1 && w.dim() == 1 && a.size(-1) == w.size(0), "add_rms_norm: a, b [..., N] and w [N]");
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous(), wc = w.contiguous();
+  const int64_t N = w.size(0), rows = N ? ac.numel() / N : 0;
+  at::Tensor sum = at::empty_like(ac), y = at::empty_like(ac);
+  const uint16_t *ap = bits(ac), *bp = bits(bc), *wp = bits(wc);
+  uint16_t *sp = bits(sum), *yp = bits(y);
+  at::parallel_for(0, rows, rows_grain(N), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t o = r * N;
+      for (int64_t k = 0; k < N; k += 16) {  // torch's bf16 add: the fp32 sum, rounded
+        const __mmask16 mask = tail(N - k);
+        store_bf16(sp + o + k, mask, _mm512_add_ps(load_bf16(ap + o + k, mask), load_bf16(bp + o + k, mask)));
+      }
+      norm_row(sp + o, wp, yp + o, N, float(eps));
+    }
+  });
+  return {sum, y};
 }
 
 // One row of rope: y[k] = x[k] c[k] + x[k + h] s[k] and y[h + k] = x[h + k] c[h + k] + x[k] s[h + k]
@@ -93,13 +122,9 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
                              ss = broadcast_strides(sr, sizes);
   at::Tensor y = at::empty(sizes, x.options());
   const int64_t rows = D ? x.numel() / D : 0;
-  const auto* xp = reinterpret_cast<const uint16_t*>(xr.data_ptr<at::BFloat16>());
-  const auto* cp = reinterpret_cast<const uint16_t*>(cr.data_ptr<at::BFloat16>());
-  const auto* sp = reinterpret_cast<const uint16_t*>(sr.data_ptr<at::BFloat16>());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  // A decode step's rows (a few dozen heads) stay on this thread, as in rms_norm.
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(D, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+  const uint16_t *xp = bits(xr), *cp = bits(cr), *sp = bits(sr);
+  uint16_t* yp = bits(y);
+  at::parallel_for(0, rows, rows_grain(D), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       int64_t xo = 0, co = 0, so = 0, rest = r;  // the offsets of row r, from its leading indices
       for (int64_t i = nd - 2; i >= 0; --i) {
@@ -118,6 +143,8 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 TORCH_LIBRARY_FRAGMENT(nxdi_kernels, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.def("add_rms_norm(Tensor a, Tensor b, Tensor w, float eps) -> (Tensor, Tensor)");
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.impl("rope", c10::DispatchKey::CPU, &rope);
 }

@@ -23,6 +23,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_lanes.h"
+
+// SLEEF's exp, exported by libtorch_cpu: the one torch's vectorized silu calls on AVX-512, so the
+// fused SwiGLU below gives torch's silu bits (checked against it on all 65536 bf16 inputs).
+extern "C" __m512 Sleef_expf16_u10(__m512);
+
 namespace {
 
 // How a chunk of `step` weight bytes becomes step / 16 vectors of 16 fp32 lanes, per stored format
@@ -163,46 +169,48 @@ void dot_rows(const float* x, const typename W::T* w, const typename W::T* next,
 // 22-30 on the Ice Lake machine (docs/cpu-backend.md, "Int8 decode against bf16").
 constexpr int64_t S = 4;
 
+// Output rows [n0, n1) of y (one thread's share).
 template <typename W, bool Blocked, int M, int R, typename Out>
 void run_rows(const float* x, const typename W::T* w, const Scales& scales, const float* bias, Out* y, int64_t K,
-              int64_t Kp, int64_t N) {
+              int64_t Kp, int64_t N, int64_t n0, int64_t n1) {
   auto block = [&](int64_t n, int64_t step, const typename W::T* next) __attribute__((always_inline)) {
     dot_rows<W, Blocked, M, R>(x, w + n * K, next, step, scales, n, bias ? bias + n : nullptr, y + n, K, Kp, N);
   };
-  // Grain: at least 64 output rows (a few KB of weights) per task.
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    constexpr int64_t G = S * R;
-    int64_t n = n0;
-    for (; n + G <= n1; n += G)
-      for (int64_t j = 0; j < S; ++j)
-        block(n + j, S, j + 1 < S ? w + (n + j + 1) * K : (n + 2 * G <= n1 ? w + (n + G) * K : nullptr));
-    for (; n + R <= n1; n += R) block(n, 1, n + 2 * R <= n1 ? w + (n + R) * K : nullptr);
-    for (; n < n1; ++n)
-      dot_rows<W, Blocked, M, 1>(x, w + n * K, nullptr, 1, scales, n, bias ? bias + n : nullptr, y + n, K, Kp, N);
-  });
+  constexpr int64_t G = S * R;
+  int64_t n = n0;
+  for (; n + G <= n1; n += G)
+    for (int64_t j = 0; j < S; ++j)
+      block(n + j, S, j + 1 < S ? w + (n + j + 1) * K : (n + 2 * G <= n1 ? w + (n + G) * K : nullptr));
+  for (; n + R <= n1; n += R) block(n, 1, n + 2 * R <= n1 ? w + (n + R) * K : nullptr);
+  for (; n < n1; ++n)
+    dot_rows<W, Blocked, M, 1>(x, w + n * K, nullptr, 1, scales, n, bias ? bias + n : nullptr, y + n, K, Kp, N);
 }
 
-// Blocked or not, the row-count template for M rows of x.
+// Blocked or not, the row-count template for M rows of x; output rows [n0, n1).
 template <typename W, bool Blocked, typename Out>
 void run_scaled(const float* x, const typename W::T* w, const Scales& scales, const float* bias, Out* y, int64_t M,
-                int64_t K, int64_t Kp, int64_t N) {
+                int64_t K, int64_t Kp, int64_t N, int64_t n0, int64_t n1) {
   // R * M accumulators stay within the 32 vector registers with the loads beside them.
   switch (M) {
-    case 1: run_rows<W, Blocked, 1, 8>(x, w, scales, bias, y, K, Kp, N); break;
-    case 2: run_rows<W, Blocked, 2, 8>(x, w, scales, bias, y, K, Kp, N); break;
-    case 3: run_rows<W, Blocked, 3, 4>(x, w, scales, bias, y, K, Kp, N); break;
-    default: run_rows<W, Blocked, 4, 4>(x, w, scales, bias, y, K, Kp, N); break;
+    case 1: run_rows<W, Blocked, 1, 8>(x, w, scales, bias, y, K, Kp, N, n0, n1); break;
+    case 2: run_rows<W, Blocked, 2, 8>(x, w, scales, bias, y, K, Kp, N, n0, n1); break;
+    case 3: run_rows<W, Blocked, 3, 4>(x, w, scales, bias, y, K, Kp, N, n0, n1); break;
+    default: run_rows<W, Blocked, 4, 4>(x, w, scales, bias, y, K, Kp, N, n0, n1); break;
   }
 }
 
+// y[:, n0:n1] = x @ w[n0:n1].T * scale (+ bias), on the calling thread.
 template <typename W, typename Out>
 void run(const float* x, const typename W::T* w, const Scales& scales, const float* bias, Out* y, int64_t M, int64_t K,
-         int64_t Kp, int64_t N) {
+         int64_t Kp, int64_t N, int64_t n0, int64_t n1) {
   if (scales.bk == K && scales.bn == 1)
-    run_scaled<W, false>(x, w, scales, bias, y, M, K, Kp, N);
+    run_scaled<W, false>(x, w, scales, bias, y, M, K, Kp, N, n0, n1);
   else
-    run_scaled<W, true>(x, w, scales, bias, y, M, K, Kp, N);
+    run_scaled<W, true>(x, w, scales, bias, y, M, K, Kp, N, n0, n1);
 }
+
+// Output rows are split over torch's threads, at least 64 rows (a few KB of weights) per task.
+constexpr int64_t GRAIN = 64;
 
 // x [M, K] (bf16, fp16 or fp32, contiguous) as fp32 rows of Kp >= K columns, zeros past K. Exact:
 // each 16-bit value is a float32 value.
@@ -223,6 +231,18 @@ void widen_rows(const at::Tensor& x, float* out, int64_t M, int64_t K, int64_t K
     }
     std::fill(o + K, o + Kp, 0.0f);
   }
+}
+
+// Columns of x once widened: a multiple of 32, so every chunk a kernel reads is whole.
+int64_t padded(int64_t K) { return (K + 31) / 32 * 32; }
+
+// x's M rows widened to fp32 (Kp columns each, zeros past K) in the calling thread's buffer, valid
+// until its next call.
+const float* widened(const at::Tensor& x, int64_t M, int64_t K, int64_t Kp) {
+  thread_local std::vector<float> xf;
+  xf.resize(M * Kp);
+  widen_rows(x.contiguous(), xf.data(), M, K, Kp);
+  return xf.data();
 }
 
 // t as float32 and contiguous, without a torch dispatch when it already is.
@@ -247,10 +267,8 @@ at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Ten
   // float32: in a decode step each op runs after a linear has streamed its weights through the
   // caches, where every extra torch dispatch (a conversion is four) costs tens of microseconds
   // (docs/cpu-backend.md, "Decode steps outside the linears (Ice Lake)").
-  const int64_t Kp = (K + 31) / 32 * 32;
-  thread_local std::vector<float> xf;
-  xf.resize(M * Kp);
-  widen_rows(x.contiguous(), xf.data(), M, K, Kp);
+  const int64_t Kp = padded(K);
+  const float* xf = widened(x, M, K, Kp);
   const at::Tensor wc = w.contiguous();
   const auto* wp = static_cast<const typename W::T*>(wc.data_ptr());
   const at::Tensor sf = as_f32(scale);
@@ -258,11 +276,13 @@ at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Ten
   const at::Tensor bf = bias.has_value() ? as_f32(*bias) : at::Tensor();
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({M, N}, x.options());  // written in x's dtype: no conversion pass after
-  switch (x.scalar_type()) {
-    case at::kBFloat16: run<W>(xf.data(), wp, scales, bp, y.data_ptr<at::BFloat16>(), M, K, Kp, N); break;
-    case at::kHalf: run<W>(xf.data(), wp, scales, bp, y.data_ptr<at::Half>(), M, K, Kp, N); break;
-    default: run<W>(xf.data(), wp, scales, bp, y.data_ptr<float>(), M, K, Kp, N); break;
-  }
+  at::parallel_for(0, N, GRAIN, [&](int64_t n0, int64_t n1) {
+    switch (x.scalar_type()) {
+      case at::kBFloat16: run<W>(xf, wp, scales, bp, y.data_ptr<at::BFloat16>(), M, K, Kp, N, n0, n1); break;
+      case at::kHalf: run<W>(xf, wp, scales, bp, y.data_ptr<at::Half>(), M, K, Kp, N, n0, n1); break;
+      default: run<W>(xf, wp, scales, bp, y.data_ptr<float>(), M, K, Kp, N, n0, n1); break;
+    }
+  });
   return y;
 }
 
@@ -279,6 +299,72 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   return quantized_linear<Fp8E5m2>("fp8_linear", x, w, scale, bias);
 }
 
+// --- SwiGLU: silu(x @ w_gate.T * gate_scale) * (x @ w_up.T * up_scale) -----------------------
+// The MLP's two linears, torch's silu and its product in one call (four dispatches and two
+// parallel regions before, each just after a linear streamed its weights; docs/cpu-backend.md,
+// "Decode steps outside the linears (Ice Lake)"). bf16 x only. Each thread computes the gate and
+// up rows of its share of N (the same bits as `quantized_linear`'s), then their SwiGLU, rounded to
+// bf16 where torch's ops round: the linears' outputs, silu (x / (1 + exp(-x)) in fp32 with SLEEF's
+// exp, as torch's), and the product.
+
+void swiglu_span(const uint16_t* g, const uint16_t* u, uint16_t* y, int64_t n) {
+  using namespace nxdi_lanes;
+  const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+  for (int64_t k = 0; k < n; k += 16) {
+    const __mmask16 mask = tail(n - k);
+    const __m512 gv = load_bf16(g + k, mask);
+    const __m512 silu = as_bf16(_mm512_div_ps(gv, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_xor_ps(gv, sign)))));
+    store_bf16(y + k, mask, _mm512_mul_ps(silu, load_bf16(u + k, mask)));
+  }
+}
+
+template <typename W>
+at::Tensor quantized_swiglu(const char* name, const at::Tensor& x, const at::Tensor& w_gate,
+                            const at::Tensor& gate_scale, const at::Tensor& w_up, const at::Tensor& up_scale) {
+  TORCH_CHECK(x.dim() == 2 && w_gate.dim() == 2 && w_up.sizes() == w_gate.sizes() && x.size(1) == w_gate.size(1), name,
+              ": x [M, K], w_gate and w_up [N, K]");
+  TORCH_CHECK(w_up.scalar_type() == w_gate.scalar_type(), name, ": w_gate and w_up must have one dtype");
+  const int64_t M = x.size(0), K = x.size(1), N = w_gate.size(0);
+  TORCH_CHECK(blocks_fit(gate_scale, N, K, W::step) && blocks_fit(up_scale, N, K, W::step), name,
+              ": each scale must be [N], or [N / bn, K / bk] with bk a multiple of ", W::step);
+  TORCH_CHECK(M >= 1 && M <= 4, name, ": x must have 1 to 4 rows");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, name, ": x must be bf16");
+  const int64_t Kp = padded(K);
+  const float* xf = widened(x, M, K, Kp);
+  const at::Tensor gc = w_gate.contiguous(), uc = w_up.contiguous();
+  const auto* gp = static_cast<const typename W::T*>(gc.data_ptr());
+  const auto* up = static_cast<const typename W::T*>(uc.data_ptr());
+  const at::Tensor gsf = as_f32(gate_scale), usf = as_f32(up_scale);
+  const Scales gs = scales_of(gsf, N, K), us = scales_of(usf, N, K);
+  thread_local std::vector<at::BFloat16> gate_up;  // the two linears' bf16 outputs, [2, M, N]
+  gate_up.resize(2 * M * N);
+  at::BFloat16 *g = gate_up.data(), *u = g + M * N;
+  at::Tensor y = at::empty({M, N}, x.options());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  at::parallel_for(0, N, GRAIN, [&](int64_t n0, int64_t n1) {
+    run<W>(xf, gp, gs, nullptr, g, M, K, Kp, N, n0, n1);
+    run<W>(xf, up, us, nullptr, u, M, K, Kp, N, n0, n1);
+    for (int64_t m = 0; m < M; ++m)
+      swiglu_span(reinterpret_cast<const uint16_t*>(g + m * N + n0), reinterpret_cast<const uint16_t*>(u + m * N + n0),
+                  yp + m * N + n0, n1 - n0);
+  });
+  return y;
+}
+
+at::Tensor int8_swiglu(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& gate_scale,
+                       const at::Tensor& w_up, const at::Tensor& up_scale) {
+  TORCH_CHECK(w_gate.scalar_type() == at::kChar, "int8_swiglu: w_gate must be int8");
+  return quantized_swiglu<Int8>("int8_swiglu", x, w_gate, gate_scale, w_up, up_scale);
+}
+
+at::Tensor fp8_swiglu(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& gate_scale,
+                      const at::Tensor& w_up, const at::Tensor& up_scale) {
+  if (w_gate.scalar_type() == at::kFloat8_e4m3fn)
+    return quantized_swiglu<Fp8E4m3>("fp8_swiglu", x, w_gate, gate_scale, w_up, up_scale);
+  TORCH_CHECK(w_gate.scalar_type() == at::kFloat8_e5m2, "fp8_swiglu: w_gate must be float8_e4m3fn or float8_e5m2");
+  return quantized_swiglu<Fp8E5m2>("fp8_swiglu", x, w_gate, gate_scale, w_up, up_scale);
+}
+
 // --- dequantize, for prefill ------------------------------------------------------------------
 // Prefill's linears (more rows than the decode kernel takes) stay on oneDNN's bf16 GEMM, which
 // needs the float weight: built here in one pass, y[n, k] = dtype(float(values[n, k]) * s), s the
@@ -287,13 +373,7 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 // three torch ops wrote a float32 weight twice and a third copy (2.3 s of a 1.1B int8 prefill).
 
 // float32 -> bf16 bits, round to nearest even, NaN kept a (quiet) NaN: c10's rounding, 16 lanes.
-__m256i to_bf16_bits(__m512 f) {
-  const __m512i bits = _mm512_castps_si512(f);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
-}
+__m256i to_bf16_bits(__m512 f) { return _mm512_cvtepi32_epi16(nxdi_lanes::round_bf16(f)); }
 
 template <typename Out>
 void store16(Out* y, __m512 f, __mmask16 mask) {
@@ -365,6 +445,10 @@ TORCH_LIBRARY(nxdi_kernels, m) {
   m.impl("int8_linear", c10::DispatchKey::CPU, &int8_linear);
   m.def("fp8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias=None) -> Tensor");
   m.impl("fp8_linear", c10::DispatchKey::CPU, &fp8_linear);
+  m.def("int8_swiglu(Tensor x, Tensor w_gate, Tensor gate_scale, Tensor w_up, Tensor up_scale) -> Tensor");
+  m.impl("int8_swiglu", c10::DispatchKey::CPU, &int8_swiglu);
+  m.def("fp8_swiglu(Tensor x, Tensor w_gate, Tensor gate_scale, Tensor w_up, Tensor up_scale) -> Tensor");
+  m.impl("fp8_swiglu", c10::DispatchKey::CPU, &fp8_swiglu);
   m.def("weight_dequantize(Tensor values, Tensor scale, ScalarType dtype) -> Tensor");
   m.impl("weight_dequantize", c10::DispatchKey::CPU, &weight_dequantize);
 }
