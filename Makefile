@@ -44,8 +44,12 @@ demo: setup
 	$(BIN)/nxdi demo
 
 # pytest exits 5 when it collected no tests; the suite always has tests, so that is a failure too.
+# The suite runs in TEST_WORKERS pytest-xdist workers, each test file on one of them (its session
+# fixtures built once), each worker on one torch thread (tests/conftest.py): 13 min of pytest on
+# 2 cores where one process took 24-27. TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/pytest $(PYTEST_ARGS); status=$$?; \
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests (exit 5): treating as failure" >&2; fi; \
 	exit $$status
 

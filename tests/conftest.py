@@ -33,3 +33,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 # off, rank and CLI processes included, so each test compiles what it tests and nothing is left in
 # the home folder; the cache's own tests point it at a temporary folder.
 os.environ["NXDI_COMPILE_CACHE"] = "off"
+
+# `make test` runs the suite in two pytest-xdist workers (one per core of the 2-core CI machine).
+# Each then computes on one torch thread: two workers of two OpenMP threads each on two cores spin
+# against each other (the accuracy fixture's training took 347 s that way, 57 s alone).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    torch.set_num_threads(1)
