@@ -12,9 +12,10 @@ Four source files, one library (torch ops `nxdi_kernels::*`), mostly for decode 
   or widened to fp32 on AVX-512 CPUs without it, `bf16_native()`), 1-16 on CPUs with AMX
   (`bf16_max_rows`): oneDNN's and MKL's bf16 paths read the weights well below the memory
   bandwidth at decode's few rows, and far below it without AVX512-BF16.
-- `bf16_pointwise.cpp`: a bf16 RMSNorm and its weight product in one op (`cpu_fusions.fused_rms_norms`),
-  with the residual sum before it (`fused_residual_norms`), and RoPE in one op (`cpu_fusions.fused_ropes`), where torch dispatches seven and four ops, each
-  slow just after a linear has streamed its weights (`bf16_lanes.h`: their shared bf16 lanes).
+- `bf16_pointwise.cpp`: a bf16 RMSNorm and its weight product in one op
+  (`cpu_fusions.fused_rms_norms`), with the residual sum before it (`fused_residual_norms`), and
+  RoPE in one op (`cpu_fusions.fused_ropes`), where torch dispatches seven and four ops, each slow
+  just after a linear has streamed its weights (`bf16_lanes.h`: their shared bf16 lanes).
 - `decode_attention.cpp`: bf16 attention with a bool mask over a decode step's few query rows in
   one op (`cpu_fusions.decode_attentions`), where torch's cost 120-230 us per call in the step.
 
