@@ -106,7 +106,7 @@ def fused_swiglus(gm: fx.GraphModule) -> int:
     return len(found)
 
 
-def _swiglu(mul: fx.Node) -> tuple[fx.Node, str, tuple[fx.Node, ...], tuple[fx.Node, ...]] | None:
+def _swiglu(mul: fx.Node) -> tuple[fx.Node, str, tuple[object, ...], tuple[fx.Node, ...]] | None:
     """`(mul, the SwiGLU op's name, (x, w_gate, s_gate, w_up, s_up), (silu, gate, up))` when `mul` is a
     SwiGLU `fused_swiglus` takes; else None."""
     if mul.target is not _MUL or len(mul.args) != 2 or mul.kwargs or not _is_bf16(mul):

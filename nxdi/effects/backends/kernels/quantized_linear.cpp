@@ -252,13 +252,31 @@ at::Tensor as_f32(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat && t.is_contiguous() ? t : t.to(at::kFloat).contiguous();
 }
 
+// A [N, K] weight of format W with its scale, checked and read where they lie (float32 scales as
+// they are: no dispatch).
+template <typename W>
+struct Weight {
+  at::Tensor values, scale;  // contiguous; float32
+  Scales scales;             // points into `scale`
+  const typename W::T* data() const { return static_cast<const typename W::T*>(values.data_ptr()); }
+};
+
+template <typename W>
+Weight<W> weight_of(const char* name, const char* label, const at::Tensor& w, const at::Tensor& scale, int64_t K) {
+  const int64_t N = w.size(0);
+  TORCH_CHECK(blocks_fit(scale, N, K, W::step), name, ": ", label,
+              " must be [N], or [N / bn, K / bk] with bk a multiple of ", W::step);
+  Weight<W> out{w.contiguous(), as_f32(scale), {}};
+  out.scales = scales_of(out.scale, N, K);
+  return out;
+}
+
 template <typename W>
 at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), name, ": x [M, K] and w [N, K]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(blocks_fit(scale, N, K, W::step), name, ": scale must be [N], or [N / bn, K / bk] with bk a multiple of ",
-              W::step);
+  const Weight<W> weight = weight_of<W>(name, "scale", w, scale, K);
   TORCH_CHECK(M >= 1 && M <= 4, name, ": x must have 1 to 4 rows");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N), name, ": bias must be [N]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat, name,
@@ -271,10 +289,8 @@ at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Ten
   // (docs/cpu-backend.md, "Decode steps outside the linears (Ice Lake)").
   const int64_t Kp = padded(K);
   const float* xf = widened(x, M, K, Kp);
-  const at::Tensor wc = w.contiguous();
-  const auto* wp = static_cast<const typename W::T*>(wc.data_ptr());
-  const at::Tensor sf = as_f32(scale);
-  const Scales scales = scales_of(sf, N, K);
+  const auto* wp = weight.data();
+  const Scales& scales = weight.scales;
   const at::Tensor bf = bias.has_value() ? as_f32(*bias) : at::Tensor();
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({M, N}, x.options());  // written in x's dtype: no conversion pass after
@@ -327,25 +343,20 @@ at::Tensor quantized_swiglu(const char* name, const at::Tensor& x, const at::Ten
               ": x [M, K], w_gate and w_up [N, K]");
   TORCH_CHECK(w_up.scalar_type() == w_gate.scalar_type(), name, ": w_gate and w_up must have one dtype");
   const int64_t M = x.size(0), K = x.size(1), N = w_gate.size(0);
-  TORCH_CHECK(blocks_fit(gate_scale, N, K, W::step) && blocks_fit(up_scale, N, K, W::step), name,
-              ": each scale must be [N], or [N / bn, K / bk] with bk a multiple of ", W::step);
+  const Weight<W> gate = weight_of<W>(name, "gate_scale", w_gate, gate_scale, K);
+  const Weight<W> up = weight_of<W>(name, "up_scale", w_up, up_scale, K);
   TORCH_CHECK(M >= 1 && M <= 4, name, ": x must have 1 to 4 rows");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, name, ": x must be bf16");
   const int64_t Kp = padded(K);
   const float* xf = widened(x, M, K, Kp);
-  const at::Tensor gc = w_gate.contiguous(), uc = w_up.contiguous();
-  const auto* gp = static_cast<const typename W::T*>(gc.data_ptr());
-  const auto* up = static_cast<const typename W::T*>(uc.data_ptr());
-  const at::Tensor gsf = as_f32(gate_scale), usf = as_f32(up_scale);
-  const Scales gs = scales_of(gsf, N, K), us = scales_of(usf, N, K);
   thread_local std::vector<at::BFloat16> gate_up;  // the two linears' bf16 outputs, [2, M, N]
   gate_up.resize(2 * M * N);
   at::BFloat16 *g = gate_up.data(), *u = g + M * N;
   at::Tensor y = at::empty({M, N}, x.options());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   at::parallel_for(0, N, GRAIN, [&](int64_t n0, int64_t n1) {
-    run<W>(xf, gp, gs, nullptr, g, M, K, Kp, N, n0, n1);
-    run<W>(xf, up, us, nullptr, u, M, K, Kp, N, n0, n1);
+    run<W>(xf, gate.data(), gate.scales, nullptr, g, M, K, Kp, N, n0, n1);
+    run<W>(xf, up.data(), up.scales, nullptr, u, M, K, Kp, N, n0, n1);
     for (int64_t m = 0; m < M; ++m)
       swiglu_span(reinterpret_cast<const uint16_t*>(g + m * N + n0), reinterpret_cast<const uint16_t*>(u + m * N + n0),
                   yp + m * N + n0, n1 - n0);
