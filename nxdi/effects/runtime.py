@@ -112,6 +112,8 @@ class Runtime:
         """The program's weights value the programs were built from (for inspection; a compiled
         program runs on the backend's bound copies)."""
         self.cache = cache
+        self._views: tuple[KVCache | None, dict[tuple[int, int], KVCache]] = (None, {})
+        """The cache the views were made of, and its slices per (bucket, batch) (`_view`)."""
         self.programs = dict(programs)
         self.random = RandomStream(seed=seed, deterministic=deterministic)
         self.kv_group = kv_group
@@ -230,16 +232,28 @@ class Runtime:
     ) -> StepOutputs:
         """Run `program` on the cache view and write its cache back (still lazy on a deferring backend)."""
         rows = None if rows is None else rows.to(self.device)
-        outs, updated = program(self._view(bucket, rows, x.input_ids.shape[0]), x, params, draws)
-        self._write_back(updated, bucket, rows)
+        given = self._view(bucket, rows, x.input_ids.shape[0])
+        outs, updated = program(given, x, params, draws)
+        self._write_back(updated, given, bucket, rows)
         return outs
 
     def _view(self, bucket: int, rows: Tensor | None, batch: int) -> KVCache:
         bucket = -(-bucket // self.kv_group)
         ranks = (slice(None),) * self.lead
         if rows is None:
+            if self.device.type == "cpu":
+                # A host cache is written in place, so a bucket's slices stay valid: made once,
+                # not 2 x layers slicing dispatches every step.
+                held, views = self._views
+                if held is not self.cache:
+                    held, views = self._views = (self.cache, {})
+                if (bucket, batch) in views:
+                    return views[bucket, batch]
             at = (*ranks, slice(None, batch), slice(None), slice(None, bucket))
-            return KVCache(k=tuple(t[at] for t in self.cache.k), v=tuple(t[at] for t in self.cache.v))
+            view = KVCache(k=tuple(t[at] for t in self.cache.k), v=tuple(t[at] for t in self.cache.v))
+            if self.device.type == "cpu":
+                views[bucket, batch] = view
+            return view
         read = rows.clamp(min=0)  # padding rows (-1) read row 0; their results are discarded
         at = (*ranks, slice(None), slice(None), slice(None, bucket))
         return KVCache(
@@ -247,10 +261,14 @@ class Runtime:
             v=tuple(t.index_select(self.lead, read)[at] for t in self.cache.v),
         )
 
-    def _write_back(self, updated: KVCache, bucket: int, rows: Tensor | None) -> None:
+    def _write_back(self, updated: KVCache, given: KVCache, bucket: int, rows: Tensor | None) -> None:
         bucket = -(-bucket // self.kv_group)
-        for full, part in zip((*self.cache.k, *self.cache.v), (*updated.k, *updated.v), strict=True):
-            if self.device.type == "cpu" and part.data_ptr() == full.data_ptr():
+        cpu = self.device.type == "cpu"
+        tensors = zip((*self.cache.k, *self.cache.v), (*updated.k, *updated.v), (*given.k, *given.v), strict=True)
+        for full, part, view in tensors:
+            # Given slices of the runtime's tensors (rows None), a program that wrote in place returns
+            # them; gathered rows (`rows`) are copies, written back below.
+            if cpu and ((rows is None and part is view) or part.data_ptr() == full.data_ptr()):
                 continue  # the program wrote the runtime's tensor in place
             if self.device.type != "cpu":
                 full.copy_(_updated(full, part, bucket, rows, self.lead))

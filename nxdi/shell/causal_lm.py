@@ -537,34 +537,41 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         logits_out: list[tuple[tuple[int, ...], Tensor]] = []
         tokens_out: list[tuple[tuple[int, ...], Tensor]] = []
         extras_out: dict[str, list[tuple[tuple[int, ...], Tensor]]] = {}
+        n = len(rows)
         for chunk in batching.plan_runs(rows.tolist(), self._tables[phase].batch_sizes):
-            source = torch.tensor(chunk.source_rows)
+            # A chunk of the whole batch as it is (a decode step's usual case) is run and read as it is.
+            whole = chunk.carries_all(n)
+            source = None if whole else torch.tensor(chunk.source_rows)
             out = runtime.run(
                 ProgramKey(phase=phase, length=bucket, batch=chunk.batch, tokens=x.input_ids.shape[1]),
-                batching.select_rows(x, source),
+                x if source is None else batching.select_rows(x, source),
                 # Padding rows (-1) write nowhere: there may be no unused cache row to give them.
                 rows=None if chunk.in_order else torch.tensor(chunk.cache_rows),
-                params=params.index_select(0, source),
+                params=params if source is None else params.index_select(0, source),
             )
-            take = torch.tensor(chunk.output_rows)
+            take = None if whole else torch.tensor(chunk.output_rows)
             if out.logits is not None:
-                logits_out.append((chunk.user_rows, out.logits.index_select(0, take)))
+                logits_out.append((chunk.user_rows, _rows(out.logits, take)))
             if out.tokens is not None:  # [B], or [B*k] from a speculation step: [B, k]
                 per_row = out.tokens if phase is not Phase.SPECULATION else out.tokens.reshape(chunk.batch, -1)
-                tokens_out.append((chunk.user_rows, per_row.index_select(0, take)))
+                tokens_out.append((chunk.user_rows, _rows(per_row, take)))
             for name, t in out.extras.items():
                 if name in medusa.ROW_OUTPUTS:  # [B, ...]
-                    extras_out.setdefault(name, []).append((chunk.user_rows, t.index_select(0, take)))
+                    extras_out.setdefault(name, []).append((chunk.user_rows, _rows(t, take)))
                     continue
                 per_row = t.reshape(t.shape[0], chunk.batch, -1, *t.shape[2:])  # [L, B, S, ...]
-                extras_out.setdefault(name, []).append((chunk.user_rows, per_row.index_select(1, take)))
-        n = len(rows)
+                extras_out.setdefault(name, []).append((chunk.user_rows, _rows(per_row, take, dim=1)))
         extras = {
             name: t
             for name, parts in extras_out.items()
             if (t := batching.gather_rows(parts, n, dim=0 if name in medusa.ROW_OUTPUTS else 1)) is not None
         }
         return batching.gather_rows(logits_out, n), batching.gather_rows(tokens_out, n), extras
+
+
+def _rows(t: Tensor, take: Tensor | None, *, dim: int = 0) -> Tensor:
+    """Rows `take` of `t` along `dim` (None: all of them, in order)."""
+    return t if take is None else t.index_select(dim, take)
 
 
 _BLOCK_ARGS = ("slot_mapping", "block_table", "full_context_lens", "computed_context_lens")

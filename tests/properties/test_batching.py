@@ -43,3 +43,21 @@ def test_gather_rows_puts_every_chunks_rows_back_in_the_callers_order(rows: list
     assert torch.equal(batching.gather_rows([p for p in parts if p[0]], 5), values)
     transposed = [(r, v.T) for r, v in parts if r]  # the rows along dim 1
     assert torch.equal(batching.gather_rows(transposed, 5, dim=1), values.T)
+
+
+@given(
+    rows=st.lists(st.integers(-1, 6), min_size=1, max_size=6),
+    sizes=st.lists(st.integers(1, 4), min_size=1, max_size=3, unique=True),
+)
+def test_a_chunk_carrying_the_whole_batch_maps_every_row_to_itself(rows: list[int], sizes: list[int]) -> None:
+    """`carries_all` (the caller then skips every gather) only where the chunk's rows are the
+    caller's, in order and unpadded; the remembered plan is the plan."""
+    chunks = batching.plan_runs(rows, sizes)
+    assert chunks == batching._plan_runs.__wrapped__(tuple(rows), tuple(sizes))
+    for chunk in chunks:
+        if chunk.carries_all(len(rows)):
+            assert len(chunks) == 1 and chunk.batch == len(rows)
+            same = tuple(range(len(rows)))
+            assert chunk.source_rows == chunk.output_rows == chunk.user_rows == same
+    values = torch.arange(len(rows) * 2).view(len(rows), 2)
+    assert batching.gather_rows([(range(len(rows)), values)], len(rows)) is values

@@ -9,6 +9,7 @@ first compacted: each row's real tokens move to the front, in order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -93,13 +94,21 @@ class RunChunk:
         """The run rows are cache rows 0..B-1 in order (the runtime then slices instead of gathering)."""
         return self.cache_rows == tuple(range(self.batch))
 
+    def carries_all(self, batch: int) -> bool:
+        """The chunk runs a caller's whole batch of `batch` rows as they are: no padding row, none
+        moved, so its inputs and outputs need no gathering (a decode step's usual case)."""
+        rows = tuple(range(batch))
+        return self.user_rows == rows and self.source_rows == rows and self.output_rows == rows
+
 
 def gather_rows(parts: Sequence[tuple[Sequence[int], Tensor]], batch: int, *, dim: int = 0) -> Tensor | None:
     """The outputs of a batch's chunks in the caller's row order: `parts` holds each chunk's caller
     rows and its values (those rows along `dim`); returns them as one tensor of `batch` rows along
-    `dim` (None without parts)."""
+    `dim` (None without parts; the one part's own tensor when it holds every row in order)."""
     if not parts:
         return None
+    if len(parts) == 1 and tuple(parts[0][0]) == tuple(range(batch)) and parts[0][1].shape[dim] == batch:
+        return parts[0][1]  # one chunk of every row in order: its values as they are
     first = parts[0][1]
     shape = list(first.shape)
     shape[dim] = batch
@@ -110,6 +119,13 @@ def gather_rows(parts: Sequence[tuple[Sequence[int], Tensor]], batch: int, *, di
 
 
 def plan_runs(cache_rows: Sequence[int], batch_sizes: Sequence[int]) -> tuple[RunChunk, ...]:
+    """Fit a batch to compiled batch sizes (`_plan_runs`); remembered per batch, since a decode
+    loop asks the same each step."""
+    return _plan_runs(tuple(cache_rows), tuple(batch_sizes))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_runs(cache_rows: tuple[int, ...], batch_sizes: tuple[int, ...]) -> tuple[RunChunk, ...]:
     """Fit a batch to compiled batch sizes: chunks of the largest size, each padded to the smallest
     size that holds it (REFERENCE §3: seq_ids sorted, padding rows repeat the first row, outputs
     read back in the caller's order; `padding.batch_plan`).
