@@ -203,6 +203,21 @@ def check_forward_inputs(
     Returns:
         The checked inputs, or a ConfigError listing every problem (field, value, why, fix).
     """
+    plain = _plain_decode(input_ids, attention_mask, position_ids, seq_ids, limits, cached)
+    if plain is not None:
+        return Success(plain)
+    return _checked(input_ids, attention_mask, position_ids, seq_ids, limits, cached)
+
+
+def _checked(
+    input_ids: object,
+    attention_mask: object | None,
+    position_ids: object | None,
+    seq_ids: object | None,
+    limits: Limits,
+    cached: Sequence[int],
+) -> Result[ForwardInputs, ConfigError]:
+    """`check_forward_inputs` of any call, on tensors."""
     ids, problems = as_integers("input_ids", input_ids)
     mask = positions = rows = None
     if attention_mask is not None:
@@ -285,6 +300,55 @@ def check_forward_inputs(
             cache_rows=cache_rows,
             routed=routed,
         )
+    )
+
+
+def _plain_decode(
+    input_ids: object,
+    attention_mask: object | None,
+    position_ids: object | None,
+    seq_ids: object | None,
+    limits: Limits,
+    cached: Sequence[int],
+) -> ForwardInputs | None:
+    """The checked inputs of a plain decode step, found on Python ints; None for any other call
+    (the full check then decides, and words any problem).
+
+    A plain decode step: int64 input_ids and position_ids [B, 1], no attention_mask, seq_ids none
+    or int64 [B], distinct cache rows; every id in the vocabulary, every position at or below the
+    tokens its row holds (and at least 1), below max_length. This is what a decode loop passes
+    each step; the full check's few dozen tensor ops cost about 0.3 ms per step in a decode of the
+    1.1B shape, these a few microseconds. Equal to the full check's result where it gives one
+    (a property test holds the two together)."""
+    if attention_mask is not None or not isinstance(input_ids, Tensor) or not isinstance(position_ids, Tensor):
+        return None
+    if input_ids.dtype != torch.int64 or input_ids.dim() != 2 or input_ids.shape[1] != 1:
+        return None
+    b = input_ids.shape[0]
+    if position_ids.dtype != torch.int64 or tuple(position_ids.shape) != (b, 1) or b == 0:
+        return None
+    if seq_ids is None:
+        rows = list(range(b))
+    elif isinstance(seq_ids, Tensor) and seq_ids.dtype == torch.int64 and tuple(seq_ids.shape) == (b,):
+        rows = seq_ids.tolist()
+    else:
+        return None
+    ids = [i for (i,) in input_ids.tolist()]
+    positions = [p for (p,) in position_ids.tolist()]
+    fits = all(0 <= i < limits.vocab_size for i in ids) and len(set(rows)) == b
+    if not fits or not all(0 <= s < limits.cache_rows for s in rows):
+        return None
+    if not all(1 <= p < limits.max_length and p <= cached[s] for p, s in zip(positions, rows, strict=True)):
+        return None  # a prefill, a row holding nothing, or a position past the cache: the full check words it
+    seq = torch.arange(b) if seq_ids is None else seq_ids
+    return ForwardInputs(
+        input_ids=input_ids,
+        attention_mask=torch.ones(b, 1, dtype=torch.int64),
+        position_ids=position_ids,
+        seq_ids=seq,
+        phase=Phase.TOKEN,
+        cache_rows=torch.tensor(rows, dtype=torch.int64),
+        routed=torch.zeros(b, dtype=torch.bool),
     )
 
 
