@@ -188,8 +188,9 @@ class CpuBackend:
             cpu_fusions.fused_swiglus(gm)
         in_place = cpu_passes.reinplace_cache_writes(gm, c_nodes) if self.in_place_cache else (False,) * len(c_nodes)
         cpu_passes.scatter_half_floats_as_bits(gm)  # bit for bit torch's scatter, so in every form
+        constants = cpu_passes.constants_as_inputs(gm)
         gm.recompile()
-        call = functools.partial(gm.forward, *weights.tensors)
+        call = functools.partial(gm.forward, *constants, *weights.tensors)
         return Success(LoadedProgram(program=program, call=call, in_place=in_place))
 
     def collectives(self, world: int) -> None:
