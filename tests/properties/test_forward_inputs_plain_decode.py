@@ -3,6 +3,8 @@ what the full check gives, and steps aside for everything else."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -42,7 +44,8 @@ def test_the_plain_path_gives_the_full_checks_result_wherever_it_answers(
 ) -> None:
     ids, positions, seq, cached = call
     plain = fi._plain_decode(ids, None, positions, seq, LIMITS, cached)
-    full = fi._checked(ids, None, positions, seq, LIMITS, cached)
+    with mock.patch.object(fi, "_plain_decode", return_value=None):  # the full check alone
+        full = fi.check_forward_inputs(ids, None, positions, seq, limits=LIMITS, cached=cached)
     if plain is not None:
         assert isinstance(full, Success), f"the plain path accepted a call the full check refuses: {full}"
         assert _same(plain, full.unwrap())

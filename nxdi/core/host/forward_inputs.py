@@ -206,18 +206,6 @@ def check_forward_inputs(
     plain = _plain_decode(input_ids, attention_mask, position_ids, seq_ids, limits, cached)
     if plain is not None:
         return Success(plain)
-    return _checked(input_ids, attention_mask, position_ids, seq_ids, limits, cached)
-
-
-def _checked(
-    input_ids: object,
-    attention_mask: object | None,
-    position_ids: object | None,
-    seq_ids: object | None,
-    limits: Limits,
-    cached: Sequence[int],
-) -> Result[ForwardInputs, ConfigError]:
-    """`check_forward_inputs` of any call, on tensors."""
     ids, problems = as_integers("input_ids", input_ids)
     mask = positions = rows = None
     if attention_mask is not None:
