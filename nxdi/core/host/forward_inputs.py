@@ -305,9 +305,9 @@ def _plain_decode(
     A plain decode step: int64 input_ids and position_ids [B, 1], no attention_mask, seq_ids none
     or int64 [B], distinct cache rows; every id in the vocabulary, every position at or below the
     tokens its row holds (and at least 1), below max_length. This is what a decode loop passes
-    each step; the full check's few dozen tensor ops cost about 0.3 ms per step in a decode of the
-    1.1B shape, these a few microseconds. Equal to the full check's result where it gives one
-    (a property test holds the two together)."""
+    each step; in a decode step of the 1.1B shape the full check's few dozen tensor ops took about
+    0.3 ms, this path 0.14 ms. Equal to the full check's result where it gives one (a property
+    test holds the two together)."""
     if attention_mask is not None or not isinstance(input_ids, Tensor) or not isinstance(position_ids, Tensor):
         return None
     if input_ids.dtype != torch.int64 or input_ids.dim() != 2 or input_ids.shape[1] != 1:
