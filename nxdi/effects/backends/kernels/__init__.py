@@ -49,7 +49,7 @@ SOURCES = tuple(
     Path(__file__).with_name(f)
     for f in ("quantized_linear.cpp", "bf16_linear.cpp", "bf16_pointwise.cpp", "decode_attention.cpp")
 )
-HEADERS = (Path(__file__).with_name("bf16_lanes.h"),)
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("bf16_lanes.h", "prefetch.h"))
 """Included by the sources: part of what a build is keyed by."""
 LIBRARY = "nxdi_kernels"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-fopenmp"]
@@ -158,3 +158,23 @@ def bf16_max_rows(k: int) -> int:
     16 on the AMX tiles (a CPU with AMX whose OS grants the tile state, and `k` a multiple of 32),
     else 4; 0 where the kernel cannot run."""
     return int(torch.ops.nxdi_kernels.bf16_max_rows(k)) if bf16_supported() else 0
+
+
+PREFETCH_MODES = ("auto", "on", "off")
+
+
+def next_block_prefetch(mode: str | None = None) -> str:
+    """Whether the decode linears prefetch the next block of weight rows in software: "auto" (the
+    default: except for 1-2 rows of x on AMD CPUs, where it measured slower; docs/cpu-backend.md,
+    "Decode linears on AMD CPUs"), "on" or "off". With `mode`, sets it for this process and returns
+    the previous one; without, the current one. Results do not depend on it.
+
+    Raises:
+        ValueError: `mode` is not one of PREFETCH_MODES.
+        RuntimeError: the kernels cannot run here (`load()` returned False; `why_not()` says why).
+    """
+    if mode is not None and mode not in PREFETCH_MODES:
+        raise ValueError(f"next_block_prefetch: mode must be one of {PREFETCH_MODES}, not {mode!r}")
+    if not load():
+        raise RuntimeError(f"nxdi's CPU kernels are not available: {why_not()}")
+    return str(torch.ops.nxdi_kernels.next_block_prefetch(mode))

@@ -33,20 +33,59 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <string>
 #include <vector>
+
+#include "prefetch.h"
+
+namespace nxdi_prefetch {
+
+namespace {
+enum Mode : int { AUTO, ON, OFF };
+std::atomic<int> mode{AUTO};
+
+// CPUID vendor "AuthenticAMD".
+bool amd() {
+  static const bool is_amd = [] {
+    unsigned a, b, c, d;
+    return __get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;
+  }();
+  return is_amd;
+}
+
+const char* const NAMES[] = {"auto", "on", "off"};
+}  // namespace
+
+bool next_block(int64_t rows) {
+  const int m = mode.load(std::memory_order_relaxed);
+  return m == ON || (m == AUTO && (!amd() || rows >= 3));
+}
+
+// With `to` ("auto", "on" or "off") given, sets the mode and returns the previous one; otherwise
+// the current one.
+std::string set_mode(c10::optional<std::string> to) {
+  if (!to.has_value()) return NAMES[mode.load()];
+  for (int m = AUTO; m <= OFF; ++m)
+    if (*to == NAMES[m]) return NAMES[mode.exchange(m)];
+  TORCH_CHECK(false, "next_block_prefetch: mode must be 'auto', 'on' or 'off', not '", *to, "'");
+}
+
+}  // namespace nxdi_prefetch
 
 namespace {
 
 // Output rows [0, N) split over torch's intra-op (OpenMP) threads, `R` rows per call of
-// `rows(n, R, next)` (`next`: the following R rows, to prefetch, or null) and the last few one per
-// call (`rows(n, 1, nullptr)`). Grain: at least 64 output rows per task, so two threads split a
-// matrix into two long runs.
-template <int R, typename Rows>
+// `rows(n, R, next)` (`next`: the following R rows, to prefetch, or null: at the end, and where
+// the prefetch is off, `nxdi_prefetch`) and the last few one per call (`rows(n, 1, nullptr)`).
+// Grain: at least 64 output rows per task, so two threads split a matrix into two long runs.
+template <int M, int R, typename Rows>
 void over_rows(int64_t N, int64_t K, const uint16_t* w, const Rows& rows) {
+  const bool prefetch = nxdi_prefetch::next_block(M);
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     int64_t n = n0;
-    for (; n + R <= n1; n += R) rows(n, R, n + 2 * R <= n1 ? w + (n + R) * K : nullptr);
+    for (; n + R <= n1; n += R) rows(n, R, prefetch && n + 2 * R <= n1 ? w + (n + R) * K : nullptr);
     for (; n < n1; ++n) rows(n, 1, nullptr);
   });
 }
@@ -81,7 +120,7 @@ void dot_rows(const uint16_t* x, const uint16_t* w, const uint16_t* next, const 
 
 template <int M, int R>
 void run(const uint16_t* x, const uint16_t* w, const float* bias, at::BFloat16* y, int64_t K, int64_t N) {
-  over_rows<R>(N, K, w, [&](int64_t n, int64_t rows, const uint16_t* next) {
+  over_rows<M, R>(N, K, w, [&](int64_t n, int64_t rows, const uint16_t* next) {
     if (rows == R)
       dot_rows<M, R>(x, w + n * K, next, bias ? bias + n : nullptr, y + n, K, N);
     else
@@ -145,7 +184,7 @@ void run_fma(const uint16_t* x, const uint16_t* w, const float* bias, at::BFloat
   for (int m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k)
       xs[(2 * m + k % 2) * P + k / 2] = bf16_value(x[m * K + k]);
-  over_rows<R>(N, K, w, [&](int64_t n, int64_t rows, const uint16_t* next) {
+  over_rows<M, R>(N, K, w, [&](int64_t n, int64_t rows, const uint16_t* next) {
     if (rows == R)
       fma_rows<M, R>(xs.data(), P, w + n * K, next, bias ? bias + n : nullptr, y + n, K, N);
     else
@@ -305,4 +344,5 @@ TORCH_LIBRARY_FRAGMENT(nxdi_kernels, m) {
   m.impl("bf16_linear_widened", c10::DispatchKey::CPU, &bf16_linear_widened);
   m.def("bf16_dot_supported() -> bool", &bf16_dot_supported);
   m.def("bf16_max_rows(int k) -> int", &max_rows);
+  m.def("next_block_prefetch(str? mode=None) -> str", &nxdi_prefetch::set_mode);
 }

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "bf16_lanes.h"
+#include "prefetch.h"
 
 // SLEEF's exp, exported by libtorch_cpu: the one torch's vectorized silu calls on AVX-512, so the
 // fused SwiGLU below gives torch's silu bits (equal to torch's silu on all 65536 bf16 inputs when
@@ -179,11 +180,13 @@ void run_rows(const float* x, const typename W::T* w, const Scales& scales, cons
     dot_rows<W, Blocked, M, R>(x, w + n * K, next, step, scales, n, bias ? bias + n : nullptr, y + n, K, Kp, N);
   };
   constexpr int64_t G = S * R;
+  const bool prefetch = nxdi_prefetch::next_block(M);
   int64_t n = n0;
   for (; n + G <= n1; n += G)
     for (int64_t j = 0; j < S; ++j)
-      block(n + j, S, j + 1 < S ? w + (n + j + 1) * K : (n + 2 * G <= n1 ? w + (n + G) * K : nullptr));
-  for (; n + R <= n1; n += R) block(n, 1, n + 2 * R <= n1 ? w + (n + R) * K : nullptr);
+      block(n + j, S,
+            !prefetch ? nullptr : j + 1 < S ? w + (n + j + 1) * K : (n + 2 * G <= n1 ? w + (n + G) * K : nullptr));
+  for (; n + R <= n1; n += R) block(n, 1, prefetch && n + 2 * R <= n1 ? w + (n + R) * K : nullptr);
   for (; n < n1; ++n)
     dot_rows<W, Blocked, M, 1>(x, w + n * K, nullptr, 1, scales, n, bias ? bias + n : nullptr, y + n, K, Kp, N);
 }
