@@ -62,9 +62,12 @@ def _op(path: str, k: int = 32) -> tuple[Any, int]:
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16])
 @pytest.mark.parametrize("k", [32, 100, 2048])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_kernel_equals_linear_up_to_the_outputs_rounding(path: str, m: int, k: int, with_bias: bool) -> None:
-    # 37 rows: four blocks of eight and a tail of five; with AMX two tiles of 16 and a tail of five
-    x, w, bias = _case(m, k, 37)
+# n: 37 rows: one group of blocks read 4 rows apart (32 rows at 1-2 rows of x, 16 at 3-4) and a
+# tail of adjacent rows; with AMX two tiles of 16 and a tail of five. 301: split over two threads
+# at an odd row, each part read in groups, then blocks of adjacent rows, then single rows.
+@pytest.mark.parametrize("n", [37, 301])
+def test_kernel_equals_linear_up_to_the_outputs_rounding(path: str, m: int, k: int, with_bias: bool, n: int) -> None:
+    x, w, bias = _case(m, k, n)
     b = bias if with_bias else None
     op, limit = _op(path, k)
     if m > limit:  # 5 and 16 rows need AMX and a width the tiles take
