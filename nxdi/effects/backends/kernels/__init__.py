@@ -49,7 +49,7 @@ SOURCES = tuple(
     Path(__file__).with_name(f)
     for f in ("quantized_linear.cpp", "bf16_linear.cpp", "bf16_pointwise.cpp", "decode_attention.cpp")
 )
-HEADERS = tuple(Path(__file__).with_name(h) for h in ("bf16_lanes.h", "prefetch.h"))
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("bf16_lanes.h", "read_order.h"))
 """Included by the sources: part of what a build is keyed by."""
 LIBRARY = "nxdi_kernels"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-fopenmp"]
@@ -160,21 +160,23 @@ def bf16_max_rows(k: int) -> int:
     return int(torch.ops.nxdi_kernels.bf16_max_rows(k)) if bf16_supported() else 0
 
 
-PREFETCH_MODES = ("auto", "on", "off")
+READ_ORDERS = ("auto", "intel", "amd")
 
 
-def next_block_prefetch(mode: str | None = None) -> str:
-    """Whether the decode linears prefetch the next block of weight rows in software: "auto" (the
-    default: except for 1-2 rows of x on AMD CPUs, where it measured slower; docs/cpu-backend.md,
-    "Decode linears on AMD CPUs"), "on" or "off". With `mode`, sets it for this process and returns
-    the previous one; without, the current one. Results do not depend on it.
+def read_order(preset: str | None = None) -> str:
+    """The order in which the decode linears read weight rows (how far apart the rows read at once
+    lie, and whether the next block is prefetched in software), a preset chosen per CPU by
+    measurement: "auto" (the default: "amd" on AMD CPUs, "intel" elsewhere), "intel" or "amd"
+    (kernels/read_order.h; docs/cpu-backend.md, "Decode linears on AMD CPUs"). With `preset`, sets
+    it for this process and returns the previous one; without, the current one. Results do not
+    depend on it.
 
     Raises:
-        ValueError: `mode` is not one of PREFETCH_MODES.
+        ValueError: `preset` is not one of READ_ORDERS.
         RuntimeError: the kernels cannot run here (`load()` returned False; `why_not()` says why).
     """
-    if mode is not None and mode not in PREFETCH_MODES:
-        raise ValueError(f"next_block_prefetch: mode must be one of {PREFETCH_MODES}, not {mode!r}")
+    if preset is not None and preset not in READ_ORDERS:
+        raise ValueError(f"read_order: the preset must be one of {READ_ORDERS}, not {preset!r}")
     if not load():
         raise RuntimeError(f"nxdi's CPU kernels are not available: {why_not()}")
-    return str(torch.ops.nxdi_kernels.next_block_prefetch(mode))
+    return str(torch.ops.nxdi_kernels.read_order(preset))

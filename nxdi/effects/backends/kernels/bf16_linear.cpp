@@ -13,7 +13,8 @@
 // in flight, and one stream per core measured 17-19 GB/s where eight reached 25-33 GB/s (torch's
 // F.linear 13-20, oneDNN with a prepacked weight about 10, on the development machine), and the
 // next block of rows is prefetched while one is read (a block's rows are short streams the
-// hardware prefetcher restarts on; 1.3-1.7x more).
+// hardware prefetcher restarts on; 1.3-1.7x more). A block's rows are read some rows apart, and the
+// prefetch and that spacing are chosen per CPU (`read_order.h`).
 //
 // AMX (a CPU with AMX-BF16 whose OS grants the tile state, K a multiple of 32), for 2-16 rows: a
 // 16 x 32 block of w, loaded as stored (16 rows at once, 64 bytes of each), times x packed as the
@@ -38,67 +39,64 @@
 #include <string>
 #include <vector>
 
-#include "prefetch.h"
+#include "read_order.h"
 
-namespace nxdi_prefetch {
+namespace nxdi_read_order {
 
 namespace {
-enum Mode : int { AUTO, ON, OFF };
-std::atomic<int> mode{AUTO};
+enum Preset : int { AUTO, INTEL, AMD };
+const char* const NAMES[] = {"auto", "intel", "amd"};
+std::atomic<int> preset{AUTO};
 
 // CPUID vendor "AuthenticAMD".
-bool amd() {
+bool amd_cpu() {
   static const bool is_amd = [] {
     unsigned a, b, c, d;
     return __get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;
   }();
   return is_amd;
 }
-
-const char* const NAMES[] = {"auto", "on", "off"};
 }  // namespace
 
-bool next_block(int64_t rows) {
-  const int m = mode.load(std::memory_order_relaxed);
-  return m == ON || (m == AUTO && (!amd() || rows >= 3));
+Order of(int64_t rows, int bytes) {
+  const int p = preset.load(std::memory_order_relaxed);
+  if (p == AMD || (p == AUTO && amd_cpu())) return {rows >= 3, bytes == 1 ? 16 : 8};
+  return {true, 4};
 }
 
-// With `to` ("auto", "on" or "off") given, sets the mode and returns the previous one; otherwise
-// the current one.
-std::string set_mode(c10::optional<std::string> to) {
-  if (!to.has_value()) return NAMES[mode.load()];
-  for (int m = AUTO; m <= OFF; ++m)
-    if (*to == NAMES[m]) return NAMES[mode.exchange(m)];
-  TORCH_CHECK(false, "next_block_prefetch: mode must be 'auto', 'on' or 'off', not '", *to, "'");
+// With `name` ("auto", "intel" or "amd") given, sets the preset and returns the previous one;
+// otherwise the current one.
+std::string set_preset(c10::optional<std::string> name) {
+  if (!name.has_value()) return NAMES[preset.load()];
+  for (int p = AUTO; p <= AMD; ++p)
+    if (*name == NAMES[p]) return NAMES[preset.exchange(p)];
+  TORCH_CHECK(false, "read_order: the preset must be 'auto', 'intel' or 'amd', not '", *name, "'");
 }
 
-}  // namespace nxdi_prefetch
+}  // namespace nxdi_read_order
 
 namespace {
 
-// Rows are read in groups of S * R, as the quantized kernels read theirs: the group's block j is its
-// rows j, j + S, ..., j + (R - 1) * S. On AMD Zen 4 that order read 1.03-1.2x faster per call than
-// R adjacent rows at 1-4 rows of x, and a batch-1 decode step took 1.13-1.2x less time; on the Ice
-// Lake machine it had measured -2 to +6 % per call (docs/cpu-backend.md, "Decode linears on AMD
-// CPUs").
-constexpr int64_t S = 4;
-
-// Output rows [0, N) split over torch's intra-op (OpenMP) threads, `R` rows per call of
-// `rows(n, R, step, next)` (rows n, n + step, ..., n + (R - 1) * step; `next`: the first of the
-// next block's, to prefetch, or null: at the end, and where the prefetch is off, `nxdi_prefetch`)
-// and the last few one per call (`rows(n, 1, 1, nullptr)`). Grain: at least 64 output rows per
-// task, so two threads split a matrix into two long runs.
+// Output rows [0, N) split over torch's intra-op (OpenMP) threads, each thread's share in groups
+// of spacing x R rows read as `spacing` blocks (`read_order.h`), `R` rows per call of
+// `rows(n, R, step, next)` (rows n, n + step, ..., n + (R - 1) * step; `next`: the first row of the
+// next block, to prefetch, or null), then blocks of R adjacent rows and the last few one per call
+// (`rows(n, 1, 1, nullptr)`). Grain: at least 64 output rows per task, so two threads split a
+// matrix into two long runs.
 template <int M, int R, typename Rows>
 void over_rows(int64_t N, int64_t K, const uint16_t* w, const Rows& rows) {
-  const bool prefetch = nxdi_prefetch::next_block(M);
+  const nxdi_read_order::Order order = nxdi_read_order::of(M, 2);
+  const int64_t S = order.spacing;
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    constexpr int64_t G = S * R;
+    const int64_t G = S * R;
     int64_t n = n0;
     for (; n + G <= n1; n += G)
       for (int64_t j = 0; j < S; ++j)
         rows(n + j, R, S,
-             !prefetch ? nullptr : j + 1 < S ? w + (n + j + 1) * K : (n + 2 * G <= n1 ? w + (n + G) * K : nullptr));
-    for (; n + R <= n1; n += R) rows(n, R, 1, prefetch && n + 2 * R <= n1 ? w + (n + R) * K : nullptr);
+             !order.prefetch ? nullptr
+             : j + 1 < S     ? w + (n + j + 1) * K
+                             : (n + 2 * G <= n1 ? w + (n + G) * K : nullptr));
+    for (; n + R <= n1; n += R) rows(n, R, 1, order.prefetch && n + 2 * R <= n1 ? w + (n + R) * K : nullptr);
     for (; n < n1; ++n) rows(n, 1, 1, nullptr);
   });
 }
@@ -360,5 +358,5 @@ TORCH_LIBRARY_FRAGMENT(nxdi_kernels, m) {
   m.impl("bf16_linear_widened", c10::DispatchKey::CPU, &bf16_linear_widened);
   m.def("bf16_dot_supported() -> bool", &bf16_dot_supported);
   m.def("bf16_max_rows(int k) -> int", &max_rows);
-  m.def("next_block_prefetch(str? mode=None) -> str", &nxdi_prefetch::set_mode);
+  m.def("read_order(str? preset=None) -> str", &nxdi_read_order::set_preset);
 }

@@ -11,8 +11,8 @@
 // 13 GB/s of int8 and eight 15-20 GB/s (on an earlier Zen 5 machine one stream with unrolled
 // accumulators had measured best; the interleaved loop was chosen on the machine it runs on now),
 // and the next block of rows is prefetched while one is read (30 GB/s of int8 then). A block's rows
-// are S rows apart, not adjacent (`run_rows`: 1.03-1.4x per call at one row of x). Output rows
-// are split over torch's intra-op (OpenMP) threads. Measurements: docs/cpu-backend.md,
+// are S rows apart, not adjacent (`run_rows`: 1.03-1.4x per call at one row of x). Both choices
+// are per CPU (`read_order.h`). Output rows are split over torch's intra-op (OpenMP) threads. Measurements: docs/cpu-backend.md,
 // "Quantized weights".
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "bf16_lanes.h"
-#include "prefetch.h"
+#include "read_order.h"
 
 // SLEEF's exp, exported by libtorch_cpu: the one torch's vectorized silu calls on AVX-512, so the
 // fused SwiGLU below gives torch's silu bits (equal to torch's silu on all 65536 bf16 inputs when
@@ -165,13 +165,12 @@ void dot_rows(const float* x, const typename W::T* w, const typename W::T* next,
                                              (bias ? bias[r * step] : 0.0f));
 }
 
-// Rows are read in groups of S * R: the group's block j is its rows j, j + S, ..., j + (R - 1) * S,
-// so the R streams read at once lie in different 4 KB pages, and the hardware prefetcher, running on
-// past a row to its page's end, fetches rows the next blocks read. On the 1.1B shapes at one row of
-// x, R adjacent rows (of 2 KB at K = 2048: two streams per page) read 18-25 GB/s of int8 and S = 4
-// 22-30 on the Ice Lake machine (docs/cpu-backend.md, "Int8 decode against bf16").
-constexpr int64_t S = 4;
-
+// Rows are read in groups of S * R (S: `read_order.h`'s spacing): the group's block j is its rows
+// j, j + S, ..., j + (R - 1) * S, so the R streams read at once lie in different 4 KB pages, and
+// the hardware prefetcher, running on past a row to its page's end, fetches rows the next blocks
+// read. On the 1.1B shapes at one row of x, R adjacent rows (of 2 KB at K = 2048: two streams per
+// page) read 18-25 GB/s of int8 and S = 4 22-30 on the Ice Lake machine (docs/cpu-backend.md,
+// "Int8 decode against bf16"); on Zen 4, S = 16 (rows 32 KB apart) was faster still.
 // Output rows [n0, n1) of y (one thread's share).
 template <typename W, bool Blocked, int M, int R, typename Out>
 void run_rows(const float* x, const typename W::T* w, const Scales& scales, const float* bias, Out* y, int64_t K,
@@ -179,14 +178,16 @@ void run_rows(const float* x, const typename W::T* w, const Scales& scales, cons
   auto block = [&](int64_t n, int64_t step, const typename W::T* next) __attribute__((always_inline)) {
     dot_rows<W, Blocked, M, R>(x, w + n * K, next, step, scales, n, bias ? bias + n : nullptr, y + n, K, Kp, N);
   };
-  constexpr int64_t G = S * R;
-  const bool prefetch = nxdi_prefetch::next_block(M);
+  const nxdi_read_order::Order order = nxdi_read_order::of(M, 1);
+  const int64_t S = order.spacing, G = S * R;
   int64_t n = n0;
   for (; n + G <= n1; n += G)
     for (int64_t j = 0; j < S; ++j)
       block(n + j, S,
-            !prefetch ? nullptr : j + 1 < S ? w + (n + j + 1) * K : (n + 2 * G <= n1 ? w + (n + G) * K : nullptr));
-  for (; n + R <= n1; n += R) block(n, 1, prefetch && n + 2 * R <= n1 ? w + (n + R) * K : nullptr);
+            !order.prefetch ? nullptr
+            : j + 1 < S     ? w + (n + j + 1) * K
+                            : (n + 2 * G <= n1 ? w + (n + G) * K : nullptr));
+  for (; n + R <= n1; n += R) block(n, 1, order.prefetch && n + 2 * R <= n1 ? w + (n + R) * K : nullptr);
   for (; n < n1; ++n)
     dot_rows<W, Blocked, M, 1>(x, w + n * K, nullptr, 1, scales, n, bias ? bias + n : nullptr, y + n, K, Kp, N);
 }
