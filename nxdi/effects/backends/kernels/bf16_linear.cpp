@@ -60,8 +60,8 @@ bool amd_cpu() {
 
 Order of(int64_t rows, int bytes) {
   const int p = preset.load(std::memory_order_relaxed);
-  if (p == AMD || (p == AUTO && amd_cpu())) return {rows >= 3, bytes == 1 ? 16 : 8};
-  return {true, 4};
+  if (p == AMD || (p == AUTO && amd_cpu())) return {rows >= 3, bytes == 1 ? 16 : 8, 2048};
+  return {true, 4, 0};
 }
 
 // With `name` ("auto", "intel" or "amd") given, sets the preset and returns the previous one;
@@ -107,10 +107,10 @@ void over_rows(int64_t N, int64_t K, const uint16_t* w, const Rows& rows) {
 
 // The block's R rows are w's rows 0, step, ..., (R - 1) * step (y's likewise). `next`: the first
 // row of the following block (or null; its rows `step` apart too): fetched into cache while this
-// block is read.
+// block is read; without it, each row's elements `ahead` on (if not 0) are fetched into L2.
 template <int M, int R>
 void dot_rows(const uint16_t* x, const uint16_t* w, const uint16_t* next, int64_t step, const float* bias,
-              at::BFloat16* y, int64_t K, int64_t N) {
+              at::BFloat16* y, int64_t K, int64_t N, int64_t ahead = 0) {
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -119,6 +119,8 @@ void dot_rows(const uint16_t* x, const uint16_t* w, const uint16_t* next, int64_
     const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (K - k)) - 1;
     if (next)
       for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * step * K + k), _MM_HINT_T0);
+    else if (ahead)
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + r * step * K + k + ahead), _MM_HINT_T1);
     __m512bh xv[M];
     for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
     for (int r = 0; r < R; ++r) {
@@ -133,9 +135,10 @@ void dot_rows(const uint16_t* x, const uint16_t* w, const uint16_t* next, int64_
 
 template <int M, int R>
 void run(const uint16_t* x, const uint16_t* w, const float* bias, at::BFloat16* y, int64_t K, int64_t N) {
+  const int64_t ahead = nxdi_read_order::of(M, 2).ahead / 2;
   over_rows<M, R>(N, K, w, [&](int64_t n, int64_t rows, int64_t step, const uint16_t* next) {
     if (rows == R)
-      dot_rows<M, R>(x, w + n * K, next, step, bias ? bias + n : nullptr, y + n, K, N);
+      dot_rows<M, R>(x, w + n * K, next, step, bias ? bias + n : nullptr, y + n, K, N, ahead);
     else
       dot_rows<M, 1>(x, w + n * K, nullptr, 1, bias ? bias + n : nullptr, y + n, K, N);
   });

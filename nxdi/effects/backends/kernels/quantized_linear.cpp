@@ -119,11 +119,11 @@ bool blocks_fit(const at::Tensor& scale, int64_t N, int64_t K, int64_t step) {
 
 // The block's R output rows are n, n + step, ..., n + (R - 1) * step (below: `run_rows`).
 // `next`: the following block's first row (or null; its rows `step` apart too): fetched into cache
-// while this block is read. Blocked: each chunk of weights is multiplied by its block's scale before
+// while this block is read; without it, each row's bytes `ahead` on (if not 0) are fetched into L2. Blocked: each chunk of weights is multiplied by its block's scale before
 // the FMAs; otherwise the row's one scale multiplies the sum.
 template <typename W, bool Blocked, int M, int R, typename Out>
 void dot_rows(const float* x, const typename W::T* w, const typename W::T* next, int64_t step, const Scales& scales,
-              int64_t n, const float* bias, Out* y, int64_t K, int64_t Kp, int64_t N) {
+              int64_t n, const float* bias, Out* y, int64_t K, int64_t Kp, int64_t N, int64_t ahead = 0) {
   __m512 acc[R][M];
   const float* srow[R];
   const int64_t stride = step * K;  // between the block's rows
@@ -136,8 +136,12 @@ void dot_rows(const float* x, const typename W::T* w, const typename W::T* next,
   // One chunk of `step` columns at k; `mask...`: none for a whole chunk, else the columns left
   // (zeros are loaded past the end).
   auto chunk = [&](int64_t k, auto... mask) __attribute__((always_inline)) {
-    if (next && k % 64 == 0)  // one cache line per row
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * stride + k), _MM_HINT_T0);
+    if (k % 64 == 0) {  // one cache line per row
+      if (next)
+        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * stride + k), _MM_HINT_T0);
+      else if (ahead)
+        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + r * stride + k + ahead), _MM_HINT_T1);
+    }
     __m512 xv[M][V];  // x is padded with zero columns to a multiple of 32 (quantized_linear)
     for (int m = 0; m < M; ++m)
       for (int v = 0; v < V; ++v) xv[m][v] = _mm512_loadu_ps(x + m * Kp + k + 16 * v);
@@ -175,10 +179,11 @@ void dot_rows(const float* x, const typename W::T* w, const typename W::T* next,
 template <typename W, bool Blocked, int M, int R, typename Out>
 void run_rows(const float* x, const typename W::T* w, const Scales& scales, const float* bias, Out* y, int64_t K,
               int64_t Kp, int64_t N, int64_t n0, int64_t n1) {
-  auto block = [&](int64_t n, int64_t step, const typename W::T* next) __attribute__((always_inline)) {
-    dot_rows<W, Blocked, M, R>(x, w + n * K, next, step, scales, n, bias ? bias + n : nullptr, y + n, K, Kp, N);
-  };
   const nxdi_read_order::Order order = nxdi_read_order::of(M, 1);
+  auto block = [&](int64_t n, int64_t step, const typename W::T* next) __attribute__((always_inline)) {
+    dot_rows<W, Blocked, M, R>(x, w + n * K, next, step, scales, n, bias ? bias + n : nullptr, y + n, K, Kp, N,
+                               order.ahead);
+  };
   const int64_t S = order.spacing, G = S * R;
   int64_t n = n0;
   for (; n + G <= n1; n += G)
