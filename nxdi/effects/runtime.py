@@ -240,26 +240,24 @@ class Runtime:
     def _view(self, bucket: int, rows: Tensor | None, batch: int) -> KVCache:
         bucket = -(-bucket // self.kv_group)
         ranks = (slice(None),) * self.lead
-        if rows is None:
-            if self.device.type == "cpu":
-                # A host cache is written in place, so a bucket's slices stay valid: made once,
-                # not 2 x layers slicing dispatches every step.
-                held, views = self._views
-                if held is not self.cache:
-                    held, views = self._views = (self.cache, {})
-                if (bucket, batch) in views:
-                    return views[bucket, batch]
-            at = (*ranks, slice(None, batch), slice(None), slice(None, bucket))
-            view = KVCache(k=tuple(t[at] for t in self.cache.k), v=tuple(t[at] for t in self.cache.v))
-            if self.device.type == "cpu":
-                views[bucket, batch] = view
-            return view
-        read = rows.clamp(min=0)  # padding rows (-1) read row 0; their results are discarded
-        at = (*ranks, slice(None), slice(None), slice(None, bucket))
-        return KVCache(
-            k=tuple(t.index_select(self.lead, read)[at] for t in self.cache.k),
-            v=tuple(t.index_select(self.lead, read)[at] for t in self.cache.v),
-        )
+        if rows is not None:
+            read = rows.clamp(min=0)  # padding rows (-1) read row 0; their results are discarded
+            at = (*ranks, slice(None), slice(None), slice(None, bucket))
+            return KVCache(
+                k=tuple(t.index_select(self.lead, read)[at] for t in self.cache.k),
+                v=tuple(t.index_select(self.lead, read)[at] for t in self.cache.v),
+            )
+        at = (*ranks, slice(None, batch), slice(None), slice(None, bucket))
+        if self.device.type != "cpu":
+            return _sliced(self.cache, at)
+        # A host cache is written in place, so a bucket's slices stay valid: made once, not
+        # 2 x layers slicing dispatches every step.
+        held, views = self._views
+        if held is not self.cache:
+            held, views = self._views = (self.cache, {})
+        if (bucket, batch) not in views:
+            views[bucket, batch] = _sliced(self.cache, at)
+        return views[bucket, batch]
 
     def _write_back(self, updated: KVCache, given: KVCache, bucket: int, rows: Tensor | None) -> None:
         bucket = -(-bucket // self.kv_group)
@@ -279,6 +277,11 @@ class Runtime:
                 # On the bytes of a float8 cache: CPU torch has no float8 index_copy kernel.
                 dst, src = kv_cache.bits(full[:, :, :bucket]), kv_cache.bits(part[real].to(full.dtype))
                 dst.index_copy_(0, rows[real], src)
+
+
+def _sliced(cache: KVCache, at: tuple[slice, ...]) -> KVCache:
+    """Every layer's k and v indexed by `at` (views of the runtime's tensors)."""
+    return KVCache(k=tuple(t[at] for t in cache.k), v=tuple(t[at] for t in cache.v))
 
 
 def _updated(full: Tensor, part: Tensor, bucket: int, rows: Tensor | None, lead: int) -> Tensor:
