@@ -119,8 +119,9 @@ bool blocks_fit(const at::Tensor& scale, int64_t N, int64_t K, int64_t step) {
 
 // The block's R output rows are n, n + step, ..., n + (R - 1) * step (below: `run_rows`).
 // `next`: the following block's first row (or null; its rows `step` apart too): fetched into cache
-// while this block is read; without it, each row's bytes `ahead` on (if not 0) are fetched into L2. Blocked: each chunk of weights is multiplied by its block's scale before
-// the FMAs; otherwise the row's one scale multiplies the sum.
+// while this block is read; without it, each row's bytes `ahead` on (if not 0) are fetched into
+// L2. Blocked: each chunk of weights is multiplied by its block's scale before the FMAs; otherwise
+// the row's one scale multiplies the sum.
 template <typename W, bool Blocked, int M, int R, typename Out>
 void dot_rows(const float* x, const typename W::T* w, const typename W::T* next, int64_t step, const Scales& scales,
               int64_t n, const float* bias, Out* y, int64_t K, int64_t Kp, int64_t N, int64_t ahead = 0) {
