@@ -60,7 +60,7 @@ bool amd_cpu() {
 
 Order of(int64_t rows, int bytes) {
   const int p = preset.load(std::memory_order_relaxed);
-  if (p == AMD || (p == AUTO && amd_cpu())) return {rows >= 3, bytes == 1 ? 16 : 8, 2048};
+  if (p == AMD || (p == AUTO && amd_cpu())) return {rows >= 3, bytes == 1 ? 16 : 8, rows >= 3 ? 0 : 2048};
   return {true, 4, 0};
 }
 
@@ -81,11 +81,10 @@ namespace {
 // of spacing x R rows read as `spacing` blocks (`read_order.h`), `R` rows per call of
 // `rows(n, R, step, next)` (rows n, n + step, ..., n + (R - 1) * step; `next`: the first row of the
 // next block, to prefetch, or null), then blocks of R adjacent rows and the last few one per call
-// (`rows(n, 1, 1, nullptr)`). Grain: at least 64 output rows per task, so two threads split a
-// matrix into two long runs.
-template <int M, int R, typename Rows>
-void over_rows(int64_t N, int64_t K, const uint16_t* w, const Rows& rows) {
-  const nxdi_read_order::Order order = nxdi_read_order::of(M, 2);
+// (`rows(n, 1, 1, nullptr)`), in the caller's `order` (`nxdi_read_order::of(M, 2)`). Grain: at
+// least 64 output rows per task, so two threads split a matrix into two long runs.
+template <int R, typename Rows>
+void over_rows(const nxdi_read_order::Order& order, int64_t N, int64_t K, const uint16_t* w, const Rows& rows) {
   const int64_t S = order.spacing;
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     const int64_t G = S * R;
@@ -120,7 +119,8 @@ void dot_rows(const uint16_t* x, const uint16_t* w, const uint16_t* next, int64_
     if (next)
       for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * step * K + k), _MM_HINT_T0);
     else if (ahead)
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + r * step * K + k + ahead), _MM_HINT_T1);
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + r * step * K + k + ahead), _MM_HINT_T1);
     __m512bh xv[M];
     for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
     for (int r = 0; r < R; ++r) {
@@ -135,10 +135,10 @@ void dot_rows(const uint16_t* x, const uint16_t* w, const uint16_t* next, int64_
 
 template <int M, int R>
 void run(const uint16_t* x, const uint16_t* w, const float* bias, at::BFloat16* y, int64_t K, int64_t N) {
-  const int64_t ahead = nxdi_read_order::of(M, 2).ahead / 2;
-  over_rows<M, R>(N, K, w, [&](int64_t n, int64_t rows, int64_t step, const uint16_t* next) {
+  const nxdi_read_order::Order order = nxdi_read_order::of(M, 2);
+  over_rows<R>(order, N, K, w, [&](int64_t n, int64_t rows, int64_t step, const uint16_t* next) {
     if (rows == R)
-      dot_rows<M, R>(x, w + n * K, next, step, bias ? bias + n : nullptr, y + n, K, N, ahead);
+      dot_rows<M, R>(x, w + n * K, next, step, bias ? bias + n : nullptr, y + n, K, N, order.ahead / 2);
     else
       dot_rows<M, 1>(x, w + n * K, nullptr, 1, bias ? bias + n : nullptr, y + n, K, N);
   });
@@ -201,7 +201,8 @@ void run_fma(const uint16_t* x, const uint16_t* w, const float* bias, at::BFloat
   for (int m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k)
       xs[(2 * m + k % 2) * P + k / 2] = bf16_value(x[m * K + k]);
-  over_rows<M, R>(N, K, w, [&](int64_t n, int64_t rows, int64_t step, const uint16_t* next) {
+  const nxdi_read_order::Order order = nxdi_read_order::of(M, 2);
+  over_rows<R>(order, N, K, w, [&](int64_t n, int64_t rows, int64_t step, const uint16_t* next) {
     if (rows == R)
       fma_rows<M, R>(xs.data(), P, w + n * K, next, step, bias ? bias + n : nullptr, y + n, K, N);
     else

@@ -141,7 +141,8 @@ void dot_rows(const float* x, const typename W::T* w, const typename W::T* next,
       if (next)
         for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * stride + k), _MM_HINT_T0);
       else if (ahead)
-        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + r * stride + k + ahead), _MM_HINT_T1);
+        for (int r = 0; r < R; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(w + r * stride + k + ahead), _MM_HINT_T1);
     }
     __m512 xv[M][V];  // x is padded with zero columns to a multiple of 32 (quantized_linear)
     for (int m = 0; m < M; ++m)

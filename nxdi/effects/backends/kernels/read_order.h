@@ -28,8 +28,8 @@ namespace nxdi_read_order {
 struct Order {
   bool prefetch;    // the next block's rows, one cache line per row per step
   int64_t spacing;  // rows between a block's rows
-  int64_t ahead;    // without `prefetch`: bytes ahead in each stream fetched into L2 (0: none); the
-                    // widened bf16 path (CPUs without AVX512-BF16, none of them AMD) leaves it
+  int64_t ahead;    // bytes ahead in each stream fetched into L2 (0: none; 0 wherever `prefetch`);
+                    // the widened bf16 path (CPUs without AVX512-BF16, none of them AMD) leaves it
 };
 
 // The order for a call with `rows` rows of x and weights of `bytes` bytes each (read once per call).
