@@ -3,8 +3,9 @@
 Each object holds a validated frozen spec plus the kwargs the user gave. Reading an attribute
 reads the spec (dtypes come back as `torch.dtype`, bucket tuples as lists, as in NxDI).
 Assigning one (`cfg.speculation_length = 0`) re-parses the given kwargs with the new value and
-swaps the spec, so derived defaults follow and an invalid assignment raises
-IncompatibleConfigError and leaves the object unchanged.
+swaps the spec, so derived defaults follow. A value bad on its own raises IncompatibleConfigError
+at once and leaves the object unchanged; a broken cross-field rule waits for the next assignment
+(see `NeuronConfig.__setattr__`); `update()` checks everything at once.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import attrs
+from returns.result import Failure
 
-from nxdi.core.config import codec, neuron_parse
+from nxdi.core.config import codec, neuron_checks, neuron_parse
 from nxdi.core.config.fields import JsonMap, did_you_mean, sub_spec_fields, to_json
 from nxdi.core.config.neuron_spec import DERIVED, NeuronSpec
 from nxdi.core.config.sub_specs import (
@@ -27,10 +29,11 @@ from nxdi.core.config.sub_specs import (
     RouterSpec,
     parse_sub,
 )
+from nxdi.core.errors import ConfigError
 from nxdi.core.platform import Platform
 from nxdi.effects import env as env_mod
 from nxdi.effects import lora_adapters as lora_io
-from nxdi.shell.exceptions import unwrap
+from nxdi.shell.exceptions import exception_for, unwrap
 
 _SUB_SPECS: dict[str, type] = {**sub_spec_fields(NeuronSpec), **sub_spec_fields(MoESpec)}
 
@@ -240,22 +243,38 @@ class NeuronConfig:
     """
 
     _moe: ClassVar[bool] = False
+    _pending: ConfigError | None = None
+    """The cross-field rules the assignments since the last consistent state break (None: none)."""
+    _unsettled: tuple[str, ...] = ()
+    """The attributes assigned since the last consistent state, for the message."""
 
     def __init__(self, **kwargs: Any) -> None:
         given = {k: _normalize(v) for k, v in kwargs.items()}
         self._install(given, self._parse(given))
 
-    def _parse(self, given: Mapping[str, Any]) -> neuron_parse.ParsedNeuronSpec:
+    def _parse(self, given: Mapping[str, Any], *, rules: bool = True) -> neuron_parse.ParsedNeuronSpec:
         env = env_mod.read_env()
         result = neuron_parse.parse_neuron_spec(
-            given, env_lnc=env.logical_nc_config, platform=env.platform_target or Platform.TRN1, moe=self._moe
+            given,
+            env_lnc=env.logical_nc_config,
+            platform=env.platform_target or Platform.TRN1,
+            moe=self._moe,
+            rules=rules,
         )
         return unwrap(result, f"Invalid {type(self).__name__}")
 
-    def _install(self, given: dict[str, Any], parsed: neuron_parse.ParsedNeuronSpec) -> None:
+    def _install(
+        self,
+        given: dict[str, Any],
+        parsed: neuron_parse.ParsedNeuronSpec,
+        pending: ConfigError | None = None,
+        unsettled: tuple[str, ...] = (),
+    ) -> None:
         object.__setattr__(self, "_given", given)
         object.__setattr__(self, "_spec", parsed.spec)
         object.__setattr__(self, "_subs", {})
+        object.__setattr__(self, "_pending", pending)
+        object.__setattr__(self, "_unsettled", unsettled if pending is not None else ())
         for note in parsed.notes:
             warnings.warn(note, DeprecationWarning if "deprecated" in note else UserWarning, stacklevel=3)
 
@@ -268,12 +287,27 @@ class NeuronConfig:
 
     @property
     def spec(self) -> NeuronSpec:
-        """The validated, immutable core spec."""
+        """The validated, immutable core spec.
+
+        Raises:
+            IncompatibleConfigError: assignments left a cross-field rule broken (see `__setattr__`).
+        """
+        self._settled()
         return self._spec
+
+    def _settled(self) -> None:
+        """Raise the rules that the assignments since the last consistent state break, if any."""
+        if self._pending is not None:
+            raise exception_for(
+                self._pending,
+                f"{type(self).__name__} is inconsistent after assigning {', '.join(self._unsettled)} "
+                "(assign the related attributes too, or set them together with update(...))",
+            )
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
+        self._settled()
         spec = self._spec
         if _SUB_SPECS.get(name) in _SUB_CLASSES:
             return self._sub(name)
@@ -301,13 +335,32 @@ class NeuronConfig:
         return cached
 
     def __setattr__(self, name: str, value: Any) -> None:
+        """Assign one attribute (`cfg.seq_len = 512`); derived defaults follow.
+
+        A value bad on its own (unknown name, wrong type, out of range) raises
+        IncompatibleConfigError at once and leaves the config unchanged. A broken cross-field rule
+        does not: clients set related attributes one at a time (vLLM's Neuron worker sets a fused
+        speculation draft's `speculation_length = 0` before `enable_fused_speculation = False`), so
+        the config takes the value and refuses every read and use, naming the rule, until a later
+        assignment mends it.
+        """
         if name.startswith("_"):
             object.__setattr__(self, name, value)
             return
-        self.update(**{name: value})
+        self._assign(name, value)
+
+    def _assign(self, name: str, value: Any) -> None:
+        given = {**self._given, name: _normalize(value)}
+        parsed = self._parse(given, rules=False)
+        match neuron_checks.check_neuron_spec(parsed.spec):
+            case Failure(err):
+                self._install(given, parsed, err, (*dict.fromkeys((*self._unsettled, name)),))
+            case _:
+                self._install(given, parsed)
 
     def update(self, **changes: Any) -> None:
-        """Assign several attributes at once, re-validating once (all or nothing)."""
+        """Assign several attributes at once, re-validating once, cross-field rules included
+        (all or nothing: on IncompatibleConfigError the config is unchanged)."""
         given = {**self._given, **{k: _normalize(v) for k, v in changes.items()}}
         parsed = self._parse(given)
         self._install(given, parsed)
@@ -317,24 +370,24 @@ class NeuronConfig:
         env = env_mod.read_env()
         return neuron_parse.without_effect_on_cpu(
             self._given,
-            self._spec,
+            self.spec,
             env_lnc=env.logical_nc_config,
             platform=env.platform_target or Platform.TRN1,
             moe=self._moe,
         )
 
     def _replace_sub(self, name: str, spec: Any) -> None:
-        self.update(**{name: spec})
+        self._assign(name, spec)
 
     def to_dict(self) -> dict[str, Any]:
         """Every attribute, as neuron_config.json holds it."""
-        return codec.neuron_spec_to_dict(self._spec)
+        return codec.neuron_spec_to_dict(self.spec)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, NeuronConfig) and other._spec == self._spec
+        return isinstance(other, NeuronConfig) and other.spec == self.spec
 
     def __hash__(self) -> int:
-        return hash(self._spec)
+        return hash(self.spec)
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={v!r}" for k, v in self._given.items())

@@ -117,11 +117,42 @@ def test_every_problem_reported_with_field_value_and_fix() -> None:
     assert {"max_context_length", "cp_degree", "quantized_checkpoints_path"} <= info.value.error.fields()
 
 
-def test_invalid_assignment_leaves_config_unchanged() -> None:
+def test_a_value_bad_on_its_own_is_refused_at_assignment_and_changes_nothing() -> None:
+    c = NeuronConfig(seq_len=256)
+    with pytest.raises(IncompatibleConfigError, match=r"seq_len=-1"):
+        c.seq_len = -1
+    with pytest.raises(
+        IncompatibleConfigError, match=r"seq_lne=128: is not a NeuronConfig attribute. Fix: did you mean 'seq_len'"
+    ):
+        c.seq_lne = 128
+    assert c.seq_len == c.max_context_length == 256
+
+
+def test_a_broken_cross_field_rule_waits_for_the_next_assignment() -> None:
+    c = NeuronConfig(seq_len=256)
+    c.max_context_length = 512  # beyond max_length: held, as clients set related attributes one by one
+    for read in (lambda: c.max_context_length, lambda: c.spec, c.to_dict, lambda: c == NeuronConfig()):
+        with pytest.raises(
+            IncompatibleConfigError, match=r"(?s)after assigning max_context_length.*max_context_length=512"
+        ):
+            read()
+    c.seq_len = 512  # mends it
+    assert c.max_context_length == c.max_length == 512
+    c.max_context_length = 1024
+    c.tp_degree = 2  # still broken: the message names every assignment since it was consistent
+    with pytest.raises(IncompatibleConfigError, match=r"after assigning max_context_length, tp_degree"):
+        _ = c.spec
+    c.max_context_length = 512
+    assert (c.max_context_length, c.tp_degree) == (512, 2)
+
+
+def test_update_checks_every_rule_at_once_and_changes_nothing_on_failure() -> None:
     c = NeuronConfig(seq_len=256)
     with pytest.raises(IncompatibleConfigError, match="max_context_length"):
-        c.max_context_length = 512
+        c.update(max_context_length=512)
     assert c.max_context_length == 256
+    c.update(max_context_length=512, seq_len=512)
+    assert c.max_context_length == 512
 
 
 def test_assignment_re_derives_defaults() -> None:

@@ -250,6 +250,7 @@ def parse_neuron_spec(
     env_lnc: int | None = None,
     platform: Platform = Platform.TRN1,
     moe: bool = False,
+    rules: bool = True,
 ) -> Result[ParsedNeuronSpec, ConfigError]:
     """Build a NeuronSpec from NeuronConfig kwargs (or a neuron_config.json dict).
 
@@ -258,10 +259,12 @@ def parse_neuron_spec(
         env_lnc: NEURON_LOGICAL_NC_CONFIG as read by effects, if set.
         platform: the platform to default LNC and kernel flags for, unless `target` is given.
         moe: accept MoENeuronConfig attributes too.
+        rules: also run the cross-field rules (`neuron_checks.check_neuron_spec`); without them
+            only each value is checked on its own (what a single attribute assignment refuses).
 
     Returns:
         `Success(ParsedNeuronSpec)`, or `Failure(ConfigError)` listing every unknown name, bad
-        type, out-of-range value and violated cross-field rule.
+        type, out-of-range value and (with `rules`) violated cross-field rule.
     """
     raw = dict(kwargs)
     notes: list[str] = []
@@ -292,7 +295,7 @@ def parse_neuron_spec(
     # Cross-field rules run on the valid part too, so one call reports every problem.
     spec = NeuronSpec(**values)
     seen = {p.field for p in problems}
-    match neuron_checks.check_neuron_spec(spec):
+    match neuron_checks.check_neuron_spec(spec) if rules else Success(spec):
         case Failure(err):
             problems.extend(p for p in err.problems if p.field not in seen)
     if problems:
