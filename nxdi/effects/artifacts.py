@@ -30,13 +30,16 @@ Rules:
   refused with "compile again", before anything else in it is read.
 - Program files are named by `program_key.program_names` (`token_generation_256`,
   `token_generation_256_b2`, ...), from the keys alone, so a folder's names follow from its manifest.
-- Compile cache: a program's cache key hashes the caller's graph key, the program name, the backend and
-  the backend version (torch version and saved format). Compiling an unchanged configuration again
+- Compile cache: a program's cache key hashes the caller's graph key, the program name, the backend,
+  the backend version (torch version and saved format) and the nxdi code that traces programs (a
+  hash of the `nxdi.core` and `nxdi.effects` sources, `code_version`), so a program traced by an
+  older or edited nxdi is never reused: it would run that code's graph. Compiling an unchanged configuration again
   reuses the folder's programs; with `cache_dir`, programs are also reused across folders.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -112,10 +115,21 @@ class CompileResult:
     reused: tuple[str, ...]
 
 
-def program_key(graph_key: str, name: str, backend: str, backend_version: str) -> str:
-    """The compile-cache key of one program (hex sha256). Pure."""
-    doc = json.dumps([PROGRAM_FORMAT, graph_key, name, backend, backend_version], separators=(",", ":"))
+def program_key(graph_key: str, name: str, backend: str, backend_version: str, code: str) -> str:
+    """The compile-cache key of one program (hex sha256); `code` is `code_version()`. Pure."""
+    doc = json.dumps([PROGRAM_FORMAT, graph_key, name, backend, backend_version, code], separators=(",", ":"))
     return hashlib.sha256(doc.encode()).hexdigest()
+
+
+@functools.cache
+def code_version() -> str:
+    """A hash (hex sha256) of the Python sources of `nxdi.core` and `nxdi.effects`: the code whose
+    graph a traced program holds. Read once per process (a few hundred files, milliseconds)."""
+    root = Path(__file__).resolve().parent.parent  # the nxdi package
+    digest = hashlib.sha256()
+    for path in sorted(p for sub in ("core", "effects") for p in (root / sub).rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def _compatibility(
@@ -294,7 +308,7 @@ def compile_programs(
     ctx = _Context(directory=root, previous=old, backend=backend, cache_dir=cache, reusable=reusable)
     programs, traced = [], []
     for req, name in zip(requests, names, strict=True):
-        key = program_key(graph_key, name, backend.name, version)
+        key = program_key(graph_key, name, backend.name, version, code_version())
         rel = f"{PROGRAMS}/{name}{backend.suffix}"
         if _place(req, name, root / rel, key, ctx):
             traced.append(name)

@@ -105,13 +105,27 @@ def test_the_cache_dir_shares_programs_across_folders(tmp_path: Path) -> None:
     assert is_successful(artifacts.load_programs(tmp_path / "b", BACKEND))
 
 
-def test_the_cache_key_covers_graph_key_program_backend_and_version() -> None:
-    base = ("g", "token_generation_1", "cpu", "cpu-export-1/torch-2.13.0")
+def test_the_cache_key_covers_graph_key_program_backend_version_and_code() -> None:
+    base = ("g", "token_generation_1", "cpu", "cpu-export-1/torch-2.13.0", "c")
     keys = {artifacts.program_key(*base)}
-    for i, other in enumerate(("g2", "context_encoding_1", "neuron", "cpu-export-1/torch-2.14.0")):
+    for i, other in enumerate(("g2", "context_encoding_1", "neuron", "cpu-export-1/torch-2.14.0", "c2")):
         keys.add(artifacts.program_key(*base[:i], other, *base[i + 1 :]))
-    assert len(keys) == 5
+    assert len(keys) == 6
     assert BACKEND.version().endswith(torch.__version__)
+    assert len(artifacts.code_version()) == 64 and artifacts.code_version() == artifacts.code_version()
+
+
+def test_programs_traced_by_other_nxdi_code_are_not_reused(
+    compiled: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tmp_path = tmp_path_factory.mktemp("elsewhere")  # `compiled` is this test's tmp_path
+    cache = tmp_path / "cache"
+    artifacts.compile_programs(tmp_path / "a", requests(), graph_key="key-a", backend=BACKEND, cache_dir=cache)
+    monkeypatch.setattr(artifacts, "code_version", lambda: "edited")  # an upgrade, or a local edit
+    # neither the cache's programs nor a folder's own
+    for folder, cache_dir in ((tmp_path / "b", cache), (compiled, None)):
+        result = artifacts.compile_programs(folder, requests(), graph_key="key-a", backend=BACKEND, cache_dir=cache_dir)
+        assert result.traced == ("token_generation_1", "token_generation_4") and result.reused == ()
 
 
 def test_program_files_hold_no_weight_bytes(compiled: Path) -> None:
