@@ -68,6 +68,23 @@ def test_padded_batch_rows_equal_rows_alone(spec: ModelSpec, seed: int, lengths:
         _close(stepped[i], alone[0])
 
 
+@settings(deadline=None, max_examples=20)
+@given(spec=dense_specs(), seed=SEEDS, lengths=st.lists(st.integers(2, 9), min_size=1, max_size=3))
+def test_context_encoding_prunes_the_last_layer_to_the_output_tokens_without_changing_them(
+    spec: ModelSpec, seed: int, lengths: list[int]
+) -> None:
+    w = random_weights(spec, seed, DTYPE)
+    prompts = [_tokens(spec, seed + i, n) for i, n in enumerate(lengths)]
+    bucket = max(lengths) + 1
+    cache = kv_cache.empty_cache(spec, batch=len(prompts), length=bucket, dtype=DTYPE)
+    x = inputs.prompt_inputs(prompts, length=bucket)
+    last, pruned = llama.forward(w, cache, x, spec=spec)  # the last layer runs at the output tokens only
+    every, whole = llama.forward(w, cache, x, spec=spec, all_logits=True)  # every token's output: not pruned
+    _close(last[:, 0], every[torch.arange(len(prompts)), x.last_index])
+    for a, b in zip((*pruned.k, *pruned.v), (*whole.k, *whole.v), strict=True):
+        assert torch.equal(a, b)  # every token's keys and values are still written
+
+
 @st.composite
 def cache_writes(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, k, t, d = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 10)), draw(st.integers(1, 4))

@@ -53,8 +53,13 @@ def attend(
     part: Partition,
     coll: Collectives,
     blocks: BlockInputs | None = None,
+    keep: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Self-attention over this rank's heads of normed x [N, E] (N = B*S).
+
+    `keep` [B, R] (a contiguous cache without flash decoding only): the tokens whose output is
+    wanted. Every token's keys and values are still written; the queries, the attention and the
+    o_proj run for those R tokens only, and the output is [B*R, E] in `keep`'s order.
 
     Returns this rank's partial output [N, E] (summed over ranks, plus the o_proj bias when there
     are several, it is the attention output) and the written k/v caches [B, K_r, T, D] (with flash
@@ -83,6 +88,10 @@ def attend(
         qk = layers.apply_rope(qkv[:, :, : h + kh], *rope)
         q, k = qk[:, :, :h], qk[:, :, h:]
     dtype = q.dtype
+    if keep is not None:
+        assert blocks is None and part.kv_group == 1 and mask is not None, "keep: a contiguous cache's step"
+        q = q.gather(1, keep[:, :, None, None].expand(b, keep.shape[1], h, d))
+        mask = _kept_rows(mask, keep, h // kh)
     # scores, softmax and mix in fp32 (GPT-J); the cache is read as fp32
     q = layers.at_least_fp32(q) if spec.attention_upcast else q
     if blocks is not None:
@@ -108,7 +117,15 @@ def attend(
         o = layers.attend(q, k_cache, v_cache, mask, scale=spec.attention_scale)  # [B, S, H_r*D]
     o = o.to(dtype)
     bias = w.o_bias if part.tp == 1 else None  # with ranks, the bias is added once, after the sum
-    return linear(o.view(b * s, h * d), w.o, bias), k_cache, v_cache  # this rank's share of [N, E]
+    return linear(o.view(-1, h * d), w.o, bias), k_cache, v_cache  # this rank's share of [N, E]
+
+
+def _kept_rows(mask: Tensor, keep: Tensor, groups: int) -> Tensor:
+    """The rows of a folded mask [B, 1, G*S, T] (`layers.fold_mask`) of the tokens `keep` [B, R]: [B, 1, G*R, T]."""
+    b, _, gs, t = mask.shape
+    r = keep.shape[1]
+    rows = keep[:, None, None, :, None].expand(b, 1, groups, r, t)
+    return mask.reshape(b, 1, groups, gs // groups, t).gather(3, rows).reshape(b, 1, groups * r, t)
 
 
 def _block_attention(

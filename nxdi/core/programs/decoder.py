@@ -327,6 +327,12 @@ def _reduce(partial: Tensor, bias: Tensor | None, coll: Collectives, part: Parti
     return out if bias is None else out + bias
 
 
+def _tokens(h: Tensor, index: Tensor) -> Tensor:
+    """The rows of h [B*S, E] at the tokens `index` [B, R]: [B*R, E]."""
+    b, r = index.shape
+    return h.view(b, -1, h.shape[-1]).gather(1, index[:, :, None].expand(b, r, h.shape[-1])).reshape(b * r, -1)
+
+
 def _gather_sequence(h: Tensor, coll: Collectives, *, b: int) -> Tensor:
     """A sequence-sharded [B*S/tp, E] back to the whole [B*S, E]."""
     return coll.all_gather(h.view(b, -1, h.shape[-1]), 1).reshape(-1, h.shape[-1])
@@ -435,6 +441,20 @@ def forward_outputs(
     ks, vs = [], []
     wanted = moe_settings.routing_outputs(part)
     routed: list[moe.MoEOutput] = []
+    # Past the last layer's keys and values, only the output tokens matter: its queries, attention
+    # and MLP run on those alone (a context-encoding step of 128 tokens then does about 1/L less
+    # work). Not where every token's output is read, nor where a token's result depends on the
+    # others' (a mixture of experts' capacity) or the mask is not the folded boolean one.
+    last = (
+        len(w.layers) - 1
+        if s > out_index.shape[1]
+        and not (all_logits or hidden or wanted or sp or part.kv_group > 1)
+        and blocks is None
+        and tree is None
+        and spec.position is not PositionKind.ALIBI
+        and not isinstance(w.layers[-1].mlp, moe.Experts)
+        else None
+    )
     for i, (lw, mask, k_cache, v_cache) in enumerate(zip(w.layers, masks, cache.k, cache.v, strict=True)):
         pre = lw.input_norm is not None and not spec.post_layer_norm
         normed = _norm(h, lw.input_norm, spec, lw.input_norm_bias) if pre else h
@@ -452,7 +472,10 @@ def forward_outputs(
             part=part,
             coll=coll,
             blocks=blocks,
+            keep=out_index if i == last else None,
         )
+        if i == last:  # the residual stream and the MLP's input follow, at the output tokens
+            h, normed = _tokens(h, out_index), _tokens(normed, out_index)
         a = _reduce(a, lw.attn.o_bias if part.tp > 1 else None, coll, part, b=b, sp=sp)
         if spec.parallel_residual:  # the MLP reads the layer's input too (normed by its own norm, or the same)
             if lw.post_norm is not None:
@@ -477,10 +500,10 @@ def forward_outputs(
             h = _norm(h, lw.post_norm, spec, lw.post_norm_bias)
         ks.append(k_cache)
         vs.append(v_cache)
-    h = (_gather_sequence(h, coll, b=b) if sp else h).view(b, s, -1)
+    h = (_gather_sequence(h, coll, b=b) if sp else h).view(b, -1, h.shape[-1])  # [B, S, E] ([B, R, E] pruned)
     states = _final_norm(h, w, spec) if hidden else None  # [B, S, E]: normed once, for both outputs
     head = h if states is None else states
-    if not all_logits:
+    if not all_logits and last is None:
         head = head.gather(1, out_index[:, :, None].expand(b, out_index.shape[1], h.shape[-1]))  # [B, R, E]
     logits = linear(
         head if states is not None else _final_norm(head, w, spec), w.lm_head, w.lm_head_bias
