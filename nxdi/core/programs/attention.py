@@ -57,7 +57,7 @@ def attend(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Self-attention over this rank's heads of normed x [N, E] (N = B*S).
 
-    `keep` [B, R] (a contiguous cache without flash decoding only): the tokens whose output is
+    `keep` [B, R] (not with flash decoding): the tokens whose output is
     wanted. Every token's keys and values are still written; the queries, the attention and the
     o_proj run for those R tokens only, and the output is [B*R, E] in `keep`'s order.
 
@@ -89,7 +89,7 @@ def attend(
         q, k = qk[:, :, :h], qk[:, :, h:]
     dtype = q.dtype
     if keep is not None:
-        assert blocks is None and part.kv_group == 1 and mask is not None, "keep: a contiguous cache's step"
+        assert part.kv_group == 1 and mask is not None, "keep: a step with a folded mask"
         q = q.gather(1, keep[:, :, None, None].expand(b, keep.shape[1], h, d))
         mask = _kept_rows(mask, keep, h // kh)
     # scores, softmax and mix in fp32 (GPT-J); the cache is read as fp32

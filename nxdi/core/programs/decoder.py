@@ -449,7 +449,6 @@ def forward_outputs(
         len(w.layers) - 1
         if s > out_index.shape[1]
         and not (all_logits or hidden or wanted or sp or part.kv_group > 1)
-        and blocks is None
         and tree is None
         and spec.position is not PositionKind.ALIBI
         and not isinstance(w.layers[-1].mlp, moe.Experts)
