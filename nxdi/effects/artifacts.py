@@ -33,8 +33,9 @@ Rules:
 - Compile cache: a program's cache key hashes the caller's graph key, the program name, the backend,
   the backend version (torch version and saved format) and the nxdi code that traces programs (a
   hash of the `nxdi.core` and `nxdi.effects` sources, `code_version`), so a program traced by an
-  older or edited nxdi is never reused: it would run that code's graph. Compiling an unchanged configuration again
-  reuses the folder's programs; with `cache_dir`, programs are also reused across folders.
+  older or edited nxdi is never reused: it would run that code's graph. Compiling an unchanged
+  configuration again reuses the folder's programs; with `cache_dir`, programs are also reused
+  across folders.
 """
 
 from __future__ import annotations
