@@ -274,7 +274,7 @@ class NeuronConfig:
         object.__setattr__(self, "_spec", parsed.spec)
         object.__setattr__(self, "_subs", {})
         object.__setattr__(self, "_pending", pending)
-        object.__setattr__(self, "_unsettled", unsettled if pending is not None else ())
+        object.__setattr__(self, "_unsettled", unsettled)
         for note in parsed.notes:
             warnings.warn(note, DeprecationWarning if "deprecated" in note else UserWarning, stacklevel=3)
 

@@ -328,7 +328,7 @@ def _reduce(partial: Tensor, bias: Tensor | None, coll: Collectives, part: Parti
 
 
 def _tokens(h: Tensor, index: Tensor) -> Tensor:
-    """The rows of h [B*S, E] at the tokens `index` [B, R]: [B*R, E]."""
+    """The rows of h [B*S, E] (or [B, S, E]) at the tokens `index` [B, R]: [B*R, E]."""
     b, r = index.shape
     return h.view(b, -1, h.shape[-1]).gather(1, index[:, :, None].expand(b, r, h.shape[-1])).reshape(b * r, -1)
 
@@ -503,7 +503,7 @@ def forward_outputs(
     states = _final_norm(h, w, spec) if hidden else None  # [B, S, E]: normed once, for both outputs
     head = h if states is None else states
     if not all_logits and last is None:
-        head = head.gather(1, out_index[:, :, None].expand(b, out_index.shape[1], h.shape[-1]))  # [B, R, E]
+        head = _tokens(head, out_index).view(b, out_index.shape[1], -1)  # [B, R, E]
     logits = linear(
         head if states is not None else _final_norm(head, w, spec), w.lm_head, w.lm_head_bias
     )  # [B, S', V_r]
