@@ -31,7 +31,7 @@ from returns.result import Failure, Result, Success
 from torch import Tensor, fx
 
 from nxdi.core.errors import CheckpointError, Problem
-from nxdi.effects.backends import cpu_fusions, cpu_passes, kernels
+from nxdi.effects.backends import cpu_attention_blocks, cpu_fusions, cpu_passes, kernels
 from nxdi.effects.backends.base import CompiledProgram, FlatProgram, LoadedProgram, Signature, WeightSet
 
 _KERNEL_WEIGHTS = (torch.bfloat16, torch.int8)
@@ -188,6 +188,8 @@ class CpuBackend:
             cpu_fusions.fused_swiglus(gm)
         in_place = cpu_passes.reinplace_cache_writes(gm, c_nodes) if self.in_place_cache else (False,) * len(c_nodes)
         cpu_passes.scatter_half_floats_as_bits(gm)  # bit for bit torch's scatter, so in every form
+        if self.pack_weights:
+            cpu_attention_blocks.fused_attention_blocks(gm)  # matches the in-place int16 scatters above
         constants = cpu_passes.constants_as_inputs(gm)
         gm.recompile()
         call = functools.partial(gm.forward, *constants, *weights.tensors)

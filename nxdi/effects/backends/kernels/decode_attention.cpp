@@ -18,6 +18,7 @@
 // (docs/cpu-backend.md, "Decode steps outside the linears (Ice Lake)").
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -209,9 +210,78 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+// The decoder's attention between its qkv and o projections in a decode step, as one op: the
+// ops `cpu_fusions.fused_attention_blocks` replaces, called in the same order from here, so the
+// results and cache writes are theirs bit for bit. qkv [B * T, (Hq + 2 Hkv) * D] (the fused
+// projection's output), cos and sin as the rope op takes them, the caches [B, Hkv, S, D] bf16
+// (written in place at `index`, as the graph's int16 scatters write them), the bool mask; the
+// result is [B, T, Hq * D], or [B * T, Hq * D] when `flat`.
+//
+// Why: in Python the same work is about 18 graph nodes a layer, each a torch dispatch through the
+// interpreter that runs just after a linear has streamed its weights (several microseconds each,
+// docs/cpu-backend.md, "Decode steps outside the linears (AMD)"); from C++ each view costs well
+// under a microsecond.
+// `cache.scatter_(2, index, rows.transpose(1, 2))` for a bf16 cache [B, H, S, D] and rows [B, T, H, D]
+// (on the values' bits, as the graph's scatters are). When `index` [B, H, T, D] is one slot per
+// token broadcast over the heads and the head dim (the decoder's form), each row is copied to its
+// slot directly, without torch's scatter set-up; otherwise torch's scatter runs.
+void write_rows(at::Tensor& cache, const at::Tensor& index, const at::Tensor& rows) {
+  const int64_t B = rows.size(0), T = rows.size(1), H = rows.size(2), D = rows.size(3), S = cache.size(2);
+  const bool direct = index.scalar_type() == at::kLong && index.dim() == 4 && index.size(0) == B &&
+                      index.size(1) == H && index.size(2) == T && index.size(3) == D &&
+                      (index.stride(1) == 0 || H == 1) && (index.stride(3) == 0 || D == 1) && rows.stride(3) == 1 &&
+                      cache.dim() == 4 && cache.size(0) == B && cache.size(1) == H && cache.size(3) == D &&
+                      cache.stride(3) == 1;
+  if (!direct) {
+    cache.view(at::kShort).scatter_(2, index, rows.transpose(1, 2).view(at::kShort));
+    return;
+  }
+  const int64_t* slots = index.data_ptr<int64_t>();
+  const auto* src = reinterpret_cast<const uint16_t*>(rows.data_ptr());
+  auto* dst = reinterpret_cast<uint16_t*>(cache.data_ptr());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t slot = slots[b * index.stride(0) + t * index.stride(2)];
+      TORCH_CHECK(slot >= 0 && slot < S, "attention_block: cache slot ", slot, " is out of range for a cache of ", S,
+                  " slots");
+      for (int64_t h = 0; h < H; ++h)
+        std::copy_n(src + b * rows.stride(0) + t * rows.stride(1) + h * rows.stride(2), D,
+                    dst + b * cache.stride(0) + h * cache.stride(1) + slot * cache.stride(2));
+    }
+}
+
+at::Tensor attention_block(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                           at::Tensor v_cache, const at::Tensor& index, const at::Tensor& mask, int64_t batch,
+                           int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim, bool flat) {
+  static const auto rope = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("nxdi_kernels::rope", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  TORCH_CHECK(kv_heads > 0 && q_heads % kv_heads == 0, "attention_block: q_heads must be a multiple of kv_heads");
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
+              "attention_block: the caches must be bf16");
+  const int64_t group = q_heads / kv_heads;
+  const at::Tensor x = qkv.view({batch, tokens, q_heads + 2 * kv_heads, head_dim});
+  const at::Tensor turned = rope.call(x.slice(2, 0, q_heads + kv_heads), cos, sin);
+  write_rows(k_cache, index, turned.slice(2, q_heads));
+  write_rows(v_cache, index, x.slice(2, q_heads + kv_heads));
+  const at::Tensor q = turned.slice(2, 0, q_heads)
+                           .view({batch, tokens, kv_heads, group, head_dim})
+                           .permute({0, 2, 3, 1, 4})
+                           .reshape({batch, kv_heads, group * tokens, head_dim});
+  const at::Tensor out = decode_attention(q, k_cache, v_cache, mask)
+                             .view({batch, kv_heads, group, tokens, head_dim})
+                             .permute({0, 3, 1, 2, 4})
+                             .reshape({batch, tokens, q_heads * head_dim});
+  return flat ? out.view({-1, q_heads * head_dim}) : out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(nxdi_kernels, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
+  m.def(
+      "attention_block(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor index, "
+      "Tensor mask, int batch, int tokens, int q_heads, int kv_heads, int head_dim, bool flat) -> Tensor");
+  m.impl("attention_block", c10::DispatchKey::CPU, &attention_block);
 }
