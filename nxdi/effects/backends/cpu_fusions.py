@@ -12,7 +12,8 @@ a time into one call each, when this CPU runs the kernels (`kernels.load()`):
 - `decode_attentions`: `scaled_dot_product_attention` over a decode step's few query rows, torch's
   roundings within a bf16 step.
 
-`cpu_passes` holds the other rewrites of the bound graph (linears, cache writes, constants).
+`cpu_passes` holds the other rewrites of the bound graph (linears, cache writes, constants), and
+`cpu_attention_blocks` the one that makes a decode step's whole attention glue one op.
 """
 
 from __future__ import annotations
