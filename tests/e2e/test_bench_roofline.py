@@ -87,7 +87,35 @@ def test_int8_weights_run_beside_the_unquantized_model_and_transformers(
     assert "ratio (nxdi float32 weights / nxdi int8-per-channel)" in text and "roofline of float32 weights" in text
 
 
+def test_modules_kept_in_float_are_kept_in_the_model_and_the_roofline(
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(_argv(tiny_llama, tmp_path, "--weights", "int8-per-channel", "--skip-hf")) == 0
+    (every,) = _doc(capsys)["results"]
+    argv = _argv(
+        tiny_llama, tmp_path, "--weights", "int8-per-channel", "--skip-hf", "--modules-to-not-convert", "lm_head"
+    )
+    assert main(argv) == 0
+    doc = _doc(capsys)
+    (kept,) = doc["results"]
+    lm_head = load_file(tiny_llama / "model.safetensors")["lm_head.weight"]
+    rows, values = lm_head.shape[0], lm_head.numel()
+    assert kept["step_bytes"]["weight_bytes"] == every["step_bytes"]["weight_bytes"] - (values + 4 * rows) + 4 * values
+    assert doc["modules_to_not_convert"] == ["lm_head"] and "float32 for norms, lm_head" in bench_roofline.render(doc)
+    # the model read what was counted: its quantized checkpoint keeps lm_head in float32, the default's does not
+    saved = {p.name: torch.load(p, weights_only=True) for p in tmp_path.glob("quantized-*.pt")}
+    assert sorted(saved) == [
+        f"quantized-{tiny_llama.name}-float32-int8-per-channel-keep-lm_head.pt",
+        f"quantized-{tiny_llama.name}-float32-int8-per-channel.pt",
+    ]
+    keep, default = (saved[name] for name in sorted(saved))
+    assert keep["lm_head.weight"].dtype == torch.float32 and "lm_head.scale" not in keep
+    assert default["lm_head.weight"].dtype == torch.int8 and "lm_head.scale" in default
+
+
 def test_bad_flags_are_one_message(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "roofline", "--new-tokens", "1", "--batch-size", "0"]) == 2
     err = capsys.readouterr().err
     assert "--new-tokens must be >= 2" in err and "--batch-size must be >= 1" in err and "Traceback" not in err
+    assert main(["bench", "roofline", "--modules-to-not-convert", "lm_head"]) == 2
+    assert "--modules-to-not-convert needs quantized --weights" in capsys.readouterr().err

@@ -67,6 +67,15 @@ def test_int8_weights_take_a_byte_per_linear_value_plus_float32_scales() -> None
     assert per_channel.kv_read_bytes == _bytes().kv_read_bytes  # the cache keeps the dtype
 
 
+def test_modules_kept_in_float_are_counted_in_the_dtype() -> None:
+    quantized = _bytes(weight_quant_dtype="int8")
+    kept = _bytes(weight_quant_dtype="int8", modules_to_not_convert=("lm_head",))
+    assert kept.weight_bytes == quantized.weight_bytes - (LM_HEAD + 10 * 4) + 2 * LM_HEAD  # bf16, no scales
+    layer0 = _bytes(weight_quant_dtype="int8", modules_to_not_convert=("layers.0.",))
+    assert layer0.weight_bytes == quantized.weight_bytes - (LINEAR_PER_LAYER + ROWS_PER_LAYER * 4) + 2 * LINEAR_PER_LAYER
+    assert _bytes(modules_to_not_convert=("lm_head",)) == _bytes()  # nothing is quantized anyway
+
+
 def test_a_tied_lm_head_is_read_once_like_an_untied_one() -> None:
     tied = attrs.evolve(TINY, tie_word_embeddings=True)
     assert _bytes(tied, batch=2, context=7) == _bytes(batch=2, context=7)

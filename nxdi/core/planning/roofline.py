@@ -131,6 +131,7 @@ def decode_step_bytes(
     context: int,
     weight_quant_dtype: str | None = None,
     per_channel_scales: bool = True,
+    modules_to_not_convert: tuple[str, ...] = (),
     kv_dtype: str | None = None,
 ) -> Result[DecodeBytes, ConfigError]:
     """Bytes one decode step of `batch` sequences reads and writes (see the module rules).
@@ -141,6 +142,8 @@ def decode_step_bytes(
         weight_quant_dtype: storage dtype of quantized decoder linears (`int8`, `f8e4m3`, `f8e5m2`);
             None for unquantized weights.
         per_channel_scales: with quantized weights, one float32 scale per output row (else one per tensor).
+        modules_to_not_convert: with quantized weights, the linears kept in `dtype` (NeuronConfig's
+            field: a linear whose module path contains an entry, `"lm_head"` say).
         kv_dtype: storage dtype of the KV cache; None means `dtype`.
 
     Returns:
@@ -158,6 +161,7 @@ def decode_step_bytes(
                 torch_dtype=dtype,
                 weight_quant_dtype=weight_quant_dtype,
                 per_channel_scales=per_channel_scales,
+                quant_skip=modules_to_not_convert,
             )
             weights = _weight_bytes(model, p, req, batch)
             cache_dtype = kv_dtype or dtype

@@ -1,7 +1,8 @@
 """`nxdi bench roofline`: the decode roofline of a model on this machine, next to nxdi's and transformers' TPOT.
 
     nxdi bench roofline [--model-type llama] [--shape small|tiny|toy | --model-path DIR] [--dtype bfloat16]
-                        [--batch-size 1 4] [--weights dtype|int8-per-channel|...] [--prompt-len 128]
+                        [--batch-size 1 4] [--weights dtype|int8-per-channel|...]
+                        [--modules-to-not-convert NAME ...] [--prompt-len 128]
                         [--new-tokens 128] [--repeat 3] [--threads 2] [--bandwidth-mib 1024] [--skip-hf] [--json]
 
 A decode step is memory bound: it reads every weight once and each sequence's KV cache. Its
@@ -21,9 +22,11 @@ Each TPOT is shown as a share of the roofline (roofline time / measured time: 10
 decoding at the measured bandwidth) and as the bandwidth it implies (bytes per step / TPOT).
 
 `--weights int8-per-channel` (or `int8-per-tensor`, `fp8-per-channel`) computes the roofline of
-quantized decoder linears (1 byte per value plus float32 scales, lm_head unquantized) and measures
-nxdi with `quantized=True` on a quantized checkpoint written once into `--work-dir` by
-`save_quantized_state_dict` (lm_head left unquantized, as counted). In the same alternation it
+quantized linears (1 byte per value plus float32 scales) and measures nxdi with `quantized=True` on
+a quantized checkpoint written once into `--work-dir` by `save_quantized_state_dict`. As with
+`quantized=True` itself, every linear is quantized, lm_head included, unless
+`--modules-to-not-convert` names it (NeuronConfig's `modules_to_not_convert`: a linear whose module
+path contains an entry stays in `--dtype`, in the model and in the roofline alike). In the same alternation it
 measures nxdi on the unquantized checkpoint (`nxdi_unquantized`) and transformers (unless
 `--skip-hf`), both reading `--dtype` weights: the quantized model's speed-up over each is a ratio
 of one run. Each side's share of the roofline is against the roofline of the weights it reads.
@@ -60,6 +63,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_model_args(p)
     p.add_argument("--weights", choices=list(WEIGHTS), default="dtype", help="weight storage (dtype: --dtype)")
+    p.add_argument(
+        "--modules-to-not-convert",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="with quantized --weights: linears kept in --dtype (module path contains NAME, e.g. lm_head)",
+    )
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeat", type=int, default=3, help="timed runs per side (after one warm-up)")
@@ -87,6 +97,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         )
         if value < least
     ]
+    if args.modules_to_not_convert and WEIGHTS[args.weights] is None:
+        low.append("--modules-to-not-convert needs quantized --weights (int8-per-channel, ...); nothing is quantized")
     if low:
         raise UsageError("; ".join(low))
 
@@ -118,20 +130,27 @@ def quantized_skip_reason() -> str | None:
 
 def quantization_kwargs(path: Path, args: argparse.Namespace) -> tuple[dict[str, Any] | None, str]:
     """NeuronConfig kwargs for `--weights` (None for unquantized weights) and the compiled folder's tag.
-    lm_head stays unquantized, as the roofline counts it; the quantized checkpoint goes in `--work-dir`."""
+    `--modules-to-not-convert` stay in `--dtype`, as the roofline counts them; the quantized checkpoint
+    (one per set of kept modules) goes in `--work-dir`."""
     quant = WEIGHTS[args.weights]
     if quant is None:
         return None, ""
     dtype, per_channel = quant
     kind = "per_channel_symmetric" if per_channel else "per_tensor_symmetric"
-    tag = f"-{args.weights}"
+    kept = tuple(args.modules_to_not_convert)
+    tag = f"-{args.weights}" + "".join(f"-keep-{_safe(m)}" for m in kept)
     return {
         "quantized": True,
         "quantized_checkpoints_path": str(Path(args.work_dir) / f"quantized-{path.name}-{args.dtype}{tag}.pt"),
         "quantization_type": kind,
         "quantization_dtype": dtype,
-        "modules_to_not_convert": ["lm_head"],
+        "modules_to_not_convert": list(kept) or None,
     }, tag
+
+
+def _safe(module: str) -> str:
+    """A module name as part of a file name."""
+    return "".join(c if c.isalnum() or c in "_-" else "_" for c in module)
 
 
 def _step(model_spec: Any, args: argparse.Namespace, batch: int, bandwidth: float, weights: str) -> dict[str, Any]:
@@ -149,6 +168,7 @@ def _step(model_spec: Any, args: argparse.Namespace, batch: int, bandwidth: floa
             context=context,
             weight_quant_dtype=quant[0] if quant else None,
             per_channel_scales=quant[1] if quant else True,
+            modules_to_not_convert=tuple(args.modules_to_not_convert) if quant else (),
         ),
         "Cannot compute the decode roofline",
     )
@@ -251,6 +271,7 @@ def _bench_run(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(path),
         "dtype": args.dtype,
         "weights": args.weights,
+        "modules_to_not_convert": list(args.modules_to_not_convert),
         "threads": args.threads,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
@@ -263,7 +284,9 @@ def _bench_run(args: argparse.Namespace) -> dict[str, Any]:
 def render(doc: dict[str, Any]) -> str:
     """The report as text."""
     b = doc["bandwidth"]
-    weights = doc["dtype"] if doc["weights"] == "dtype" else f"{doc['weights']} ({doc['dtype']} elsewhere)"
+    kept = doc["modules_to_not_convert"]
+    elsewhere = f"{doc['dtype']} for norms{', ' + ', '.join(kept) if kept else ''}"
+    weights = doc["dtype"] if doc["weights"] == "dtype" else f"{doc['weights']} ({elsewhere})"
     lines = [
         f"{doc['model']}: {weights} weights, {doc['prompt_len']}-token prompt + {doc['new_tokens']} new tokens, "
         f"threads {doc['threads']}",
