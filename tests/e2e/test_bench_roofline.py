@@ -106,7 +106,7 @@ def test_modules_kept_in_float_are_kept_in_the_model_and_the_roofline(
     saved = {p.name: torch.load(p, weights_only=True) for p in tmp_path.glob("quantized-*.pt")}
     assert sorted(saved) == [
         f"quantized-{tiny_llama.name}-float32-int8-per-channel-keep-lm_head.pt",
-        f"quantized-{tiny_llama.name}-float32-int8-per-channel.pt",
+        f"quantized-{tiny_llama.name}-float32-int8-per-channel-keep-none.pt",
     ]
     keep, default = (saved[name] for name in sorted(saved))
     assert keep["lm_head.weight"].dtype == torch.float32 and "lm_head.scale" not in keep

@@ -138,7 +138,8 @@ def quantization_kwargs(path: Path, args: argparse.Namespace) -> tuple[dict[str,
     dtype, per_channel = quant
     kind = "per_channel_symmetric" if per_channel else "per_tensor_symmetric"
     kept = tuple(args.modules_to_not_convert)
-    tag = f"-{args.weights}" + "".join(f"-keep-{_safe(m)}" for m in kept)
+    # what is kept is in the name, always: a file of another set (or an older bench's) is not reused
+    tag = f"-{args.weights}-keep-" + ("-".join(_safe(m) for m in kept) or "none")
     return {
         "quantized": True,
         "quantized_checkpoints_path": str(Path(args.work_dir) / f"quantized-{path.name}-{args.dtype}{tag}.pt"),
