@@ -88,111 +88,132 @@ def _sole_user(node: object) -> fx.Node | None:
     return next(iter(node.users)) if isinstance(node, fx.Node) and len(node.users) == 1 else None
 
 
-def _block(att: fx.Node) -> _Block | None:
-    """The run around the decode attention `att`, when it has exactly the decoder's form."""
-    args = _call(att, _ATTENTION, 4)
-    if args is None:
-        return None
-    q_fold, k_write, v_write, mask = args
-    q_args = _call(q_fold, _RESHAPE, 2)
-    perm = _call(q_args[0], _PERMUTE, 2) if q_args else None
-    q_view = _call(perm[0], _VIEW, 2) if perm and list(perm[1]) == _FOLD else None
-    q_slice = q_view[0] if q_view else None
+@attrs.frozen
+class _Query:
+    """The q side of the run: qkv -> view x -> slice qk -> rope (turned) -> slice q -> view, permute, reshape."""
+
+    qkv: object
+    x: fx.Node
+    qk: fx.Node
+    turned: fx.Node
+    cos: object
+    sin: object
+    nodes: tuple[fx.Node, ...]  # the fold's reshape, permute and view, and the q slice, users first
+    dims: tuple[int, int, int, int, int]  # batch, tokens, q heads, kv heads, head dim
+
+
+def _query(q_fold: object) -> _Query | None:
+    """The q side feeding the attention's `q_fold`, when it has the decoder's form."""
+    fold = _call(q_fold, _RESHAPE, 2)
+    perm = _call(fold[0], _PERMUTE, 2) if fold else None
+    view = _call(perm[0], _VIEW, 2) if perm and list(perm[1]) == _FOLD else None
+    q_slice = view[0] if view else None
     turned = q_slice.args[0] if isinstance(q_slice, fx.Node) and q_slice.args else None
     rope = _call(turned, _ROPE, 3)
     qk = rope[0] if rope else None
     x = qk.args[0] if isinstance(qk, fx.Node) and qk.args else None
-    x_args = _call(x, _VIEW, 2)
-    if not (q_args and q_view and rope and x_args):
+    x_view = _call(x, _VIEW, 2)
+    if not (fold and perm and view and rope and x_view) or len(x_view[1]) != 4 or len(view[1]) != 5:
         return None
-    qkv, (batch, tokens, heads, head_dim) = x_args[0], (list(x_args[1]) + [None] * 4)[:4]
-    kv_heads, group = q_view[1][2], q_view[1][3]
+    assert isinstance(q_fold, fx.Node) and isinstance(x, fx.Node) and isinstance(qk, fx.Node)
+    assert isinstance(turned, fx.Node) and isinstance(q_slice, fx.Node)
+    batch, tokens, heads, head_dim = x_view[1]
+    kv_heads, group = view[1][2], view[1][3]
     q_heads = kv_heads * group
-    if [batch, tokens, kv_heads, group, head_dim] != list(q_view[1]) or heads != q_heads + 2 * kv_heads:
+    if list(view[1]) != [batch, tokens, kv_heads, group, head_dim] or heads != q_heads + 2 * kv_heads:
         return None
-    if list(q_args[1]) != [batch, kv_heads, group * tokens, head_dim]:
+    if list(fold[1]) != [batch, kv_heads, group * tokens, head_dim]:
         return None
     if not (_slice(q_slice, turned, 0, q_heads) and _slice(qk, x, 0, q_heads + kv_heads)):
         return None
-    k_args, v_args = _call(k_write, _scatter_bits_, 4), _call(v_write, _scatter_bits_, 4)
-    if not (k_args and v_args) or k_args[1] != 2 or v_args[1] != 2 or k_args[2] is not v_args[2]:
+    nodes = (q_fold, fold[0], perm[0], q_slice)
+    if not all(_only_users(n, user) for n, user in zip(nodes[1:], nodes, strict=False)):
         return None
-    k_t, v_t = _call(k_args[3], _TRANSPOSE, 3), _call(v_args[3], _TRANSPOSE, 3)
-    if not (k_t and v_t and tuple(k_t[1:]) == (1, 2) and tuple(v_t[1:]) == (1, 2)):
+    return _Query(
+        qkv=x_view[0],
+        x=x,
+        qk=qk,
+        turned=turned,
+        cos=rope[1],
+        sin=rope[2],
+        nodes=nodes,
+        dims=(batch, tokens, q_heads, kv_heads, head_dim),
+    )
+
+
+def _write(write: object, source: fx.Node, start: int, end: int) -> tuple[fx.Node, fx.Node, object] | None:
+    """(the cache, the slice written, the index) when `write` is the in-place int16 scatter of
+    `source[:, :, start:end]` transposed into a cache input along its positions."""
+    args = _call(write, _scatter_bits_, 4)
+    t = _call(args[3], _TRANSPOSE, 3) if args and args[1] == 2 else None
+    if not (args and t and tuple(t[1:]) == (1, 2) and _slice(t[0], source, start, end, to_end=True)):
         return None
-    k_slice, v_slice = k_t[0], v_t[0]
+    cache, rows = args[0], t[0]
+    if not (isinstance(cache, fx.Node) and cache.op == "placeholder") or not _only_users(args[3], write):
+        return None
+    assert isinstance(rows, fx.Node) and isinstance(args[3], fx.Node)
+    return cache, rows, args[2]
+
+
+def _unfold(att: fx.Node, dims: tuple[int, int, int, int, int]) -> tuple[fx.Node, ...] | None:
+    """The attention output's view, permute and reshape back to [B, T, Hq * D] (and the view to
+    [B * T, Hq * D] when present), last first."""
+    batch, tokens, q_heads, kv_heads, head_dim = dims
+    view = _sole_user(att)
+    perm = _sole_user(view)
+    rows = _sole_user(perm)
+    view_args, perm_args, rows_args = _call(view, _VIEW, 2), _call(perm, _PERMUTE, 2), _call(rows, _RESHAPE, 2)
+    if not (view_args and perm_args and rows_args) or list(perm_args[1]) != _UNFOLD:
+        return None
+    if list(view_args[1]) != [batch, kv_heads, q_heads // kv_heads, tokens, head_dim]:
+        return None
+    if list(rows_args[1]) != [batch, tokens, q_heads * head_dim]:
+        return None
+    assert view is not None and perm is not None and rows is not None
+    flat = _sole_user(rows)
+    flat_args = _call(flat, _VIEW, 2)
+    head = (flat,) if flat is not None and flat_args and list(flat_args[1]) == [-1, q_heads * head_dim] else ()
+    return (*head, rows, perm, view)
+
+
+def _block(att: fx.Node) -> _Block | None:
+    """The run around the decode attention `att`, when it has exactly the decoder's form."""
+    args = _call(att, _ATTENTION, 4)
+    query = _query(args[0]) if args else None
+    if args is None or query is None:
+        return None
+    _, k_write, v_write, mask = args
+    batch, tokens, q_heads, kv_heads, head_dim = query.dims
+    k = _write(k_write, query.turned, q_heads, q_heads + kv_heads)
+    v = _write(v_write, query.x, q_heads + kv_heads, q_heads + 2 * kv_heads)
+    if k is None or v is None or k[2] is not v[2]:
+        return None
+    assert isinstance(k_write, fx.Node) and isinstance(v_write, fx.Node)
+    output = next(n for n in reversed(att.graph.nodes) if n.op == "output")
+    readers = {att, output}  # the attention, and the step's returned cache
+    if not _only_users(query.nodes[0], att):
+        return None
+    if not (set(k_write.users) <= readers and set(v_write.users) <= readers):
+        return None
+    if not (_only_users(query.turned, query.nodes[-1], k[1]) and _only_users(query.qk, query.turned)):
+        return None
     if not (
-        _slice(k_slice, turned, q_heads, q_heads + kv_heads, to_end=True)
-        and _slice(v_slice, x, q_heads + kv_heads, heads, to_end=True)
+        _only_users(query.x, query.qk, v[1])
+        and _only_users(k[1], k_write.args[3])
+        and _only_users(v[1], v_write.args[3])
     ):
         return None
-    k_cache, v_cache = k_args[0], v_args[0]
-    if not all(isinstance(c, fx.Node) and c.op == "placeholder" for c in (k_cache, v_cache)):
+    unfold = _unfold(att, query.dims)
+    if unfold is None:
         return None
-    output = next(n for n in reversed(att.graph.nodes) if n.op == "output")
-    if not (set(k_write.users) <= {att, output} and set(v_write.users) <= {att, output}):
-        return None
-    # the unfold back to the o projection's rows
-    o_view = _sole_user(att)
-    o_perm = _sole_user(o_view)
-    o_rows = _sole_user(o_perm)
-    o_view_args, o_perm_args, o_rows_args = (
-        _call(o_view, _VIEW, 2),
-        _call(o_perm, _PERMUTE, 2),
-        _call(o_rows, _RESHAPE, 2),
-    )
-    if not (o_view_args and o_perm_args and o_rows_args) or list(o_perm_args[1]) != _UNFOLD:
-        return None
-    if list(o_view_args[1]) != [batch, kv_heads, group, tokens, head_dim] or list(o_rows_args[1]) != [
-        batch,
-        tokens,
-        q_heads * head_dim,
-    ]:
-        return None
-    flat_node = _sole_user(o_rows)
-    flat_args = _call(flat_node, _VIEW, 2)
-    flat = flat_args is not None and list(flat_args[1]) == [-1, q_heads * head_dim]
-    run = (
-        o_rows,
-        o_perm,
-        o_view,
-        att,
-        q_fold,
-        q_args[0],
-        perm[0],
-        q_slice,
-        v_write,
-        v_args[3],
-        v_slice,
-        k_write,
-        k_args[3],
-        k_slice,
-        turned,
-        qk,
-        x,
-    )
-    inner = {
-        q_fold: [att],
-        q_args[0]: [q_fold],
-        perm[0]: [q_args[0]],
-        q_slice: [perm[0]],
-        v_args[3]: [v_write],
-        v_slice: [v_args[3]],
-        k_args[3]: [k_write],
-        k_slice: [k_args[3]],
-        turned: [q_slice, k_slice],
-        qk: [turned],
-        x: [qk, v_slice],
-    }
-    if not all(_only_users(n, *users) for n, users in inner.items()):
-        return None
+    flat = len(unfold) == 4
     op_args = (
-        qkv,
-        rope[1],
-        rope[2],
-        k_cache,
-        v_cache,
-        k_args[2],
+        query.qkv,
+        query.cos,
+        query.sin,
+        k[0],
+        v[0],
+        k[2],
         mask,
         batch,
         tokens,
@@ -201,7 +222,18 @@ def _block(att: fx.Node) -> _Block | None:
         head_dim,
         flat,
     )
-    last = flat_node if flat else o_rows
-    return _Block(
-        args=op_args, last=last, writes=((k_write, k_cache), (v_write, v_cache)), dead=((last,) if flat else ()) + run
+    dead = (
+        *unfold,
+        att,
+        *query.nodes,
+        v_write,
+        v_write.args[3],
+        v[1],
+        k_write,
+        k_write.args[3],
+        k[1],
+        query.turned,
+        query.qk,
+        query.x,
     )
+    return _Block(args=op_args, last=unfold[0], writes=((k_write, k[0]), (v_write, v[0])), dead=dead)
