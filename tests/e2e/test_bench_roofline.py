@@ -63,9 +63,11 @@ def test_roofline_reports_both_sides_against_the_checkpoint_bytes(
 def test_int8_weights_run_beside_the_unquantized_model_and_transformers(
     tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(_argv(tiny_llama, tmp_path, "--weights", "int8-per-channel")) == 0
+    assert main(_argv(tiny_llama, tmp_path, "--weights", "int8-per-channel", "--paired-steps", "9")) == 0
     doc = _doc(capsys)
     (r,) = doc["results"]
+    paired = r["paired_unquantized_over_nxdi"]  # 9 pairs: three prefills (4, 4 and 1 decode steps after them)
+    assert paired["steps"] == 9 and 0 < paired["q1"] <= paired["median"] <= paired["q3"]
     assert main(_argv(tiny_llama, tmp_path, "--skip-hf")) == 0
     (float_r,) = _doc(capsys)["results"]
     assert "transformers" not in float_r and "nxdi_unquantized" not in float_r
@@ -85,6 +87,7 @@ def test_int8_weights_run_beside_the_unquantized_model_and_transformers(
     assert r["ratio_hf_over_nxdi"] == pytest.approx(tpot["transformers"] / tpot["nxdi"])
     text = bench_roofline.render(doc)
     assert "ratio (nxdi float32 weights / nxdi int8-per-channel)" in text and "roofline of float32 weights" in text
+    assert "the same, decode steps interleaved (9 pairs): median" in text
 
 
 def test_modules_kept_in_float_are_kept_in_the_model_and_the_roofline(
@@ -117,5 +120,11 @@ def test_bad_flags_are_one_message(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "roofline", "--new-tokens", "1", "--batch-size", "0"]) == 2
     err = capsys.readouterr().err
     assert "--new-tokens must be >= 2" in err and "--batch-size must be >= 1" in err and "Traceback" not in err
-    assert main(["bench", "roofline", "--modules-to-not-convert", "lm_head"]) == 2
-    assert "--modules-to-not-convert needs quantized --weights" in capsys.readouterr().err
+    assert main(["bench", "roofline", "--modules-to-not-convert", "lm_head", "--paired-steps", "5"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--modules-to-not-convert needs quantized --weights" in err
+        and "--paired-steps needs quantized --weights" in err
+    )
+    assert main(["bench", "roofline", "--weights", "int8-per-channel", "--paired-steps", "-1"]) == 2
+    assert "--paired-steps must be >= 0, got -1" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
     nxdi bench roofline [--model-type llama] [--shape small|tiny|toy | --model-path DIR] [--dtype bfloat16]
                         [--batch-size 1 4] [--weights dtype|int8-per-channel|...]
-                        [--modules-to-not-convert NAME ...] [--prompt-len 128]
+                        [--modules-to-not-convert NAME ...] [--paired-steps 100] [--prompt-len 128]
                         [--new-tokens 128] [--repeat 3] [--threads 2] [--bandwidth-mib 1024] [--skip-hf] [--json]
 
 A decode step is memory bound: it reads every weight once and each sequence's KV cache. Its
@@ -30,6 +30,9 @@ path contains an entry stays in `--dtype`, in the model and in the roofline alik
 measures nxdi on the unquantized checkpoint (`nxdi_unquantized`) and transformers (unless
 `--skip-hf`), both reading `--dtype` weights: the quantized model's speed-up over each is a ratio
 of one run. Each side's share of the roofline is against the roofline of the weights it reads.
+Beside that ratio of two runs, the two nxdi models then decode with their steps interleaved one by
+one, `--paired-steps` pairs (100 by default), and the median and quartiles of the per-pair ratio are
+printed: on a shared machine, whose speed drifts within seconds, it moves far less.
 Where the CPU engine refuses `quantized=True`, the rooflines alone are printed, with the reason.
 """
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +53,7 @@ WEIGHTS: dict[str, tuple[str, bool] | None] = {
     "fp8-per-channel": ("f8e4m3", True),
 }
 _BANDWIDTH_REPEAT = 5
+_PAIRED_STEPS = 100
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -75,6 +80,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--repeat", type=int, default=3, help="timed runs per side (after one warm-up)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--bandwidth-mib", type=int, default=1024, help="buffer streamed to measure the bandwidth")
+    p.add_argument(
+        "--paired-steps",
+        type=int,
+        default=None,
+        help="with quantized --weights: pairs of interleaved decode steps for the per-step ratio (default 100, 0: none)",
+    )
     p.add_argument("--skip-hf", action="store_true", help="do not measure transformers")
     p.add_argument("--work-dir", default=".nxdi-bench", help="random checkpoints and compiled models")
     p.add_argument("--json", action="store_true")
@@ -97,8 +108,15 @@ def _check_flags(args: argparse.Namespace) -> None:
         )
         if value < least
     ]
-    if args.modules_to_not_convert and WEIGHTS[args.weights] is None:
-        low.append("--modules-to-not-convert needs quantized --weights (int8-per-channel, ...); nothing is quantized")
+    if WEIGHTS[args.weights] is None:
+        for flag, given in (
+            ("--modules-to-not-convert", args.modules_to_not_convert),
+            ("--paired-steps", args.paired_steps),
+        ):
+            if given:
+                low.append(f"{flag} needs quantized --weights (int8-per-channel, ...); nothing is quantized")
+    if args.paired_steps is not None and args.paired_steps < 0:
+        low.append(f"--paired-steps must be >= 0, got {args.paired_steps}")
     if low:
         raise UsageError("; ".join(low))
 
@@ -200,8 +218,9 @@ SIDES = ("nxdi", "nxdi_unquantized", "transformers")
 """The measured sides, in the report's order (`nxdi_unquantized` only with `--weights`)."""
 
 
-def _tpots(path: Path, args: argparse.Namespace, batch: int, hf: Any) -> dict[str, float]:
-    """Each side's TPOT p50 in ms, measured side by side in this process."""
+def _tpots(path: Path, args: argparse.Namespace, batch: int, hf: Any) -> tuple[dict[str, float], list[float]]:
+    """Each side's TPOT p50 in ms, measured side by side in this process, and with quantized
+    weights the per-step ratios of `paired_ratios` (unquantized over quantized)."""
     from nxdi.shell.cli import bench_generate
 
     def load(extra: dict[str, Any] | None, tag: str) -> Any:
@@ -213,13 +232,49 @@ def _tpots(path: Path, args: argparse.Namespace, batch: int, hf: Any) -> dict[st
         model = stack.enter_context(load(extra, tag))
         others = {} if extra is None else {"nxdi_unquantized": stack.enter_context(load(None, ""))}
         measured = bench_generate.bench_side_by_side(model, args, batch, hf, 1, others=others)
-    return {side: measured[side]["tpot_ms"]["p50"] for side in SIDES if side in measured}
+        steps = _PAIRED_STEPS if args.paired_steps is None else args.paired_steps
+        paired = paired_ratios(model, others["nxdi_unquantized"], args, batch, steps) if others else []
+    return {side: measured[side]["tpot_ms"]["p50"] for side in SIDES if side in measured}, paired
 
 
-def _with_tpots(roof: dict[str, Any], float_roof: dict[str, Any] | None, tpots: dict[str, float]) -> dict[str, Any]:
+def paired_ratios(model: Any, other: Any, args: argparse.Namespace, batch: int, steps: int) -> list[float]:
+    """`other`'s decode step time over `model`'s, step by step: the two models decode the same
+    prompt with their steps interleaved one by one (which goes first alternates), `steps` pairs in
+    all (a new prefill every `--new-tokens - 1` steps).
+
+    Why: on a shared machine the speed drifts within seconds, so two separate runs can meet
+    different moments; a ratio taken per pair of adjacent steps is moved far less by that."""
+    import time
+
+    import torch
+
+    from nxdi.shell.cli import bench_generate
+
+    ids = bench_generate.prompt(model, batch, args.prompt_len)
+    ratios: list[float] = []
+    while len(ratios) < steps:
+        tokens = {}
+        for m in (model, other):
+            m.reset()
+            tokens[id(m)] = m(ids).tokens
+        positions = torch.full((batch, 1), args.prompt_len, dtype=torch.int64)
+        for _ in range(min(args.new_tokens - 1, steps - len(ratios))):
+            took = {}
+            for m in (model, other) if len(ratios) % 2 == 0 else (other, model):
+                start = time.perf_counter()
+                tokens[id(m)] = m(tokens[id(m)][:, None], position_ids=positions).tokens
+                took[id(m)] = time.perf_counter() - start
+            ratios.append(took[id(other)] / took[id(model)])
+            positions = positions + 1
+    return ratios
+
+
+def _with_tpots(
+    roof: dict[str, Any], float_roof: dict[str, Any] | None, tpots: dict[str, float], paired: list[float]
+) -> dict[str, Any]:
     """The roofline with each side's TPOT against the roofline of the weights it reads (`float_roof`:
-    that of `--dtype` weights when nxdi's are quantized, else None), and nxdi's speed-ups over the
-    other sides."""
+    that of `--dtype` weights when nxdi's are quantized, else None), nxdi's speed-ups over the other
+    sides, and the summary of the paired per-step ratios (when any)."""
     others = float_roof or roof
     out = {**roof, **{side: _against(roof if side == "nxdi" else others, ms) for side, ms in tpots.items()}}
     if float_roof is not None:
@@ -228,6 +283,9 @@ def _with_tpots(roof: dict[str, Any], float_roof: dict[str, Any] | None, tpots: 
         for side, key in (("transformers", "ratio_hf_over_nxdi"), ("nxdi_unquantized", "ratio_unquantized_over_nxdi")):
             if side in tpots:
                 out[key] = tpots[side] / tpots["nxdi"]
+    if paired:
+        q1, median, q3 = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
+        out["paired_unquantized_over_nxdi"] = {"steps": len(paired), "median": median, "q1": q1, "q3": q3}
     return out
 
 
@@ -251,6 +309,7 @@ def _bench_run(args: argparse.Namespace) -> dict[str, Any]:
     skipped = quantized_skip_reason() if quantized else None
     bw = _bandwidth(args)
     tpots: dict[int, dict[str, float]] = {b: {} for b in args.batch_size}
+    paired: dict[int, list[float]] = {b: [] for b in args.batch_size}
     if skipped is None:
         hf = None
         if not args.skip_hf:
@@ -258,13 +317,14 @@ def _bench_run(args: argparse.Namespace) -> dict[str, Any]:
 
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
         for b in args.batch_size:
-            tpots[b] = _tpots(path, args, b, hf)
+            tpots[b], paired[b] = _tpots(path, args, b, hf)
             bw = bw.merged(_bandwidth(args))
     results = [
         _with_tpots(
             _step(model_spec, args, b, bw.best, args.weights),
             _step(model_spec, args, b, bw.best, "dtype") if quantized else None,
             tpots[b],
+            paired[b],
         )
         for b in args.batch_size
     ]
@@ -322,6 +382,12 @@ def render(doc: dict[str, Any]) -> str:
         if "ratio_unquantized_over_nxdi" in r:
             lines.append(
                 f"  ratio (nxdi {doc['dtype']} weights / nxdi {doc['weights']}): TPOT {r['ratio_unquantized_over_nxdi']:.2f}x"
+            )
+        if "paired_unquantized_over_nxdi" in r:
+            p = r["paired_unquantized_over_nxdi"]
+            lines.append(
+                f"  the same, decode steps interleaved ({p['steps']} pairs): median {p['median']:.2f}x"
+                f" (quartiles {p['q1']:.2f}-{p['q3']:.2f}x)"
             )
     if "not_measured" in doc:
         lines.append(f"nothing measured: {doc['not_measured']} (rooflines only)")
