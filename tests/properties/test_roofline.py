@@ -72,7 +72,9 @@ def test_modules_kept_in_float_are_counted_in_the_dtype() -> None:
     kept = _bytes(weight_quant_dtype="int8", modules_to_not_convert=("lm_head",))
     assert kept.weight_bytes == quantized.weight_bytes - (LM_HEAD + 10 * 4) + 2 * LM_HEAD  # bf16, no scales
     layer0 = _bytes(weight_quant_dtype="int8", modules_to_not_convert=("layers.0.",))
-    assert layer0.weight_bytes == quantized.weight_bytes - (LINEAR_PER_LAYER + ROWS_PER_LAYER * 4) + 2 * LINEAR_PER_LAYER
+    assert (
+        layer0.weight_bytes == quantized.weight_bytes - (LINEAR_PER_LAYER + ROWS_PER_LAYER * 4) + 2 * LINEAR_PER_LAYER
+    )
     assert _bytes(modules_to_not_convert=("lm_head",)) == _bytes()  # nothing is quantized anyway
 
 
