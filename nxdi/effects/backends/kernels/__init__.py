@@ -17,7 +17,9 @@ Four source files, one library (torch ops `nxdi_kernels::*`), mostly for decode 
   RoPE in one op (`cpu_fusions.fused_ropes`), where torch dispatches seven and four ops, each slow
   just after a linear has streamed its weights (`bf16_lanes.h`: their shared bf16 lanes).
 - `decode_attention.cpp`: bf16 attention with a bool mask over a decode step's few query rows in
-  one op (`cpu_fusions.decode_attentions`), where torch's cost 120-230 us per call in the step.
+  one op (`cpu_fusions.decode_attentions`), where torch's cost 120-230 us per call in the step; and
+  the whole run between a decode step's qkv and o projections (RoPE, cache writes, the GQA fold,
+  attention) as one op called from C++ (`cpu_attention_blocks`).
 
 It is compiled with torch's C++ extension tooling (the system's g++, and ninja, a dependency) when
 the CPU backend first compiles a bf16 or quantized model (40-60 s on 2 cores; or at the first

@@ -210,17 +210,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-// The decoder's attention between its qkv and o projections in a decode step, as one op: the
-// ops `cpu_fusions.fused_attention_blocks` replaces, called in the same order from here, so the
-// results and cache writes are theirs bit for bit. qkv [B * T, (Hq + 2 Hkv) * D] (the fused
-// projection's output), cos and sin as the rope op takes them, the caches [B, Hkv, S, D] bf16
-// (written in place at `index`, as the graph's int16 scatters write them), the bool mask; the
-// result is [B, T, Hq * D], or [B * T, Hq * D] when `flat`.
-//
-// Why: in Python the same work is about 18 graph nodes a layer, each a torch dispatch through the
-// interpreter that runs just after a linear has streamed its weights (several microseconds each,
-// docs/cpu-backend.md, "Decode steps outside the linears (AMD)"); from C++ each view costs well
-// under a microsecond.
 // `cache.scatter_(2, index, rows.transpose(1, 2))` for a bf16 cache [B, H, S, D] and rows [B, T, H, D]
 // (on the values' bits, as the graph's scatters are). When `index` [B, H, T, D] is one slot per
 // token broadcast over the heads and the head dim (the decoder's form), each row is copied to its
@@ -250,6 +239,18 @@ void write_rows(at::Tensor& cache, const at::Tensor& index, const at::Tensor& ro
     }
 }
 
+// The decoder's attention between its qkv and o projections in a decode step, as one op: the ops
+// `cpu_attention_blocks.fused_attention_blocks` replaces, called in the same order from here (the
+// cache writes as row copies where the index allows, `write_rows`), so the results and cache
+// writes are theirs bit for bit. qkv [B * T, (Hq + 2 Hkv) * D] (the fused
+// projection's output), cos and sin as the rope op takes them, the caches [B, Hkv, S, D] bf16
+// (written in place at `index`, as the graph's int16 scatters write them), the bool mask; the
+// result is [B, T, Hq * D], or [B * T, Hq * D] when `flat`.
+//
+// Why: in Python the same work is about 18 graph nodes a layer, each a torch dispatch through the
+// interpreter that runs just after a linear has streamed its weights (several microseconds each,
+// docs/cpu-backend.md, "Decode steps outside the linears (AMD)"); from C++ each view costs well
+// under a microsecond.
 at::Tensor attention_block(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                            at::Tensor v_cache, const at::Tensor& index, const at::Tensor& mask, int64_t batch,
                            int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim, bool flat) {
