@@ -4,7 +4,7 @@
   (context encoding only where its attention is the decode kernel's), and the model's
   logits over a prefill and decode steps equal those of the same compiled programs bound without
   it, bit for bit, for batches of one and two sequences, with grouped and with plain multi-head
-  attention (the steps read what the earlier steps wrote
+  attention, and for a speculation step of three tokens (the steps read what the earlier steps wrote
   into the KV cache, so the cache writes are checked too).
 - A decoder whose attention glue has another form (q/k norms between the projection and RoPE) is
   left as it is, and still runs.
@@ -23,7 +23,7 @@ import torch
 from nxdi.effects.backends import cpu_attention_blocks, kernels
 from nxdi.testing import checkpoints
 from nxdi.testing.checkpoints import SaveFormat
-from tests.support.engine_fixtures import PROMPTS, load_model, teacher_forced
+from tests.support.engine_fixtures import PROMPTS, load_model, padded, teacher_forced
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"nxdi's kernels cannot run here: {kernels.why_not()}")
 
@@ -77,6 +77,30 @@ def test_decode_steps_give_the_unfused_bits(
     # its query rows are few enough (64 tokens of plain multi-head attention), and then fused too.
     assert sorted(counted) == [1 if kv_heads == 4 else 0, layers]
     torch.testing.assert_close(fused, plain, rtol=0, atol=0)
+
+
+def test_a_speculation_step_of_several_tokens_gives_the_unfused_bits(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counted: list[int]
+) -> None:
+    """A target's speculation program takes K tokens a step: the fold and the cache writes of T > 1."""
+    settings: dict[str, Any] = {"torch_dtype": "bfloat16", "batch_size": 2, "speculation_length": 3}
+    settings["trace_tokengen_model"] = False  # the speculation program is the only decode program
+    ids, mask = padded(PROMPTS[:2], "right")
+    positions = mask.sum(-1, keepdim=True) + torch.arange(3)
+
+    def logits() -> list[torch.Tensor]:
+        model = load_model(tiny_checkpoint("llama"), "llama", workdir=tmp_path, backend="cpu", **settings)
+        model.reset()
+        first = model.forward(ids, attention_mask=mask).logits
+        return [first, model.forward(FEED[:, :3], position_ids=positions).logits]
+
+    fused = logits()
+    monkeypatch.setattr(cpu_attention_blocks, "fused_attention_blocks", lambda gm: 0)
+    plain = logits()
+    assert sorted(counted) == [0, 2]  # context encoding: none; speculation: both layers
+    assert fused[1].shape == (2, 3, plain[1].shape[-1])
+    for got, want in zip(fused, plain, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_another_form_is_left_alone_and_runs(
