@@ -13,9 +13,10 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -26,6 +27,8 @@ from nxdi.testing.checkpoints import SaveFormat
 from tests.support.engine_fixtures import PROMPTS, load_model, padded, teacher_forced
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"nxdi's kernels cannot run here: {kernels.why_not()}")
+
+T = TypeVar("T")
 
 FEED = torch.tensor([[5, 9, 13, 4, 7, 11], [3, 8, 6, 12, 10, 14]])
 """Tokens fed back as decode steps (teacher forcing), one row per sequence."""
@@ -45,16 +48,20 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     yield counts
 
 
+def _with_and_without(monkeypatch: pytest.MonkeyPatch, run: Callable[[], T]) -> tuple[T, T]:
+    """`run()` (which compiles and binds its model) with the rewrite, then without it."""
+    fused = run()
+    monkeypatch.setattr(cpu_attention_blocks, "fused_attention_blocks", lambda gm: 0)
+    return fused, run()
+
+
 def _both(
-    checkpoint: Path, variant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counts: list[int], batch: int
+    checkpoint: Path, variant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced logits of the compiled bf16 model bound with the rewrite, then without it."""
     settings: dict[str, Any] = {"torch_dtype": "bfloat16", "batch_size": batch}
-    prompts, feed = PROMPTS[:batch], FEED[:batch]
-    fused = teacher_forced(load_model(checkpoint, variant, workdir=tmp_path, backend="cpu", **settings), prompts, feed)
-    monkeypatch.setattr(cpu_attention_blocks, "fused_attention_blocks", lambda gm: 0)
-    plain = teacher_forced(load_model(checkpoint, variant, workdir=tmp_path, backend="cpu", **settings), prompts, feed)
-    return fused, plain
+    model = functools.partial(load_model, checkpoint, variant, workdir=tmp_path, backend="cpu", **settings)
+    return _with_and_without(monkeypatch, lambda: teacher_forced(model(), PROMPTS[:batch], FEED[:batch]))
 
 
 @pytest.mark.parametrize(("batch", "kv_heads"), [(1, 2), (2, 2), (2, 4)], ids=["gqa-1", "gqa-2", "mha-2"])
@@ -71,7 +78,7 @@ def test_decode_steps_give_the_unfused_bits(
         checkpoint, _ = checkpoints.build_checkpoint(
             tmp_path / "mha", "llama", SaveFormat.SAFETENSORS, num_key_value_heads=kv_heads
         )
-    fused, plain = _both(checkpoint, "llama", tmp_path, monkeypatch, counted, batch)
+    fused, plain = _both(checkpoint, "llama", tmp_path, monkeypatch, batch)
     layers = 2  # the tiny checkpoints' depth
     # token generation: every layer. Context encoding's attention is the decode kernel's only where
     # its query rows are few enough (64 tokens of plain multi-head attention), and then fused too.
@@ -94,9 +101,7 @@ def test_a_speculation_step_of_several_tokens_gives_the_unfused_bits(
         first = model.forward(ids, attention_mask=mask).logits
         return [first, model.forward(FEED[:, :3], position_ids=positions).logits]
 
-    fused = logits()
-    monkeypatch.setattr(cpu_attention_blocks, "fused_attention_blocks", lambda gm: 0)
-    plain = logits()
+    fused, plain = _with_and_without(monkeypatch, logits)
     assert sorted(counted) == [0, 2]  # context encoding: none; speculation: both layers
     assert fused[1].shape == (2, 3, plain[1].shape[-1])
     for got, want in zip(fused, plain, strict=True):
@@ -106,7 +111,7 @@ def test_a_speculation_step_of_several_tokens_gives_the_unfused_bits(
 def test_another_form_is_left_alone_and_runs(
     tiny_checkpoint: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counted: list[int]
 ) -> None:
-    fused, plain = _both(tiny_checkpoint("qwen3"), "qwen3", tmp_path, monkeypatch, counted, 2)
+    fused, plain = _both(tiny_checkpoint("qwen3"), "qwen3", tmp_path, monkeypatch, 2)
     assert counted == [0, 0]
     torch.testing.assert_close(fused, plain, rtol=0, atol=0)
 

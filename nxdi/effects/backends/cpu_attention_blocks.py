@@ -23,6 +23,7 @@ import attrs
 import torch
 from torch import fx
 
+from nxdi.effects.backends.cpu_fusions import _replace
 from nxdi.effects.backends.cpu_passes import _scatter_bits_
 
 _VIEW = torch.ops.aten.view.default
@@ -41,7 +42,7 @@ class _Block:
     args: tuple[object, ...]  # the op's arguments
     last: fx.Node  # the node whose result the op gives (the o projection's input)
     writes: tuple[tuple[fx.Node, fx.Node], ...]  # (cache write, its cache): later reads see the cache
-    dead: tuple[fx.Node, ...]  # the run's nodes, users first
+    dead: tuple[fx.Node, ...]  # the run's other nodes, users first
 
 
 def fused_attention_blocks(gm: fx.GraphModule) -> int:
@@ -49,14 +50,9 @@ def fused_attention_blocks(gm: fx.GraphModule) -> int:
     Returns the count."""
     blocks = [b for node in gm.graph.nodes if str(node.target) == _ATTENTION and (b := _block(node)) is not None]
     for b in blocks:
-        with gm.graph.inserting_before(b.last):
-            fused = gm.graph.call_function(torch.ops.nxdi_kernels.attention_block.default, b.args)
-        fused.meta = dict(b.last.meta)
-        b.last.replace_all_uses_with(fused)
         for write, cache in b.writes:  # the op writes the cache in place, as the scatter did
             write.replace_all_uses_with(cache)
-        for node in b.dead:
-            gm.graph.erase_node(node)
+        _replace(gm, b.last, torch.ops.nxdi_kernels.attention_block.default, b.args, b.dead)
     return len(blocks)
 
 
@@ -223,7 +219,7 @@ def _block(att: fx.Node) -> _Block | None:
         flat,
     )
     dead = (
-        *unfold,
+        *unfold[1:],
         att,
         *query.nodes,
         v_write,
