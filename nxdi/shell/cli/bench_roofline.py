@@ -250,21 +250,21 @@ def paired_ratios(model: Any, other: Any, args: argparse.Namespace, batch: int, 
 
     from nxdi.shell.cli import bench_generate
 
+    models = (model, other)
     ids = bench_generate.prompt(model, batch, args.prompt_len)
     ratios: list[float] = []
     while len(ratios) < steps:
-        tokens = {}
-        for m in (model, other):
+        for m in models:
             m.reset()
-            tokens[id(m)] = m(ids).tokens
+        tokens = [m(ids).tokens for m in models]
         positions = torch.full((batch, 1), args.prompt_len, dtype=torch.int64)
         for _ in range(min(args.new_tokens - 1, steps - len(ratios))):
-            took = {}
-            for m in (model, other) if len(ratios) % 2 == 0 else (other, model):
+            took = [0.0, 0.0]
+            for i in (0, 1) if len(ratios) % 2 == 0 else (1, 0):
                 start = time.perf_counter()
-                tokens[id(m)] = m(tokens[id(m)][:, None], position_ids=positions).tokens
-                took[id(m)] = time.perf_counter() - start
-            ratios.append(took[id(other)] / took[id(model)])
+                tokens[i] = models[i](tokens[i][:, None], position_ids=positions).tokens
+                took[i] = time.perf_counter() - start
+            ratios.append(took[1] / took[0])
             positions = positions + 1
     return ratios
 
