@@ -81,7 +81,8 @@ def _merged(w: decoder.DecoderWeights, adapter: lora.Adapter, layout: lora_plan.
             a, b = adapter.tensors.get(_key(i, module, "A")), adapter.tensors.get(_key(i, module, "B"))
             if a is None or b is None:
                 continue
-            delta = b @ a * lora.scaling(adapter.alpha, a.shape[0], rslora=adapter.rslora)  # [out, in]
+            # in the programs' dtype: an adapter's float32 product would put float32 rounding in the reference
+            delta = b.to(DTYPE) @ a.to(DTYPE) * lora.scaling(adapter.alpha, a.shape[0], rslora=adapter.rslora)
             if module in rows:
                 qkv = attn.qkv.clone()
                 qkv[rows[module] : rows[module] + delta.shape[0]] += delta
