@@ -2,7 +2,7 @@
 per CPU that never changes a result.
 
 - Every linear kernel (bf16 on this CPU's path and the widened one, int8, both float8 formats,
-  per-row and blockwise scales, the fused int8 SwiGLU) gives the same bits under each preset
+  per-row and blockwise scales, the fused int8 and bf16 SwiGLUs) gives the same bits under each preset
   ("intel", "amd", "auto"), for 1-4 rows of x and row counts that end in partial groups and blocks,
   and the same as F.linear in float64 up to the output's rounding.
 - The default is "auto"; a preset is set for the process and the previous one returned; an
@@ -47,6 +47,8 @@ def _calls(m: int, k: int, n: int) -> dict[str, tuple[Any, tuple[Tensor, ...]]]:
         "float8 e4m3": (ops.fp8_linear, (x, (wb.float() / 4).to(torch.float8_e4m3fn), scale)),
         "float8 e5m2": (ops.fp8_linear, (x, wb.to(torch.float8_e5m2), scale)),
         "int8 swiglu": (ops.int8_swiglu, (x, wi, scale, wi2, scale2)),
+        "bf16 swiglu": (ops.bf16_swiglu, (x[: min(m, 4)], wb, (wb.float() / 2).bfloat16())),
+        "bf16 swiglu widened": (ops.bf16_swiglu_widened, (x, wb, (wb.float() / 2).bfloat16())),
     }
 
 

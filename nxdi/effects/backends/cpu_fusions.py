@@ -89,15 +89,22 @@ def _residual_norm(norm: fx.Node) -> tuple[fx.Node, fx.Node] | None:
 
 
 _SILU = torch.ops.aten.silu.default
-_SWIGLU_OF = {"nxdi_kernels.int8_linear.default": "int8_swiglu", "nxdi_kernels.fp8_linear.default": "fp8_swiglu"}
-"""nxdi's quantized decode linear (`cpu_passes.quantized_weight_linears`) -> its SwiGLU op."""
+_BF16_LINEAR = "nxdi_kernels.bf16_linear.default"
+_SWIGLU_OF = {
+    "nxdi_kernels.int8_linear.default": "int8_swiglu",
+    "nxdi_kernels.fp8_linear.default": "fp8_swiglu",
+    _BF16_LINEAR: "bf16_swiglu",
+}
+"""nxdi's decode linear (`cpu_passes.quantized_weight_linears`, `cpu_passes.bf16_weight_linears`)
+-> its SwiGLU op."""
 
 
 def fused_swiglus(gm: fx.GraphModule) -> int:
-    """Rewrite `silu(linear(x, w_gate, s_gate)) * linear(x, w_up, s_up)` over nxdi's int8 or float8
-    decode linears (bf16 x, no bias, each result used only there) into one `int8_swiglu` or
-    `fp8_swiglu` (`kernels/quantized_linear.cpp`; the same bits: torch's silu is reproduced on every
-    bf16 input). Returns the count.
+    """Rewrite `silu(linear(x, w_gate)) * linear(x, w_up)` over nxdi's bf16, int8 or float8 decode
+    linears (bf16 x, no bias, each result used only there) into one `bf16_swiglu`, `int8_swiglu` or
+    `fp8_swiglu` (`kernels/bf16_linear.cpp`, `kernels/quantized_linear.cpp`; the same bits: each
+    linear's rows are its kernel's sums, and torch's silu is reproduced on every bf16 input).
+    Returns the count.
 
     Why: the MLP's two linears and two pointwise ops become one call and one parallel region, where
     each dispatch after a linear costs tens of microseconds (docs/cpu-backend.md)."""
@@ -108,32 +115,37 @@ def fused_swiglus(gm: fx.GraphModule) -> int:
 
 
 def _swiglu(mul: fx.Node) -> tuple[fx.Node, str, tuple[object, ...], tuple[fx.Node, ...]] | None:
-    """`(mul, the SwiGLU op's name, (x, w_gate, s_gate, w_up, s_up), (silu, gate, up))` when `mul` is a
-    SwiGLU `fused_swiglus` takes; else None."""
+    """`(mul, the SwiGLU op's name, its args, (silu, gate, up))` when `mul` is a SwiGLU
+    `fused_swiglus` takes, else None. The args: `(x, w_gate, w_up)` over bf16 weights,
+    `(x, w_gate, s_gate, w_up, s_up)` over quantized ones."""
     if mul.target is not _MUL or len(mul.args) != 2 or mul.kwargs or not _is_bf16(mul):
         return None
     for silu, up in (mul.args, mul.args[::-1]):
         if not isinstance(silu, fx.Node) or silu.target is not _SILU or list(silu.users) != [mul]:
             continue
         gate = silu.args[0]
-        if not (_plain_quantized_linear(gate, silu) and _plain_quantized_linear(up, mul)):
+        if not (_plain_decode_linear(gate, silu) and _plain_decode_linear(up, mul)):
             continue
         assert isinstance(gate, fx.Node) and isinstance(up, fx.Node)
-        x, w_gate, s_gate = gate.args[:3]
+        x, w_gate = gate.args[:2]
         w_val, u_val = _val(w_gate), _val(up.args[1])
         if up.args[0] is not x or up.target is not gate.target or not _is_bf16(x) or w_val is None or u_val is None:
             continue
         if w_val.shape != u_val.shape or w_val.dtype != u_val.dtype:
             continue
-        return mul, _SWIGLU_OF[str(gate.target)], (x, w_gate, s_gate, up.args[1], up.args[2]), (silu, gate, up)
+        op = _SWIGLU_OF[str(gate.target)]
+        if str(gate.target) == _BF16_LINEAR:
+            return mul, op, (x, w_gate, up.args[1]), (silu, gate, up)
+        return mul, op, (x, w_gate, gate.args[2], up.args[1], up.args[2]), (silu, gate, up)
     return None
 
 
-def _plain_quantized_linear(node: object, user: fx.Node) -> bool:
-    """`node` is nxdi's int8 or float8 decode linear without a bias, read only by `user`."""
+def _plain_decode_linear(node: object, user: fx.Node) -> bool:
+    """`node` is nxdi's bf16, int8 or float8 decode linear without a bias, read only by `user`."""
     if not isinstance(node, fx.Node) or str(node.target) not in _SWIGLU_OF or list(node.users) != [user]:
         return False
-    return len(node.args) == 3 or (len(node.args) == 4 and node.args[3] is None)
+    bias = 2 if str(node.target) == _BF16_LINEAR else 3  # the bias's place in the args
+    return len(node.args) == bias or (len(node.args) == bias + 1 and node.args[bias] is None)
 
 
 def _replace(

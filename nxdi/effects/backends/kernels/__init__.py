@@ -11,7 +11,8 @@ Four source files, one library (torch ops `nxdi_kernels::*`), mostly for decode 
 - `bf16_linear.cpp`: the bf16 linear (`cpu_passes.bf16_weight_linears`), 1-4 rows (on AVX512-BF16,
   or widened to fp32 on AVX-512 CPUs without it, `bf16_native()`), 1-16 on CPUs with AMX
   (`bf16_max_rows`): oneDNN's and MKL's bf16 paths read the weights well below the memory
-  bandwidth at decode's few rows, and far below it without AVX512-BF16.
+  bandwidth at decode's few rows, and far below it without AVX512-BF16. Over two such linears, a
+  decode MLP's gate, up and SwiGLU in one op (`bf16_swiglu`, `cpu_fusions.fused_swiglus`).
 - `bf16_pointwise.cpp`: a bf16 RMSNorm and its weight product in one op
   (`cpu_fusions.fused_rms_norms`), with the residual sum before it (`fused_residual_norms`), and
   RoPE in one op (`cpu_fusions.fused_ropes`), where torch dispatches seven and four ops, each slow

@@ -1,5 +1,6 @@
-// The helpers nxdi's bf16 kernels share (bf16_pointwise.cpp, decode_attention.cpp): 16 bf16 lanes
-// at a time as fp32 on AVX-512, with torch's rounding back, and broadcast strides.
+// The helpers nxdi's bf16 kernels share (bf16_pointwise.cpp, decode_attention.cpp, the SwiGLU of
+// bf16_linear.cpp and quantized_linear.cpp): 16 bf16 lanes at a time as fp32 on AVX-512, with
+// torch's rounding back, broadcast strides, and torch's silu and its product.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -7,6 +8,12 @@
 
 #include <cstdint>
 #include <vector>
+
+// SLEEF's exp, exported by libtorch_cpu: the one torch's vectorized silu calls on AVX-512, so
+// `swiglu_span` below gives torch's silu bits (equal to torch's silu on all 65536 bf16 inputs when
+// measured; tests/unit/test_swiglu_kernel.py runs every finite one through the op). A torch build
+// without the symbol fails the library's load, which `kernels.load()` reports.
+extern "C" __m512 Sleef_expf16_u10(__m512);
 
 namespace nxdi_lanes {
 
@@ -40,6 +47,18 @@ inline std::vector<int64_t> broadcast_strides(const at::Tensor& t, at::IntArrayR
   std::vector<int64_t> st(sizes.size());
   for (size_t i = 0; i < sizes.size(); ++i) st[i] = t.size(i) == 1 ? 0 : t.stride(i);
   return st;
+}
+
+// y[i] = silu(g[i]) * u[i] over n bf16 values, rounded to bf16 where torch's two ops round: silu
+// (x / (1 + exp(-x)) in fp32 with SLEEF's exp, as torch's), then the product.
+inline void swiglu_span(const uint16_t* g, const uint16_t* u, uint16_t* y, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+  for (int64_t k = 0; k < n; k += 16) {
+    const __mmask16 mask = tail(n - k);
+    const __m512 gv = load_bf16(g + k, mask);
+    const __m512 silu = as_bf16(_mm512_div_ps(gv, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_xor_ps(gv, sign)))));
+    store_bf16(y + k, mask, _mm512_mul_ps(silu, load_bf16(u + k, mask)));
+  }
 }
 
 }  // namespace nxdi_lanes

@@ -1,6 +1,7 @@
 // nxdi's bf16 linear for decode on AVX-512 CPUs: y = x @ w.T (+ bias). Three paths: vdpbf16ps
 // (AVX512-BF16), the AMX tiles (2-16 rows, where the CPU has them), and, without AVX512-BF16, bf16
-// widened to fp32 and FMAs (`fma_rows`).
+// widened to fp32 and FMAs (`fma_rows`). And a decode MLP's SwiGLU over two of them in one call
+// (`bf16_swiglu`, at the end).
 //
 // x [M, K] bf16 (M <= 4 rows; 16 with AMX), w [N, K] bf16 as stored (row-major, not repacked),
 // bias [N] or none; y [M, N] bf16. Products are summed in fp32 and rounded to bf16 once, after the
@@ -39,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "bf16_lanes.h"
 #include "read_order.h"
 
 namespace nxdi_read_order {
@@ -77,27 +79,29 @@ std::string set_preset(c10::optional<std::string> name) {
 
 namespace {
 
-// Output rows [0, N) split over torch's intra-op (OpenMP) threads, each thread's share in groups
-// of spacing x R rows read as `spacing` blocks (`read_order.h`), `R` rows per call of
+// Output rows [n0, n1) of one thread's share (the callers split [0, N) over torch's intra-op
+// threads, at least `GRAIN` rows per task, so two threads split a matrix into two long runs), in
+// groups of spacing x R rows read as `spacing` blocks (`read_order.h`), `R` rows per call of
 // `rows(n, R, step, next)` (rows n, n + step, ..., n + (R - 1) * step; `next`: the first row of the
 // next block, to prefetch, or null), then blocks of R adjacent rows and the last few one per call
-// (`rows(n, 1, 1, nullptr)`), in the caller's `order` (`nxdi_read_order::of(M, 2)`). Grain: at
-// least 64 output rows per task, so two threads split a matrix into two long runs.
+// (`rows(n, 1, 1, nullptr)`), in the caller's `order` (`nxdi_read_order::of(M, 2)`). Each output
+// row is one sum whichever way the rows are grouped, so any split gives the same bits.
+constexpr int64_t GRAIN = 64;
+
 template <int R, typename Rows>
-void over_rows(const nxdi_read_order::Order& order, int64_t N, int64_t K, const uint16_t* w, const Rows& rows) {
+void span_rows(const nxdi_read_order::Order& order, int64_t n0, int64_t n1, int64_t K, const uint16_t* w,
+               const Rows& rows) {
   const int64_t S = order.spacing;
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    const int64_t G = S * R;
-    int64_t n = n0;
-    for (; n + G <= n1; n += G)
-      for (int64_t j = 0; j < S; ++j)
-        rows(n + j, R, S,
-             !order.prefetch ? nullptr
-             : j + 1 < S     ? w + (n + j + 1) * K
-                             : (n + 2 * G <= n1 ? w + (n + G) * K : nullptr));
-    for (; n + R <= n1; n += R) rows(n, R, 1, order.prefetch && n + 2 * R <= n1 ? w + (n + R) * K : nullptr);
-    for (; n < n1; ++n) rows(n, 1, 1, nullptr);
-  });
+  const int64_t G = S * R;
+  int64_t n = n0;
+  for (; n + G <= n1; n += G)
+    for (int64_t j = 0; j < S; ++j)
+      rows(n + j, R, S,
+           !order.prefetch ? nullptr
+           : j + 1 < S     ? w + (n + j + 1) * K
+                           : (n + 2 * G <= n1 ? w + (n + G) * K : nullptr));
+  for (; n + R <= n1; n += R) rows(n, R, 1, order.prefetch && n + 2 * R <= n1 ? w + (n + R) * K : nullptr);
+  for (; n < n1; ++n) rows(n, 1, 1, nullptr);
 }
 
 // The kernel alone is built for AVX512-BF16; `bf16_dot_supported()` is asked before it is used.
@@ -133,10 +137,12 @@ void dot_rows(const uint16_t* x, const uint16_t* w, const uint16_t* next, int64_
       y[m * N + r * step] = at::BFloat16(_mm512_reduce_add_ps(acc[r][m]) + (bias ? bias[r * step] : 0.0f));
 }
 
+// Rows [n0, n1) of y by vdpbf16ps.
 template <int M, int R>
-void run(const uint16_t* x, const uint16_t* w, const float* bias, at::BFloat16* y, int64_t K, int64_t N) {
+void dot_span(const uint16_t* x, const uint16_t* w, const float* bias, at::BFloat16* y, int64_t K, int64_t N,
+              int64_t n0, int64_t n1) {
   const nxdi_read_order::Order order = nxdi_read_order::of(M, 2);
-  over_rows<R>(order, N, K, w, [&](int64_t n, int64_t rows, int64_t step, const uint16_t* next) {
+  span_rows<R>(order, n0, n1, K, w, [&](int64_t n, int64_t rows, int64_t step, const uint16_t* next) {
     if (rows == R)
       dot_rows<M, R>(x, w + n * K, next, step, bias ? bias + n : nullptr, y + n, K, N, order.ahead / 2);
     else
@@ -194,19 +200,24 @@ void fma_rows(const float* xs, int64_t P, const uint16_t* w, const uint16_t* nex
       y[m * N + r * step] = at::BFloat16(_mm512_reduce_add_ps(acc[r][m]) + (bias ? bias[r * step] : 0.0f));
 }
 
-template <int M, int R>
-void run_fma(const uint16_t* x, const uint16_t* w, const float* bias, at::BFloat16* y, int64_t K, int64_t N) {
-  const int64_t P = (K + CHUNK - 1) / CHUNK * (CHUNK / 2);
+// x's rows as `fma_rows` reads them: each as [P even columns][P odd columns] fp32, zero past K.
+std::vector<float> split_columns(const uint16_t* x, int64_t M, int64_t K, int64_t P) {
   std::vector<float> xs(2 * M * P, 0.0f);
-  for (int m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k)
-      xs[(2 * m + k % 2) * P + k / 2] = bf16_value(x[m * K + k]);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xs[(2 * m + k % 2) * P + k / 2] = bf16_value(x[m * K + k]);
+  return xs;
+}
+
+// Rows [n0, n1) of y by `fma_rows`; `xs` from `split_columns`.
+template <int M, int R>
+void fma_span(const float* xs, int64_t P, const uint16_t* w, const float* bias, at::BFloat16* y, int64_t K, int64_t N,
+              int64_t n0, int64_t n1) {
   const nxdi_read_order::Order order = nxdi_read_order::of(M, 2);
-  over_rows<R>(order, N, K, w, [&](int64_t n, int64_t rows, int64_t step, const uint16_t* next) {
+  span_rows<R>(order, n0, n1, K, w, [&](int64_t n, int64_t rows, int64_t step, const uint16_t* next) {
     if (rows == R)
-      fma_rows<M, R>(xs.data(), P, w + n * K, next, step, bias ? bias + n : nullptr, y + n, K, N);
+      fma_rows<M, R>(xs, P, w + n * K, next, step, bias ? bias + n : nullptr, y + n, K, N);
     else
-      fma_rows<M, 1>(xs.data(), P, w + n * K, nullptr, 1, bias ? bias + n : nullptr, y + n, K, N);
+      fma_rows<M, 1>(xs, P, w + n * K, nullptr, 1, bias ? bias + n : nullptr, y + n, K, N);
   });
 }
 
@@ -305,14 +316,57 @@ void amx_linear(const uint16_t* x, const uint16_t* w, const float* bias, at::BFl
 
 int64_t max_rows(int64_t K) { return amx_supported() && K % 32 == 0 ? 16 : 4; }
 
+// One call's x as the vdpbf16ps path, or the widened one (`fma_rows`), reads it; `span` computes
+// rows [n0, n1) of y = x @ w.T (+ bias) for any w [N, K] of that call.
+struct Streamed {
+  const uint16_t* x;
+  int64_t M, K, N;
+  bool widened;
+  int64_t P = 0;
+  std::vector<float> xs;  // the widened path's split columns
+
+  Streamed(const uint16_t* x_, int64_t M_, int64_t K_, int64_t N_, bool widened_)
+      : x(x_), M(M_), K(K_), N(N_), widened(widened_) {
+    if (widened) {
+      P = (K + CHUNK - 1) / CHUNK * (CHUNK / 2);
+      xs = split_columns(x, M, K, P);
+    }
+  }
+
+  // R * M accumulators stay within the 32 vector registers with the loads beside them.
+  void span(const uint16_t* w, const float* bias, at::BFloat16* y, int64_t n0, int64_t n1) const {
+    if (widened) {
+      switch (M) {
+        case 1: fma_span<1, 8>(xs.data(), P, w, bias, y, K, N, n0, n1); break;
+        case 2: fma_span<2, 8>(xs.data(), P, w, bias, y, K, N, n0, n1); break;
+        case 3: fma_span<3, 4>(xs.data(), P, w, bias, y, K, N, n0, n1); break;
+        default: fma_span<4, 4>(xs.data(), P, w, bias, y, K, N, n0, n1); break;
+      }
+      return;
+    }
+    switch (M) {
+      case 1: dot_span<1, 8>(x, w, bias, y, K, N, n0, n1); break;
+      case 2: dot_span<2, 8>(x, w, bias, y, K, N, n0, n1); break;
+      case 3: dot_span<3, 4>(x, w, bias, y, K, N, n0, n1); break;
+      default: dot_span<4, 4>(x, w, bias, y, K, N, n0, n1); break;
+    }
+  }
+};
+
+// `name`'s checks of x [M, K] and w [N, K]; the most rows of x it takes here.
+int64_t checked(const char* name, const at::Tensor& x, const at::Tensor& w, bool widened) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), name, ": x [M, K] and w [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, name, ": x and w must be bf16");
+  TORCH_CHECK(w.is_contiguous(), name, ": w must be contiguous");  // a copy per call would cost more than it saves
+  const int64_t limit = widened ? 4 : max_rows(x.size(1));
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= limit, name, ": x must have 1 to ", limit, " rows here (bf16_max_rows)");
+  return limit;
+}
+
 // y [M, N] = x [M, K] @ w [N, K].T (+ bias); `widened`: the AVX-512 FMA path whatever the CPU.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, bool widened) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "bf16_linear: x [M, K] and w [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16_linear: x and w must be bf16");
-  TORCH_CHECK(w.is_contiguous(), "bf16_linear: w must be contiguous");  // a copy per call would cost more than it saves
+  const int64_t limit = checked("bf16_linear", x, w, widened);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const int64_t limit = widened ? 4 : max_rows(K);
-  TORCH_CHECK(M >= 1 && M <= limit, "bf16_linear: x must have 1 to ", limit, " rows here (bf16_max_rows)");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N), "bf16_linear: bias must be [N]");
   const at::Tensor xc = x.contiguous();
   const at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
@@ -325,22 +379,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     amx_linear(xp, wp, bp, yp, M, K, N);
     return y;
   }
-  // R * M accumulators stay within the 32 vector registers with the loads beside them.
-  if (widened || !bf16_dot_supported()) {
-    switch (M) {
-      case 1: run_fma<1, 8>(xp, wp, bp, yp, K, N); break;
-      case 2: run_fma<2, 8>(xp, wp, bp, yp, K, N); break;
-      case 3: run_fma<3, 4>(xp, wp, bp, yp, K, N); break;
-      default: run_fma<4, 4>(xp, wp, bp, yp, K, N); break;
-    }
-    return y;
-  }
-  switch (M) {
-    case 1: run<1, 8>(xp, wp, bp, yp, K, N); break;
-    case 2: run<2, 8>(xp, wp, bp, yp, K, N); break;
-    case 3: run<3, 4>(xp, wp, bp, yp, K, N); break;
-    default: run<4, 4>(xp, wp, bp, yp, K, N); break;
-  }
+  const Streamed call(xp, M, K, N, widened || !bf16_dot_supported());
+  at::parallel_for(0, N, GRAIN, [&](int64_t n0, int64_t n1) { call.span(wp, bp, yp, n0, n1); });
   return y;
 }
 
@@ -353,6 +393,56 @@ at::Tensor bf16_linear_widened(const at::Tensor& x, const at::Tensor& w, const c
   return linear(x, w, bias, true);
 }
 
+// --- SwiGLU: silu(x @ w_gate.T) * (x @ w_up.T) ---------------------------------------------------
+// A decode MLP's gate and up linears, torch's silu and its product in one call, where the graph
+// dispatches four ops in two parallel regions, the pointwise ones just after a linear streamed its
+// weights (docs/cpu-backend.md, "Decode steps outside the linears (AMD)"). Each thread computes the
+// gate and up rows of its share of N, each row the same sum as `bf16_linear`'s (so the same bits),
+// then their SwiGLU (`nxdi_lanes::swiglu_span`: torch's bits). With AMX at 2-16 rows of x the two
+// linears are the tile path's, one after the other, and the SwiGLU a third region.
+at::Tensor swiglu(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up, bool widened) {
+  const int64_t limit = checked("bf16_swiglu", x, w_gate, widened);
+  checked("bf16_swiglu", x, w_up, widened);
+  TORCH_CHECK(w_up.sizes() == w_gate.sizes(), "bf16_swiglu: w_gate and w_up must have one shape");
+  const int64_t M = x.size(0), K = x.size(1), N = w_gate.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const auto mix = [&](const at::BFloat16* g, const at::BFloat16* u, int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < M; ++m)
+      nxdi_lanes::swiglu_span(reinterpret_cast<const uint16_t*>(g + m * N + n0),
+                              reinterpret_cast<const uint16_t*>(u + m * N + n0), yp + m * N + n0, n1 - n0);
+  };
+  if (M > 1 && limit > 4) {
+    const at::Tensor g = linear(x, w_gate, c10::nullopt, false), u = linear(x, w_up, c10::nullopt, false);
+    at::parallel_for(0, N, GRAIN, [&](int64_t n0, int64_t n1) {
+      mix(g.data_ptr<at::BFloat16>(), u.data_ptr<at::BFloat16>(), n0, n1);
+    });
+    return y;
+  }
+  const at::Tensor xc = x.contiguous();
+  const Streamed call(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M, K, N,
+                      widened || !bf16_dot_supported());
+  const auto* wg = reinterpret_cast<const uint16_t*>(w_gate.data_ptr<at::BFloat16>());
+  const auto* wu = reinterpret_cast<const uint16_t*>(w_up.data_ptr<at::BFloat16>());
+  thread_local std::vector<at::BFloat16> gate_up;  // the two linears' bf16 outputs, [2, M, N]
+  gate_up.resize(2 * M * N);
+  at::BFloat16 *g = gate_up.data(), *u = g + M * N;
+  at::parallel_for(0, N, GRAIN, [&](int64_t n0, int64_t n1) {
+    call.span(wg, nullptr, g, n0, n1);
+    call.span(wu, nullptr, u, n0, n1);
+    mix(g, u, n0, n1);
+  });
+  return y;
+}
+
+at::Tensor bf16_swiglu(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up) {
+  return swiglu(x, w_gate, w_up, false);
+}
+
+at::Tensor bf16_swiglu_widened(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up) {
+  return swiglu(x, w_gate, w_up, true);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(nxdi_kernels, m) {
@@ -360,6 +450,10 @@ TORCH_LIBRARY_FRAGMENT(nxdi_kernels, m) {
   m.impl("bf16_linear", c10::DispatchKey::CPU, &bf16_linear);
   m.def("bf16_linear_widened(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
   m.impl("bf16_linear_widened", c10::DispatchKey::CPU, &bf16_linear_widened);
+  m.def("bf16_swiglu(Tensor x, Tensor w_gate, Tensor w_up) -> Tensor");
+  m.impl("bf16_swiglu", c10::DispatchKey::CPU, &bf16_swiglu);
+  m.def("bf16_swiglu_widened(Tensor x, Tensor w_gate, Tensor w_up) -> Tensor");
+  m.impl("bf16_swiglu_widened", c10::DispatchKey::CPU, &bf16_swiglu_widened);
   m.def("bf16_dot_supported() -> bool", &bf16_dot_supported);
   m.def("bf16_max_rows(int k) -> int", &max_rows);
   m.def("read_order(str? preset=None) -> str", &nxdi_read_order::set_preset);

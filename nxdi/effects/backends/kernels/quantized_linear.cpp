@@ -26,12 +26,6 @@
 #include "bf16_lanes.h"
 #include "read_order.h"
 
-// SLEEF's exp, exported by libtorch_cpu: the one torch's vectorized silu calls on AVX-512, so the
-// fused SwiGLU below gives torch's silu bits (equal to torch's silu on all 65536 bf16 inputs when
-// measured; tests/unit/test_swiglu_kernel.py runs every finite one through the op). A torch build
-// without the symbol fails the library's load, which `kernels.load()` reports.
-extern "C" __m512 Sleef_expf16_u10(__m512);
-
 namespace {
 
 // How a chunk of `step` weight bytes becomes step / 16 vectors of 16 fp32 lanes, per stored format
@@ -336,17 +330,6 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 // bf16 where torch's ops round: the linears' outputs, silu (x / (1 + exp(-x)) in fp32 with SLEEF's
 // exp, as torch's), and the product.
 
-void swiglu_span(const uint16_t* g, const uint16_t* u, uint16_t* y, int64_t n) {
-  using namespace nxdi_lanes;
-  const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
-  for (int64_t k = 0; k < n; k += 16) {
-    const __mmask16 mask = tail(n - k);
-    const __m512 gv = load_bf16(g + k, mask);
-    const __m512 silu = as_bf16(_mm512_div_ps(gv, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_xor_ps(gv, sign)))));
-    store_bf16(y + k, mask, _mm512_mul_ps(silu, load_bf16(u + k, mask)));
-  }
-}
-
 template <typename W>
 at::Tensor quantized_swiglu(const char* name, const at::Tensor& x, const at::Tensor& w_gate,
                             const at::Tensor& gate_scale, const at::Tensor& w_up, const at::Tensor& up_scale) {
@@ -369,7 +352,7 @@ at::Tensor quantized_swiglu(const char* name, const at::Tensor& x, const at::Ten
     run<W>(xf, gate.data(), gate.scales, nullptr, g, M, K, Kp, N, n0, n1);
     run<W>(xf, up.data(), up.scales, nullptr, u, M, K, Kp, N, n0, n1);
     for (int64_t m = 0; m < M; ++m)
-      swiglu_span(reinterpret_cast<const uint16_t*>(g + m * N + n0), reinterpret_cast<const uint16_t*>(u + m * N + n0),
+      nxdi_lanes::swiglu_span(reinterpret_cast<const uint16_t*>(g + m * N + n0), reinterpret_cast<const uint16_t*>(u + m * N + n0),
                   yp + m * N + n0, n1 - n0);
   });
   return y;
