@@ -12,6 +12,7 @@ figure is the bandwidth the benchmarked model could reach with the same threads.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -86,3 +87,29 @@ def measure_read_bandwidth(*, buffer_bytes: int = GIB, repeat: int = 5) -> Bandw
                 read()
                 samples[name].append(n / (time.perf_counter() - start))
     return Bandwidth(buffer_bytes=n, threads=torch.get_num_threads(), samples=samples.items())
+
+
+def read_timer(buffer_bytes: int) -> Callable[[], float]:
+    """A timer of streamed reads of one float32 buffer of `buffer_bytes` (filled once, read once
+    untimed): each call reads it whole with the next of `KERNELS` in turn and returns the seconds.
+    What a benchmark pairs with a step that reads as many bytes (`nxdi.shell.cli.bench_pairs`).
+
+    Raises:
+        ValueError: `buffer_bytes` below one float32 value.
+    """
+    import torch
+
+    if buffer_bytes < 4:
+        raise ValueError(f"buffer_bytes must be >= 4, got {buffer_bytes}")
+    buffer = torch.ones(buffer_bytes // 4, dtype=torch.float32)
+    reads = itertools.cycle((buffer.sum, buffer.amax))
+    buffer.sum()
+
+    def timed() -> float:
+        read = next(reads)
+        with torch.inference_mode():
+            start = time.perf_counter()
+            read()
+            return time.perf_counter() - start
+
+    return timed

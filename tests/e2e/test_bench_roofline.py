@@ -45,7 +45,7 @@ def _doc(capsys: pytest.CaptureFixture[str]) -> Any:
 def test_roofline_reports_both_sides_against_the_checkpoint_bytes(
     tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(_argv(tiny_llama, tmp_path)) == 0
+    assert main(_argv(tiny_llama, tmp_path, "--paired-steps", "6")) == 0
     doc = _doc(capsys)
     (r,) = doc["results"]
     tensors = load_file(tiny_llama / "model.safetensors")
@@ -55,9 +55,14 @@ def test_roofline_reports_both_sides_against_the_checkpoint_bytes(
     for side in ("nxdi", "transformers"):
         assert r[side]["tpot_ms_p50"] > 0 and r[side]["pct_of_roofline"] > 0
     assert r["ratio_hf_over_nxdi"] > 0
+    # nxdi's decode steps interleaved with reads of their bytes: 6 pairs (two prefills, 4 + 2 steps)
+    share = r["nxdi"]["paired_pct_of_roofline"]
+    assert share["steps"] == 6 and 0 < share["q1"] <= share["median"] <= share["q3"]
+    assert "paired_pct_of_roofline" not in r["transformers"]
     assert doc["bandwidth"]["best_gb_s"] >= doc["bandwidth"]["median_gb_s"] > 0
     text = bench_roofline.render(doc)
     assert "bytes per decode step" in text and "% of roofline" in text and "ratio (transformers / nxdi)" in text
+    assert "at the moments of a read of its step's bytes (6 pairs)" in text
 
 
 def test_int8_weights_run_beside_the_unquantized_model_and_transformers(
@@ -68,6 +73,7 @@ def test_int8_weights_run_beside_the_unquantized_model_and_transformers(
     (r,) = doc["results"]
     paired = r["paired_unquantized_over_nxdi"]  # 9 pairs: three prefills (4, 4 and 1 decode steps after them)
     assert paired["steps"] == 9 and 0 < paired["q1"] <= paired["median"] <= paired["q3"]
+    assert r["nxdi"]["paired_pct_of_roofline"]["steps"] == r["nxdi_unquantized"]["paired_pct_of_roofline"]["steps"] == 9
     assert main(_argv(tiny_llama, tmp_path, "--skip-hf")) == 0
     (float_r,) = _doc(capsys)["results"]
     assert "transformers" not in float_r and "nxdi_unquantized" not in float_r
@@ -93,7 +99,7 @@ def test_int8_weights_run_beside_the_unquantized_model_and_transformers(
 def test_modules_kept_in_float_are_kept_in_the_model_and_the_roofline(
     tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(_argv(tiny_llama, tmp_path, "--weights", "int8-per-channel", "--skip-hf")) == 0
+    assert main(_argv(tiny_llama, tmp_path, "--weights", "int8-per-channel", "--skip-hf", "--paired-steps", "0")) == 0
     (every,) = _doc(capsys)["results"]
     argv = _argv(
         tiny_llama, tmp_path, "--weights", "int8-per-channel", "--skip-hf", "--modules-to-not-convert", "lm_head"
@@ -120,11 +126,7 @@ def test_bad_flags_are_one_message(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "roofline", "--new-tokens", "1", "--batch-size", "0"]) == 2
     err = capsys.readouterr().err
     assert "--new-tokens must be >= 2" in err and "--batch-size must be >= 1" in err and "Traceback" not in err
-    assert main(["bench", "roofline", "--modules-to-not-convert", "lm_head", "--paired-steps", "5"]) == 2
-    err = capsys.readouterr().err
-    assert (
-        "--modules-to-not-convert needs quantized --weights" in err
-        and "--paired-steps needs quantized --weights" in err
-    )
+    assert main(["bench", "roofline", "--modules-to-not-convert", "lm_head"]) == 2
+    assert "--modules-to-not-convert needs quantized --weights" in capsys.readouterr().err
     assert main(["bench", "roofline", "--weights", "int8-per-channel", "--paired-steps", "-1"]) == 2
     assert "--paired-steps must be >= 0, got -1" in capsys.readouterr().err

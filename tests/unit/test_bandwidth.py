@@ -22,3 +22,10 @@ def test_bad_sizes_are_refused() -> None:
         bandwidth.measure_read_bandwidth(buffer_bytes=2)
     with pytest.raises(ValueError, match="repeat"):
         bandwidth.measure_read_bandwidth(buffer_bytes=1 << 20, repeat=0)
+
+
+def test_a_read_timer_times_each_read_and_refuses_a_bad_size() -> None:
+    timed = bandwidth.read_timer(1 << 20)
+    assert all(timed() > 0 for _ in range(3))
+    with pytest.raises(ValueError, match="buffer_bytes must be >= 4, got 2"):
+        bandwidth.read_timer(2)

@@ -33,7 +33,15 @@ of one run. Each side's share of the roofline is against the roofline of the wei
 Beside that ratio of two runs, the two nxdi models then decode with their steps interleaved one by
 one, `--paired-steps` pairs (100 by default), and the median and quartiles of the per-pair ratio are
 printed: on a shared machine, whose speed drifts within seconds, it moves far less.
+
+Likewise each nxdi model's share of the roofline is also taken at the same moments as the read it
+is measured against: its decode steps interleaved with `sum()`/`amax()` over a float32 buffer of its
+step's bytes (`bench_pairs`), `--paired-steps` pairs, the share being the read's time over the
+step's. The roofline above uses the best bandwidth sample of the run, a quiet moment the decode runs
+may never see; this share compares each step with a read of the same bytes one step away.
 Where the CPU engine refuses `quantized=True`, the rooflines alone are printed, with the reason.
+
+(Over 400 lines: the flags, the measurements and the JSON and text reports read one set of keys.)
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ import contextlib
 import json
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 # --weights -> (NeuronConfig quantization_dtype, per-channel scales); "dtype" is --dtype, unquantized.
 WEIGHTS: dict[str, tuple[str, bool] | None] = {
@@ -84,7 +92,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--paired-steps",
         type=int,
         default=None,
-        help="with quantized --weights: pairs of interleaved decode steps for the per-step ratio (default 100, 0: none)",
+        help="pairs of interleaved steps: each nxdi model's decode step with a read of its bytes, and with"
+        " quantized --weights the two nxdi models' steps (default 100, 0: none)",
     )
     p.add_argument("--skip-hf", action="store_true", help="do not measure transformers")
     p.add_argument("--work-dir", default=".nxdi-bench", help="random checkpoints and compiled models")
@@ -108,13 +117,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         )
         if value < least
     ]
-    if WEIGHTS[args.weights] is None:
-        for flag, given in (
-            ("--modules-to-not-convert", args.modules_to_not_convert),
-            ("--paired-steps", args.paired_steps),
-        ):
-            if given:
-                low.append(f"{flag} needs quantized --weights (int8-per-channel, ...); nothing is quantized")
+    if WEIGHTS[args.weights] is None and args.modules_to_not_convert:
+        low.append("--modules-to-not-convert needs quantized --weights (int8-per-channel, ...); nothing is quantized")
     if args.paired_steps is not None and args.paired_steps < 0:
         low.append(f"--paired-steps must be >= 0, got {args.paired_steps}")
     if low:
@@ -172,29 +176,35 @@ def _safe(module: str) -> str:
     return "".join(c if c.isalnum() or c in "_-" else "_" for c in module)
 
 
-def _step(model_spec: Any, args: argparse.Namespace, batch: int, bandwidth: float, weights: str) -> dict[str, Any]:
-    """The roofline of one batch size with `weights` (a `--weights` choice), as a JSON-ready dict."""
+def _step_bytes(model_spec: Any, args: argparse.Namespace, batch: int, weights: str) -> Any:
+    """The bytes of one decode step at `batch` with `weights` (a `--weights` choice): a StepBytes."""
     from nxdi.core.planning import roofline
     from nxdi.shell.exceptions import unwrap
 
     quant = WEIGHTS[weights]
-    context = args.prompt_len + args.new_tokens // 2
-    step = unwrap(
+    return unwrap(
         roofline.decode_step_bytes(
             model_spec,
             dtype=args.dtype,
             batch=batch,
-            context=context,
+            context=args.prompt_len + args.new_tokens // 2,
             weight_quant_dtype=quant[0] if quant else None,
             per_channel_scales=quant[1] if quant else True,
             modules_to_not_convert=tuple(args.modules_to_not_convert) if quant else (),
         ),
         "Cannot compute the decode roofline",
     )
+
+
+def _step(model_spec: Any, args: argparse.Namespace, batch: int, bandwidth: float, weights: str) -> dict[str, Any]:
+    """The roofline of one batch size with `weights` (a `--weights` choice), as a JSON-ready dict."""
+    from nxdi.core.planning import roofline
+
+    step = _step_bytes(model_spec, args, batch, weights)
     line = roofline.Roofline(step_bytes=step, bandwidth_bytes_per_s=bandwidth, batch=batch)
     return {
         "batch_size": batch,
-        "context": context,
+        "context": args.prompt_len + args.new_tokens // 2,
         "step_bytes": {k: getattr(step, k) for k in ("weight_bytes", "kv_read_bytes", "kv_write_bytes")},
         "total_bytes": step.total_bytes,
         "roofline": {
@@ -218,74 +228,72 @@ SIDES = ("nxdi", "nxdi_unquantized", "transformers")
 """The measured sides, in the report's order (`nxdi_unquantized` only with `--weights`)."""
 
 
-def _tpots(path: Path, args: argparse.Namespace, batch: int, hf: Any) -> tuple[dict[str, float], list[float]]:
-    """Each side's TPOT p50 in ms, measured side by side in this process, and with quantized
-    weights the per-step ratios of `paired_ratios` (unquantized over quantized)."""
-    from nxdi.shell.cli import bench_generate
+class Measured(NamedTuple):
+    """One batch size's measurements: each side's TPOT p50 in ms; with quantized weights, the
+    per-pair ratios of the two nxdi models' interleaved steps (unquantized over quantized); and each
+    nxdi side's per-pair share of the roofline (a read of its step's bytes over its step)."""
+
+    tpots: dict[str, float]
+    paired: list[float]
+    shares: dict[str, list[float]]
+
+
+def _measure(path: Path, args: argparse.Namespace, batch: int, hf: Any, step_bytes: dict[str, int]) -> Measured:
+    """Each side measured side by side in this process, then the interleaved pairs (`bench_pairs`);
+    `step_bytes`: each nxdi side's bytes per decode step."""
+    from nxdi.effects import bandwidth
+    from nxdi.shell.cli import bench_generate, bench_pairs
 
     def load(extra: dict[str, Any] | None, tag: str) -> Any:
         model_type, compiled, _ = bench_generate.compile_for(path, args, batch, 1, "cpu", extra=extra, tag=tag)
         return bench_generate.load_compiled(model_type, compiled, "cpu")
 
+    def steps(model: Any) -> bench_pairs.Timer:
+        return bench_pairs.DecodeSteps(model, batch, args.prompt_len, args.new_tokens)
+
     extra, tag = quantization_kwargs(path, args)
+    pairs = _PAIRED_STEPS if args.paired_steps is None else args.paired_steps
     with contextlib.ExitStack() as stack:
-        model = stack.enter_context(load(extra, tag))
-        others = {} if extra is None else {"nxdi_unquantized": stack.enter_context(load(None, ""))}
-        measured = bench_generate.bench_side_by_side(model, args, batch, hf, 1, others=others)
-        steps = _PAIRED_STEPS if args.paired_steps is None else args.paired_steps
-        paired = paired_ratios(model, others["nxdi_unquantized"], args, batch, steps) if others else []
-    return {side: measured[side]["tpot_ms"]["p50"] for side in SIDES if side in measured}, paired
+        models = {"nxdi": stack.enter_context(load(extra, tag))}
+        if extra is not None:
+            models["nxdi_unquantized"] = stack.enter_context(load(None, ""))
+        others = {side: m for side, m in models.items() if side != "nxdi"}
+        measured = bench_generate.bench_side_by_side(models["nxdi"], args, batch, hf, 1, others=others)
+        tpots = {side: measured[side]["tpot_ms"]["p50"] for side in SIDES if side in measured}
+        if not pairs:
+            return Measured(tpots, [], {})
+        print(f"[bench] batch {batch}: {pairs} pairs of interleaved steps ...", flush=True)
+        paired = []
+        if others:
+            paired = bench_pairs.paired(steps(models["nxdi"]), steps(others["nxdi_unquantized"]), pairs)
+        shares = {
+            side: bench_pairs.paired(steps(m), bandwidth.read_timer(step_bytes[side]), pairs)
+            for side, m in models.items()
+        }
+    return Measured(tpots, paired, shares)
 
 
-def paired_ratios(model: Any, other: Any, args: argparse.Namespace, batch: int, steps: int) -> list[float]:
-    """`other`'s decode step time over `model`'s, step by step: the two models decode the same
-    prompt with their steps interleaved one by one (which goes first alternates), `steps` pairs in
-    all (a new prefill every `--new-tokens - 1` steps).
-
-    Why: on a shared machine the speed drifts within seconds, so two separate runs can meet
-    different moments; a ratio taken per pair of adjacent steps is moved far less by that."""
-    import time
-
-    import torch
-
-    from nxdi.shell.cli import bench_generate
-
-    models = (model, other)
-    ids = bench_generate.prompt(model, batch, args.prompt_len)
-    ratios: list[float] = []
-    while len(ratios) < steps:
-        for m in models:
-            m.reset()
-        tokens = [m(ids).tokens for m in models]
-        positions = torch.full((batch, 1), args.prompt_len, dtype=torch.int64)
-        for _ in range(min(args.new_tokens - 1, steps - len(ratios))):
-            took = [0.0, 0.0]
-            for i in (0, 1) if len(ratios) % 2 == 0 else (1, 0):
-                start = time.perf_counter()
-                tokens[i] = models[i](tokens[i][:, None], position_ids=positions).tokens
-                took[i] = time.perf_counter() - start
-            ratios.append(took[1] / took[0])
-            positions = positions + 1
-    return ratios
+def _quartiles(ratios: list[float], scale: float = 1.0) -> dict[str, Any]:
+    q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return {"steps": len(ratios), "median": scale * median, "q1": scale * q1, "q3": scale * q3}
 
 
-def _with_tpots(
-    roof: dict[str, Any], float_roof: dict[str, Any] | None, tpots: dict[str, float], paired: list[float]
-) -> dict[str, Any]:
+def _with_tpots(roof: dict[str, Any], float_roof: dict[str, Any] | None, measured: Measured) -> dict[str, Any]:
     """The roofline with each side's TPOT against the roofline of the weights it reads (`float_roof`:
     that of `--dtype` weights when nxdi's are quantized, else None), nxdi's speed-ups over the other
-    sides, and the summary of the paired per-step ratios (when any)."""
-    others = float_roof or roof
+    sides, and the summaries of the interleaved pairs (when any)."""
+    others, tpots = float_roof or roof, measured.tpots
     out = {**roof, **{side: _against(roof if side == "nxdi" else others, ms) for side, ms in tpots.items()}}
+    for side, shares in measured.shares.items():
+        out[side]["paired_pct_of_roofline"] = _quartiles(shares, 100.0)
     if float_roof is not None:
         out["float_roofline"] = float_roof["roofline"]
     if "nxdi" in tpots:
         for side, key in (("transformers", "ratio_hf_over_nxdi"), ("nxdi_unquantized", "ratio_unquantized_over_nxdi")):
             if side in tpots:
                 out[key] = tpots[side] / tpots["nxdi"]
-    if paired:
-        q1, median, q3 = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
-        out["paired_unquantized_over_nxdi"] = {"steps": len(paired), "median": median, "q1": q1, "q3": q3}
+    if measured.paired:
+        out["paired_unquantized_over_nxdi"] = _quartiles(measured.paired)
     return out
 
 
@@ -308,8 +316,7 @@ def _bench_run(args: argparse.Namespace) -> dict[str, Any]:
     quantized = WEIGHTS[args.weights] is not None
     skipped = quantized_skip_reason() if quantized else None
     bw = _bandwidth(args)
-    tpots: dict[int, dict[str, float]] = {b: {} for b in args.batch_size}
-    paired: dict[int, list[float]] = {b: [] for b in args.batch_size}
+    measured = {b: Measured({}, [], {}) for b in args.batch_size}
     if skipped is None:
         hf = None
         if not args.skip_hf:
@@ -317,14 +324,16 @@ def _bench_run(args: argparse.Namespace) -> dict[str, Any]:
 
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
         for b in args.batch_size:
-            tpots[b], paired[b] = _tpots(path, args, b, hf)
+            step_bytes = {"nxdi": _step_bytes(model_spec, args, b, args.weights).total_bytes}
+            if quantized:
+                step_bytes["nxdi_unquantized"] = _step_bytes(model_spec, args, b, "dtype").total_bytes
+            measured[b] = _measure(path, args, b, hf, step_bytes)
             bw = bw.merged(_bandwidth(args))
     results = [
         _with_tpots(
             _step(model_spec, args, b, bw.best, args.weights),
             _step(model_spec, args, b, bw.best, "dtype") if quantized else None,
-            tpots[b],
-            paired[b],
+            measured[b],
         )
         for b in args.batch_size
     ]
@@ -377,6 +386,12 @@ def render(doc: dict[str, Any]) -> str:
                     f"  {labels.get(side, side):<15} TPOT p50 {m['tpot_ms_p50']:7.2f} ms"
                     f"   {m['pct_of_roofline']:5.1f}% of roofline   (reads at {m['effective_gb_s']:.1f} GB/s)"
                 )
+                if "paired_pct_of_roofline" in m:
+                    p = m["paired_pct_of_roofline"]
+                    lines.append(
+                        f"  {'':<15} at the moments of a read of its step's bytes ({p['steps']} pairs):"
+                        f" {p['median']:.1f}% (quartiles {p['q1']:.1f}-{p['q3']:.1f}%)"
+                    )
         if "ratio_hf_over_nxdi" in r:
             lines.append(f"  ratio (transformers / nxdi): TPOT {r['ratio_hf_over_nxdi']:.2f}x")
         if "ratio_unquantized_over_nxdi" in r:

@@ -1,7 +1,8 @@
 // nxdi's bf16 linear for decode on AVX-512 CPUs: y = x @ w.T (+ bias). Three paths: vdpbf16ps
 // (AVX512-BF16), the AMX tiles (2-16 rows, where the CPU has them), and, without AVX512-BF16, bf16
 // widened to fp32 and FMAs (`fma_rows`). And a decode MLP's SwiGLU over two of them in one call
-// (`bf16_swiglu`, at the end).
+// (`bf16_swiglu`, at the end). (Over 400 lines: the three paths and the SwiGLU share the row
+// spans, the read order and the checks; apart, each file would repeat them.)
 //
 // x [M, K] bf16 (M <= 4 rows; 16 with AMX), w [N, K] bf16 as stored (row-major, not repacked),
 // bias [N] or none; y [M, N] bf16. Products are summed in fp32 and rounded to bf16 once, after the

@@ -12,8 +12,10 @@
 // accumulators had measured best; the interleaved loop was chosen on the machine it runs on now),
 // and the next block of rows is prefetched while one is read (30 GB/s of int8 then). A block's rows
 // are S rows apart, not adjacent (`run_rows`: 1.03-1.4x per call at one row of x). Both choices
-// are per CPU (`read_order.h`). Output rows are split over torch's intra-op (OpenMP) threads. Measurements: docs/cpu-backend.md,
-// "Quantized weights".
+// are per CPU (`read_order.h`). Output rows are split over torch's intra-op (OpenMP) threads.
+// Measurements: docs/cpu-backend.md, "Quantized weights". (Over 400 lines: the three stored
+// formats share one templated row kernel, its scales and the SwiGLU; the dequantize for prefill
+// reads the same formats.)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
