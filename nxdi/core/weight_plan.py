@@ -18,7 +18,7 @@ Theory of operation:
 4. Check. `check_checkpoint` compares a checkpoint's keys and shapes with the plan and reports every
    missing, unexpected, colliding and wrongly shaped key at once, each named by its checkpoint key.
 
-Length: ~460 lines, because the plan's value types, its construction (quantized steps included)
+Length: ~520 lines, because the plan's value types, its construction (quantized steps included)
 and the checkpoint check read the same step shapes; splitting them would scatter one rule set.
 """
 

@@ -27,6 +27,9 @@ problem is listed at once, naming the argument, the row and the value:
   - otherwise such seq_ids are refused, naming them.
   Rows sent to a garbage row or masked hold no sequence: their positions are not checked against
   the cache (only against max_length) and they add nothing to what the cache holds.
+
+(Over 400 lines: one check per argument, each reporting into the same list against the same limits;
+the seq_ids rules above are most of it.)
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ Theory of operation (the 1-D tables and their rules are in `buckets`):
   `[(max_ctx, T)]`. Explicit `context_encoding_buckets` are the chunk lengths (nxdi's field is 1-D;
   the reference takes a 2-D list there). Selection: the smallest `(chunk, tiles)` with
   `chunk_len <= chunk` and `num_tiles <= tiles`, as the reference's (sorted) first fit.
+
+(Over 400 lines: the two layouts' tables and their selections are one rule set checked against the
+reference's, side by side; each builds on `buckets`' 1-D rules the same way.)
 """
 
 from __future__ import annotations
