@@ -39,6 +39,7 @@ is measured against: its decode steps interleaved with `sum()`/`amax()` over a f
 step's bytes (`bench_pairs`), `--paired-steps` pairs, the share being the read's time over the
 step's. The roofline above uses the best bandwidth sample of the run, a quiet moment the decode runs
 may never see; this share compares each step with a read of the same bytes one step away.
+
 Where the CPU engine refuses `quantized=True`, the rooflines alone are printed, with the reason.
 
 (Over 400 lines: the flags, the measurements and the JSON and text reports read one set of keys.)
