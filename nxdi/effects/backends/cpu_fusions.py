@@ -89,14 +89,13 @@ def _residual_norm(norm: fx.Node) -> tuple[fx.Node, fx.Node] | None:
 
 
 _SILU = torch.ops.aten.silu.default
-_BF16_LINEAR = "nxdi_kernels.bf16_linear.default"
 _SWIGLU_OF = {
-    "nxdi_kernels.int8_linear.default": "int8_swiglu",
-    "nxdi_kernels.fp8_linear.default": "fp8_swiglu",
-    _BF16_LINEAR: "bf16_swiglu",
+    "nxdi_kernels.int8_linear.default": ("int8_swiglu", 2),
+    "nxdi_kernels.fp8_linear.default": ("fp8_swiglu", 2),
+    "nxdi_kernels.bf16_linear.default": ("bf16_swiglu", 1),
 }
 """nxdi's decode linear (`cpu_passes.quantized_weight_linears`, `cpu_passes.bf16_weight_linears`)
--> its SwiGLU op."""
+-> (its SwiGLU op, how many of its args after x are the weight: w and its scales, or w alone)."""
 
 
 def fused_swiglus(gm: fx.GraphModule) -> int:
@@ -133,10 +132,8 @@ def _swiglu(mul: fx.Node) -> tuple[fx.Node, str, tuple[object, ...], tuple[fx.No
             continue
         if w_val.shape != u_val.shape or w_val.dtype != u_val.dtype:
             continue
-        op = _SWIGLU_OF[str(gate.target)]
-        if str(gate.target) == _BF16_LINEAR:
-            return mul, op, (x, w_gate, up.args[1]), (silu, gate, up)
-        return mul, op, (x, w_gate, gate.args[2], up.args[1], up.args[2]), (silu, gate, up)
+        op, k = _SWIGLU_OF[str(gate.target)]
+        return mul, op, (x, *gate.args[1 : 1 + k], *up.args[1 : 1 + k]), (silu, gate, up)
     return None
 
 
@@ -144,7 +141,7 @@ def _plain_decode_linear(node: object, user: fx.Node) -> bool:
     """`node` is nxdi's bf16, int8 or float8 decode linear without a bias, read only by `user`."""
     if not isinstance(node, fx.Node) or str(node.target) not in _SWIGLU_OF or list(node.users) != [user]:
         return False
-    bias = 2 if str(node.target) == _BF16_LINEAR else 3  # the bias's place in the args
+    bias = 1 + _SWIGLU_OF[str(node.target)][1]  # the bias's place in the args, after x and the weight
     return len(node.args) == bias or (len(node.args) == bias + 1 and node.args[bias] is None)
 
 
