@@ -64,6 +64,15 @@ class Bandwidth:
         }
 
 
+def _reads(buffer_bytes: int) -> tuple[int, dict[str, Callable[[], object]]]:
+    """A float32 buffer of `buffer_bytes` (rounded down to whole values), written once so every page
+    is resident: its size in bytes and each of `KERNELS` reading it whole."""
+    import torch
+
+    buffer = torch.ones(buffer_bytes // 4, dtype=torch.float32)
+    return buffer.numel() * 4, {name: getattr(buffer, name) for name in KERNELS}
+
+
 def measure_read_bandwidth(*, buffer_bytes: int = GIB, repeat: int = 5) -> Bandwidth:
     """Time streaming reads of a `buffer_bytes` float32 buffer with this process's torch threads.
 
@@ -74,9 +83,7 @@ def measure_read_bandwidth(*, buffer_bytes: int = GIB, repeat: int = 5) -> Bandw
 
     if buffer_bytes < 4 or repeat < 1:
         raise ValueError(f"buffer_bytes must be >= 4 and repeat >= 1, got {buffer_bytes} and {repeat}")
-    buffer = torch.ones(buffer_bytes // 4, dtype=torch.float32)  # written once: every page is resident
-    n = buffer.numel() * 4
-    kernels: dict[str, Callable[[], object]] = {"sum": lambda: buffer.sum(), "amax": lambda: buffer.amax()}
+    n, kernels = _reads(buffer_bytes)
     samples: dict[str, list[float]] = {name: [] for name in KERNELS}
     with torch.inference_mode():
         for read in kernels.values():
@@ -101,9 +108,9 @@ def read_timer(buffer_bytes: int) -> Callable[[], float]:
 
     if buffer_bytes < 4:
         raise ValueError(f"buffer_bytes must be >= 4, got {buffer_bytes}")
-    buffer = torch.ones(buffer_bytes // 4, dtype=torch.float32)
-    reads = itertools.cycle((buffer.sum, buffer.amax))
-    buffer.sum()
+    _, kernels = _reads(buffer_bytes)
+    reads = itertools.cycle(kernels.values())
+    next(reads)()
 
     def timed() -> float:
         read = next(reads)

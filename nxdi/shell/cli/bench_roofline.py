@@ -177,6 +177,11 @@ def _safe(module: str) -> str:
     return "".join(c if c.isalnum() or c in "_-" else "_" for c in module)
 
 
+def _context(args: argparse.Namespace) -> int:
+    """Positions each sequence's KV cache holds at the median decode step."""
+    return args.prompt_len + args.new_tokens // 2
+
+
 def _step_bytes(model_spec: Any, args: argparse.Namespace, batch: int, weights: str) -> Any:
     """The bytes of one decode step at `batch` with `weights` (a `--weights` choice): a StepBytes."""
     from nxdi.core.planning import roofline
@@ -188,7 +193,7 @@ def _step_bytes(model_spec: Any, args: argparse.Namespace, batch: int, weights: 
             model_spec,
             dtype=args.dtype,
             batch=batch,
-            context=args.prompt_len + args.new_tokens // 2,
+            context=_context(args),
             weight_quant_dtype=quant[0] if quant else None,
             per_channel_scales=quant[1] if quant else True,
             modules_to_not_convert=tuple(args.modules_to_not_convert) if quant else (),
@@ -205,7 +210,7 @@ def _step(model_spec: Any, args: argparse.Namespace, batch: int, bandwidth: floa
     line = roofline.Roofline(step_bytes=step, bandwidth_bytes_per_s=bandwidth, batch=batch)
     return {
         "batch_size": batch,
-        "context": args.prompt_len + args.new_tokens // 2,
+        "context": _context(args),
         "step_bytes": {k: getattr(step, k) for k in ("weight_bytes", "kv_read_bytes", "kv_write_bytes")},
         "total_bytes": step.total_bytes,
         "roofline": {
