@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,7 +24,7 @@ import torch
 from nxdi.effects.backends import cpu_attention_blocks, kernels
 from nxdi.testing import checkpoints
 from nxdi.testing.checkpoints import SaveFormat
-from tests.support.engine_fixtures import PROMPTS, load_model, padded, teacher_forced
+from tests.support.engine_fixtures import PROMPTS, load_model, padded, teacher_forced, with_and_without
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"nxdi's kernels cannot run here: {kernels.why_not()}")
 
@@ -34,31 +34,16 @@ FEED = torch.tensor([[5, 9, 13, 4, 7, 11], [3, 8, 6, 12, 10, 14]])
 """Tokens fed back as decode steps (teacher forcing), one row per sequence."""
 
 
-@pytest.fixture
-def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """The rewrite's count for each program bound while the test runs."""
-    counts: list[int] = []
-    real = cpu_attention_blocks.fused_attention_blocks
-
-    def counting(gm: Any) -> int:
-        counts.append(real(gm))
-        return counts[-1]
-
-    monkeypatch.setattr(cpu_attention_blocks, "fused_attention_blocks", counting)
-    yield counts
-
-
-def _with_and_without(monkeypatch: pytest.MonkeyPatch, run: Callable[[], T]) -> tuple[T, T]:
-    """`run()` (which compiles and binds its model) with the rewrite, then without it."""
-    fused = run()
-    monkeypatch.setattr(cpu_attention_blocks, "fused_attention_blocks", lambda gm: 0)
-    return fused, run()
+def _with_and_without(monkeypatch: pytest.MonkeyPatch, run: Callable[[], T]) -> tuple[T, T, list[int]]:
+    """`run()` with the attention-block rewrite, then without it, and the rewrite's counts."""
+    return with_and_without(monkeypatch, cpu_attention_blocks, "fused_attention_blocks", run)
 
 
 def _both(
     checkpoint: Path, variant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher-forced logits of the compiled bf16 model bound with the rewrite, then without it."""
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Teacher-forced logits of the compiled bf16 model bound with the rewrite, then without it, and
+    the rewrite's counts."""
     settings: dict[str, Any] = {"torch_dtype": "bfloat16", "batch_size": batch}
     model = functools.partial(load_model, checkpoint, variant, workdir=tmp_path, backend="cpu", **settings)
     return _with_and_without(monkeypatch, lambda: teacher_forced(model(), PROMPTS[:batch], FEED[:batch]))
@@ -69,7 +54,6 @@ def test_decode_steps_give_the_unfused_bits(
     tiny_checkpoint: Callable[..., Path],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-    counted: list[int],
     batch: int,
     kv_heads: int,
 ) -> None:
@@ -78,7 +62,7 @@ def test_decode_steps_give_the_unfused_bits(
         checkpoint, _ = checkpoints.build_checkpoint(
             tmp_path / "mha", "llama", SaveFormat.SAFETENSORS, num_key_value_heads=kv_heads
         )
-    fused, plain = _both(checkpoint, "llama", tmp_path, monkeypatch, batch)
+    fused, plain, counted = _both(checkpoint, "llama", tmp_path, monkeypatch, batch)
     layers = 2  # the tiny checkpoints' depth
     # token generation: every layer. Context encoding's attention is the decode kernel's only where
     # its query rows are few enough (64 tokens of plain multi-head attention), and then fused too.
@@ -87,7 +71,7 @@ def test_decode_steps_give_the_unfused_bits(
 
 
 def test_a_speculation_step_of_several_tokens_gives_the_unfused_bits(
-    tiny_checkpoint: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counted: list[int]
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A target's speculation program takes K tokens a step: the fold and the cache writes of T > 1."""
     settings: dict[str, Any] = {"torch_dtype": "bfloat16", "batch_size": 2, "speculation_length": 3}
@@ -101,7 +85,7 @@ def test_a_speculation_step_of_several_tokens_gives_the_unfused_bits(
         first = model.forward(ids, attention_mask=mask).logits
         return [first, model.forward(FEED[:, :3], position_ids=positions).logits]
 
-    fused, plain = _with_and_without(monkeypatch, logits)
+    fused, plain, counted = _with_and_without(monkeypatch, logits)
     assert sorted(counted) == [0, 2]  # context encoding: none; speculation: both layers
     assert fused[1].shape == (2, 3, plain[1].shape[-1])
     for got, want in zip(fused, plain, strict=True):
@@ -109,9 +93,9 @@ def test_a_speculation_step_of_several_tokens_gives_the_unfused_bits(
 
 
 def test_another_form_is_left_alone_and_runs(
-    tiny_checkpoint: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counted: list[int]
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fused, plain = _both(tiny_checkpoint("qwen3"), "qwen3", tmp_path, monkeypatch, 2)
+    fused, plain, counted = _both(tiny_checkpoint("qwen3"), "qwen3", tmp_path, monkeypatch, 2)
     assert counted == [0, 0]
     torch.testing.assert_close(fused, plain, rtol=0, atol=0)
 

@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -189,6 +189,27 @@ def nxdi_generate(model: Any, prompts: Sequence[Sequence[int]], *, side: str = "
     settings = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": PAD, "eos_token_id": None, **kwargs}
     out = HuggingFaceGenerationAdapter(model).generate(ids, attention_mask=mask, **settings)
     return out[:, ids.shape[1] :]
+
+
+T = TypeVar("T")
+
+
+def with_and_without(
+    monkeypatch: pytest.MonkeyPatch, module: Any, rewrite: str, run: Callable[[], T]
+) -> tuple[T, T, list[int]]:
+    """`run()` (which compiles and binds its model) with the CPU backend's bind-time rewrite
+    `module.<rewrite>` in place, then with it off: both results, and the rewrite's count for each
+    program bound in the first run."""
+    real, counts = getattr(module, rewrite), []
+
+    def counting(gm: Any) -> int:
+        counts.append(real(gm))
+        return counts[-1]
+
+    monkeypatch.setattr(module, rewrite, counting)
+    fused = run()
+    monkeypatch.setattr(module, rewrite, lambda gm: 0)
+    return fused, run(), counts
 
 
 def teacher_forced(model: Any, prompts: Sequence[Sequence[int]], tokens: Tensor) -> Tensor:
