@@ -23,7 +23,7 @@ import attrs
 import torch
 from torch import fx
 
-from nxdi.effects.backends.cpu_fusions import _replace
+from nxdi.effects.backends.cpu_fusions import replace_run
 from nxdi.effects.backends.cpu_passes import _scatter_bits_
 
 _VIEW = torch.ops.aten.view.default
@@ -52,7 +52,7 @@ def fused_attention_blocks(gm: fx.GraphModule) -> int:
     for b in blocks:
         for write, cache in b.writes:  # the op writes the cache in place, as the scatter did
             write.replace_all_uses_with(cache)
-        _replace(gm, b.last, torch.ops.nxdi_kernels.attention_block.default, b.args, b.dead)
+        replace_run(gm, b.last, torch.ops.nxdi_kernels.attention_block.default, b.args, b.dead)
     return len(blocks)
 
 

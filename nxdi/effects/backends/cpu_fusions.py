@@ -42,7 +42,7 @@ def fused_rms_norms(gm: fx.GraphModule) -> int:
     if not found or not kernels.load():
         return 0
     for norm, mul, x, w, eps in found:
-        _replace(gm, mul, torch.ops.nxdi_kernels.rms_norm.default, (x, w, eps), (norm,))
+        replace_run(gm, mul, torch.ops.nxdi_kernels.rms_norm.default, (x, w, eps), (norm,))
     return len(found)
 
 
@@ -109,7 +109,7 @@ def fused_swiglus(gm: fx.GraphModule) -> int:
     each dispatch after a linear costs tens of microseconds (docs/cpu-backend.md)."""
     found = [m for m in map(_swiglu, gm.graph.nodes) if m is not None]
     for mul, op, args, dead in found:
-        _replace(gm, mul, getattr(torch.ops.nxdi_kernels, op).default, args, dead)
+        replace_run(gm, mul, getattr(torch.ops.nxdi_kernels, op).default, args, dead)
     return len(found)
 
 
@@ -145,7 +145,7 @@ def _plain_decode_linear(node: object, user: fx.Node) -> bool:
     return len(node.args) == bias or (len(node.args) == bias + 1 and node.args[bias] is None)
 
 
-def _replace(
+def replace_run(
     gm: fx.GraphModule,
     last: fx.Node,
     kernel: Callable[..., object],
@@ -198,7 +198,7 @@ def fused_ropes(gm: fx.GraphModule) -> int:
     if not found or not kernels.load():
         return 0
     for add, x, cos, sin, dead in found:
-        _replace(gm, add, torch.ops.nxdi_kernels.rope.default, (x, cos, sin), dead)
+        replace_run(gm, add, torch.ops.nxdi_kernels.rope.default, (x, cos, sin), dead)
     return len(found)
 
 
