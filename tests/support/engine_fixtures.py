@@ -202,13 +202,13 @@ def with_and_without(
     program bound in the first run."""
     real, counts = getattr(module, rewrite), []
 
-    def counting(gm: Any) -> int:
-        counts.append(real(gm))
+    def counting(gm: Any, *args: Any) -> int:
+        counts.append(real(gm, *args))
         return counts[-1]
 
     monkeypatch.setattr(module, rewrite, counting)
     fused = run()
-    monkeypatch.setattr(module, rewrite, lambda gm: 0)
+    monkeypatch.setattr(module, rewrite, lambda gm, *args: 0)
     return fused, run(), counts
 
 

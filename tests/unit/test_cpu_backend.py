@@ -14,6 +14,8 @@ from nxdi.effects.backends.cpu import CpuBackend
 from tests.support import cpu_programs as cp
 
 FAST, PURE = CpuBackend(), CpuBackend(pack_weights=False, in_place_cache=False)
+READABLE = CpuBackend(cpp_runner=False)
+"""The rewrites left as Python code (no runs handed to C++), for tests that read the bound graph."""
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.bfloat16 in cpu_passes.packable_dtypes() else [])
 
 
@@ -142,8 +144,8 @@ def test_programs_bound_to_one_weight_set_share_one_packed_copy() -> None:
 
 
 def test_bind_drops_identity_conversions_and_folds_input_free_constants() -> None:
-    program = FAST.compile(cp.flat_step, cp.SIGNATURE, cp.example(2), name="p")
-    loaded = FAST.bind(program, WeightSet(tensors=cp.weights(0))).unwrap()
+    program = READABLE.compile(cp.flat_step, cp.SIGNATURE, cp.example(2), name="p")
+    loaded = READABLE.bind(program, WeightSet(tensors=cp.weights(0))).unwrap()
     code = loaded.call.func.__self__.code  # type: ignore[attr-defined]
     assert "_nxdi_folded_0" in code and "aten.pow" not in code  # the [E] scale is computed once
     assert "_linear_pointwise" in code or not cpu_passes.packable_dtypes()  # 2-D inputs call oneDNN directly
@@ -151,7 +153,7 @@ def test_bind_drops_identity_conversions_and_folds_input_free_constants() -> Non
     assert code.count("aten.to.dtype") < pure.count("aten.to.dtype")
     for step in range(3):  # folded constants are shared across calls, so check several
         x = cp.inputs(step, 2, 2 * step)
-        (y,), _ = FAST.run(loaded, (torch.zeros(cp.B, cp.T, cp.E),), x)
+        (y,), _ = READABLE.run(loaded, (torch.zeros(cp.B, cp.T, cp.E),), x)
         want, _ = cp.flat_step(*cp.weights(0), torch.zeros(cp.B, cp.T, cp.E), *x)
         torch.testing.assert_close(y, want, rtol=1.3e-6, atol=1e-5)
 
@@ -181,10 +183,10 @@ def test_common_subexpressions_merge_only_equal_calls() -> None:
         y = F.linear(cache.sum(1, keepdim=True), w_out) + as_float.sum() + as_int.sum()
         return y, cache
 
-    loaded = bound(repeats, FAST, 2)
+    loaded = bound(repeats, READABLE, 2)
     code = loaded.call.func.__self__.code  # type: ignore[attr-defined]
     assert code.count("aten.expand") == 1 and code.count("aten.mul.Tensor") == 2
-    (y,), (new,) = FAST.run(loaded, (torch.zeros(cp.B, cp.T, cp.E),), cp.inputs(3, 2, 5))
+    (y,), (new,) = READABLE.run(loaded, (torch.zeros(cp.B, cp.T, cp.E),), cp.inputs(3, 2, 5))
     want_y, want_new = repeats(*cp.weights(0), torch.zeros(cp.B, cp.T, cp.E), *cp.inputs(3, 2, 5))
     torch.testing.assert_close(new, want_new, rtol=1.3e-6, atol=1e-5)
     torch.testing.assert_close(y, want_y, rtol=1.3e-6, atol=1e-4)

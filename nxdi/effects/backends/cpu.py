@@ -31,7 +31,7 @@ from returns.result import Failure, Result, Success
 from torch import Tensor, fx
 
 from nxdi.core.errors import CheckpointError, Problem
-from nxdi.effects.backends import cpu_attention_blocks, cpu_fusions, cpu_passes, kernels
+from nxdi.effects.backends import cpu_attention_blocks, cpu_fusions, cpu_passes, cpu_runner, kernels
 from nxdi.effects.backends.base import CompiledProgram, FlatProgram, LoadedProgram, Signature, WeightSet
 
 _KERNEL_WEIGHTS = (torch.bfloat16, torch.int8)
@@ -114,6 +114,8 @@ class CpuBackend:
     for oneDNN (extra memory: one copy of those weights), int8 ones an int8 kernel."""
     in_place_cache: bool = True
     """Write the KV cache in place when the graph allows it (else every step copies each cache view)."""
+    cpp_runner: bool = True
+    """Call the bound graph's long runs of ops from C++ (`cpu_runner`), where nxdi's kernels load."""
     name: str = "cpu"
     suffix: str = ".pt2"
 
@@ -191,6 +193,8 @@ class CpuBackend:
         if self.pack_weights:
             cpu_attention_blocks.fused_attention_blocks(gm)  # matches the in-place int16 scatters above
         constants = cpu_passes.constants_as_inputs(gm)
+        if self.cpp_runner and kernels.load():
+            cpu_runner.run_in_cpp(gm, (*constants, *weights.tensors))
         gm.recompile()
         call = functools.partial(gm.forward, *constants, *weights.tensors)
         return Success(LoadedProgram(program=program, call=call, in_place=in_place))

@@ -50,7 +50,13 @@ from nxdi.effects import env
 
 SOURCES = tuple(
     Path(__file__).with_name(f)
-    for f in ("quantized_linear.cpp", "bf16_linear.cpp", "bf16_pointwise.cpp", "decode_attention.cpp")
+    for f in (
+        "quantized_linear.cpp",
+        "bf16_linear.cpp",
+        "bf16_pointwise.cpp",
+        "decode_attention.cpp",
+        "graph_runner.cpp",
+    )
 )
 HEADERS = tuple(Path(__file__).with_name(h) for h in ("bf16_lanes.h", "read_order.h"))
 """Included by the sources: part of what a build is keyed by."""
