@@ -9,7 +9,8 @@ Route (chosen by measurement, numbers in docs/cpu-backend.md):
 - `bind` turns the graph into a module bound to the weights and applies two load-time rewrites
   (`cpu_passes`): linears on oneDNN-prepacked weight copies, and in-place KV cache writes. Both
   keep the pure program's results; they are what makes decode fast here (the graph runs eagerly,
-  op by op, so nothing is compiled at load and a load takes about a second).
+  op by op, so nothing is compiled at load and a load takes about a second). Last, its long runs
+  of ops are handed to a runner that calls them from C++ (`cpu_runner`), the same calls in order.
 - Why not Inductor: `torch.compile` with `freezing=True` prepacks too but cannot be cached
   ("mkldnn tensors unpickleable"), so it recompiles for tens of seconds per bucket on every load;
   without freezing, and in AOTInductor packages, weights stay in plain layout and decode is no

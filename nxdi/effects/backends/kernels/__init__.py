@@ -1,6 +1,6 @@
 """nxdi's own CPU kernels, built ahead of time or on first use. Effects: runs the C++ compiler, writes a cache folder.
 
-Four source files, one library (torch ops `nxdi_kernels::*`), mostly for decode steps:
+Five source files, one library (torch ops `nxdi_kernels::*`), mostly for decode steps:
 - `quantized_linear.cpp`: the weight-only int8 and float8 linears of quantized models
   (`cpu_passes.quantized_weight_linears`), 1-4 rows of x, per-row or blockwise scales. They read
   each weight byte once, near the memory bandwidth for int8, where torch's own
@@ -21,6 +21,8 @@ Four source files, one library (torch ops `nxdi_kernels::*`), mostly for decode 
   one op (`cpu_fusions.decode_attentions`), where torch's cost 120-230 us per call in the step; and
   the whole run between a decode step's qkv and o projections (RoPE, cache writes, the GQA fold,
   attention) as one op called from C++ (`cpu_attention_blocks`).
+- `graph_runner.cpp`: `GraphRunner`, which calls a bound graph's long runs of ops from C++
+  (`cpu_runner.run_in_cpp`), without a Python frame per node.
 
 It is compiled with torch's C++ extension tooling (the system's g++, and ninja, a dependency) when
 the CPU backend first compiles a bf16 or quantized model (40-60 s on 2 cores; or at the first
