@@ -72,13 +72,15 @@ class ForwardInputs:
         """Tokens each named cache row holds once this call has run: `seq_id -> count`
         (a prompt keeps at most `capacity` tokens, the largest context bucket); rows sent to a
         garbage row or masked are left out."""
+        # Python lists, not tensor indexing: this runs on every decode step (one tensor index
+        # costs several microseconds)
         keep = [b for b, r in enumerate(self.routed.tolist()) if not r]
-        rows = [int(self.seq_ids[b]) for b in keep]
+        seq_ids = self.seq_ids.tolist()
         if self.phase is Phase.CONTEXT:
-            lengths = self.attention_mask.sum(1).clamp(max=capacity)
-            return {s: int(lengths[b]) for s, b in zip(rows, keep, strict=True)}
-        last = self.position_ids[:, -1]
-        return {s: int(last[b]) + 1 for s, b in zip(rows, keep, strict=True)}
+            counts = self.attention_mask.sum(1).clamp(max=capacity).tolist()
+        else:
+            counts = [p + 1 for p in self.position_ids[:, -1].tolist()]
+        return {int(seq_ids[b]): int(counts[b]) for b in keep}
 
 
 @attrs.frozen(kw_only=True)
