@@ -231,7 +231,7 @@ def test_a_16_bit_cache_is_scattered_as_int16_bits_with_torchs_exact_result(
     loaded = {s: bound(cp.scatter_step, backend, s, dtype) for s in (3, 1)}
     gm = loaded[1].call.func.__self__  # type: ignore[attr-defined]  # functools.partial(gm.forward, ...)
     targets = {n.target for n in gm.graph.nodes}
-    want = cpu_passes._scatter_bits_ if backend is FAST else cpu_passes._scatter_bits
+    want = cpu_passes.scatter_bits_ if backend is FAST else cpu_passes.scatter_bits
     assert want in targets and torch.ops.aten.scatter.src not in targets and torch.ops.aten.scatter_.src not in targets
     monkeypatch.setattr(cpu_passes, "scatter_half_floats_as_bits", lambda gm: 0)
     torchs = {s: bound(cp.scatter_step, backend, s, dtype) for s in (3, 1)}

@@ -24,7 +24,7 @@ import torch
 from torch import fx
 
 from nxdi.effects.backends.cpu_fusions import replace_run
-from nxdi.effects.backends.cpu_passes import _scatter_bits_
+from nxdi.effects.backends.cpu_passes import scatter_bits_
 
 _VIEW = torch.ops.aten.view.default
 _SLICE = torch.ops.aten.slice.Tensor
@@ -140,7 +140,7 @@ def _query(q_fold: object) -> _Query | None:
 def _write(write: object, source: fx.Node, start: int, end: int) -> tuple[fx.Node, fx.Node, object] | None:
     """(the cache, the slice written, the index) when `write` is the in-place int16 scatter of
     `source[:, :, start:end]` transposed into a cache input along its positions."""
-    args = _call(write, _scatter_bits_, 4)
+    args = _call(write, scatter_bits_, 4)
     t = _call(args[3], _TRANSPOSE, 3) if args and args[1] == 2 else None
     if not (args and t and tuple(t[1:]) == (1, 2) and _slice(t[0], source, start, end, to_end=True)):
         return None

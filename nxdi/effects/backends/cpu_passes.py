@@ -503,12 +503,12 @@ _SCATTERS = (torch.ops.aten.scatter.src, torch.ops.aten.scatter_.src)
 _HALF_FLOATS = (torch.bfloat16, torch.float16)
 
 
-def _scatter_bits(t: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
+def scatter_bits(t: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
     """`t.scatter(dim, index, src)` for a 16-bit float `t`, moving the values' bits as int16."""
     return t.view(torch.int16).scatter(dim, index, src.view(torch.int16)).view(t.dtype)
 
 
-def _scatter_bits_(t: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
+def scatter_bits_(t: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
     """`t.scatter_(dim, index, src)` for a 16-bit float `t`, moving the values' bits as int16; returns `t`."""
     t.view(torch.int16).scatter_(dim, index, src.view(torch.int16))
     return t
@@ -527,7 +527,7 @@ def scatter_half_floats_as_bits(gm: fx.GraphModule) -> int:
     for node in list(gm.graph.nodes):
         val = _val(node.args[0]) if node.target in _SCATTERS else None
         if val is not None and val.dtype in _HALF_FLOATS:
-            node.target = _scatter_bits_ if node.target is torch.ops.aten.scatter_.src else _scatter_bits
+            node.target = scatter_bits_ if node.target is torch.ops.aten.scatter_.src else scatter_bits
             count += 1
     return count
 
