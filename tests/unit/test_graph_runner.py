@@ -4,7 +4,8 @@
   and list results taken apart by getitems, tensor lists (with and without Nones), numbers where
   a tensor goes, dtypes, defaults and keyword arguments, empty lists, in-place writes (the same
   tensor object comes back), bound tensors held by the runner; and on random chains of ops.
-- Python functions, short runs and non-tensor values needed outside a run stay in Python.
+- Python functions, short runs, non-tensor values needed outside a run and a result taken by two
+  getitems stay in Python.
 - The runner refuses a program it cannot run (a constant of the wrong type, a wrong input count)
   with the op and argument named.
 """
@@ -144,6 +145,18 @@ def test_a_list_needed_outside_a_run_stays_in_python() -> None:
     x = torch.randn(6, 3)
     expected, got, _, moved, gm = _python_and_cpp(_graph(build, 1), 0, lambda: [x], min_calls=4)
     assert moved == 8 and any(n.target is aten.split.Tensor for n in gm.graph.nodes)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_a_result_taken_twice_stays_in_python() -> None:
+    def build(graph: fx.Graph, xs: list[fx.Node]) -> object:
+        best = graph.call_function(aten.max.dim, (_chain(graph, xs[0], 4), 1))
+        first, again = (graph.call_function(operator.getitem, (best, 0)) for _ in range(2))
+        return (_chain(graph, graph.call_function(aten.mul.Tensor, (first, again)), 4),)
+
+    x = torch.randn(3, 5)
+    expected, got, _, moved, gm = _python_and_cpp(_graph(build, 1), 0, lambda: [x], min_calls=4)
+    assert moved == 9 and any(n.target is aten.max.dim for n in gm.graph.nodes)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 

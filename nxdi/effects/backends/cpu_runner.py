@@ -90,6 +90,10 @@ def _encodable(node: fx.Node) -> bool:
     values = _schema_args(node)
     if values is None:
         return False
+    if len(schema.returns) > 1:  # each result gets one slot: one getitem per result
+        taken = [u.args[1] for u in node.users if u.target is operator.getitem]
+        if len(taken) != len(set(taken)):
+            return False
     for a, v in zip(schema.arguments, values, strict=True):
         if isinstance(v, (list, tuple)):
             nodes = [e for e in v if isinstance(e, fx.Node)]
@@ -219,7 +223,7 @@ def _replace(gm: fx.GraphModule, run: list[fx.Node], held: dict[fx.Node, Tensor]
                 p.slot[node] = p.new_slot()
                 rets = [p.slot[node]]
             else:
-                items = {int(u.args[1]): u for u in node.users if u.target is operator.getitem}  # type: ignore[call-overload]
+                items = {int(u.args[1]): u for u in node.users if u in inside and u.target is operator.getitem}  # type: ignore[call-overload]
                 for k in range(len(schema.returns)):
                     if k in items:
                         p.slot[items[k]] = p.new_slot()
@@ -241,9 +245,8 @@ def _replace(gm: fx.GraphModule, run: list[fx.Node], held: dict[fx.Node, Tensor]
     setattr(gm, name, runner)
     graph = gm.graph
     with graph.inserting_before(run[0]), warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", "Attempted to insert a get_attr Node"
-        )  # fx looks for tensors and modules only
+        # fx warns of a get_attr that is neither a tensor nor a module; the runner is neither
+        warnings.filterwarnings("ignore", "Attempted to insert a get_attr Node")
         attr = graph.get_attr(name)
         call = graph.call_method("run", (attr, list(inputs)))
         for k, node in enumerate(outputs):
