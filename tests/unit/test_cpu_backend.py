@@ -46,15 +46,19 @@ def test_in_place_fast_path_agrees_with_the_pure_form_over_a_decode(fn: FlatProg
             assert (caches[b][0] is given_cache[0]) == (b is FAST)
 
 
-def test_compiling_a_bf16_program_builds_the_decode_kernels_so_load_need_not(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compiling_builds_the_kernels_library_so_load_need_not(monkeypatch: pytest.MonkeyPatch) -> None:
     built: list[str] = []
     monkeypatch.setattr(kernels, "load", lambda: built.append("load") or True)
-    FAST.compile(cp.step, cp.SIGNATURE, cp.example(1, torch.float32), name="fp32")
-    assert built == []  # fp32 linears use no kernel of nxdi's
-    PURE.compile(cp.step, cp.SIGNATURE, cp.example(1, torch.bfloat16), name="pure")
+    plain = CpuBackend(pack_weights=False, in_place_cache=False, cpp_runner=False)
+    for backend in (READABLE, plain):
+        backend.compile(cp.step, cp.SIGNATURE, cp.example(1, torch.float32), name="fp32")
+    assert built == []  # fp32 linears use no kernel of nxdi's, and without the runner nothing else does
+    plain.compile(cp.step, cp.SIGNATURE, cp.example(1, torch.bfloat16), name="pure")
     assert built == []  # without the fast linears nothing would use them
-    FAST.compile(cp.step, cp.SIGNATURE, cp.example(1, torch.bfloat16), name="bf16")
+    READABLE.compile(cp.step, cp.SIGNATURE, cp.example(1, torch.bfloat16), name="bf16")
     assert built == ["load"]
+    FAST.compile(cp.step, cp.SIGNATURE, cp.example(1, torch.float32), name="fp32")
+    assert built == ["load", "load"]  # the graph runner, in the same library, runs every dtype
 
 
 def test_pure_graph_leaves_the_given_cache_untouched() -> None:

@@ -25,7 +25,7 @@ Five source files, one library (torch ops `nxdi_kernels::*`), mostly for decode 
   (`cpu_runner.run_in_cpp`), without a Python frame per node.
 
 It is compiled with torch's C++ extension tooling (the system's g++, and ninja, a dependency) when
-the CPU backend first compiles a bf16 or quantized model (40-60 s on 2 cores; or at the first
+the CPU backend first compiles a model (40-60 s on 2 cores; or at the first
 bind, if the model was compiled elsewhere), or ahead of time by `nxdi kernels` (the set-up step
 runs it), into a folder keyed by the torch version and the sources' hash (`NXDI_KERNEL_DIR`,
 default `~/.cache/nxdi/kernels`); later loads only load the library. Where it cannot be built or
