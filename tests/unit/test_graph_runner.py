@@ -136,27 +136,29 @@ def test_python_functions_and_short_runs_stay_in_python() -> None:
         torch.testing.assert_close(r, e, rtol=0, atol=0)
 
 
-def test_a_list_needed_outside_a_run_stays_in_python() -> None:
-    def build(graph: fx.Graph, xs: list[fx.Node]) -> object:
-        parts = graph.call_function(aten.split.Tensor, (_chain(graph, xs[0], 4), 2))
-        joined = graph.call_function(torch.cat, (parts,))  # a Python function reads the list
-        return _chain(graph, joined, 4)
+def _list_read_by_python(graph: fx.Graph, xs: list[fx.Node]) -> object:
+    parts = graph.call_function(aten.split.Tensor, (_chain(graph, xs[0], 4), 2))
+    joined = graph.call_function(torch.cat, (parts,))  # a Python function reads the list
+    return _chain(graph, joined, 4)
 
+
+def _result_taken_twice(graph: fx.Graph, xs: list[fx.Node]) -> object:
+    best = graph.call_function(aten.max.dim, (_chain(graph, xs[0], 4), 1))
+    first, again = (graph.call_function(operator.getitem, (best, 0)) for _ in range(2))
+    return (_chain(graph, graph.call_function(aten.mul.Tensor, (first, again)), 4),)
+
+
+@pytest.mark.parametrize(
+    ("build", "kept", "moved"),
+    [(_list_read_by_python, aten.split.Tensor, 8), (_result_taken_twice, aten.max.dim, 9)],
+    ids=["a-list-needed-outside", "a-result-taken-twice"],
+)
+def test_an_op_the_runner_cannot_take_stays_in_python(
+    build: Callable[[fx.Graph, list[fx.Node]], object], kept: object, moved: int
+) -> None:
     x = torch.randn(6, 3)
-    expected, got, _, moved, gm = _python_and_cpp(_graph(build, 1), 0, lambda: [x], min_calls=4)
-    assert moved == 8 and any(n.target is aten.split.Tensor for n in gm.graph.nodes)
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
-
-
-def test_a_result_taken_twice_stays_in_python() -> None:
-    def build(graph: fx.Graph, xs: list[fx.Node]) -> object:
-        best = graph.call_function(aten.max.dim, (_chain(graph, xs[0], 4), 1))
-        first, again = (graph.call_function(operator.getitem, (best, 0)) for _ in range(2))
-        return (_chain(graph, graph.call_function(aten.mul.Tensor, (first, again)), 4),)
-
-    x = torch.randn(3, 5)
-    expected, got, _, moved, gm = _python_and_cpp(_graph(build, 1), 0, lambda: [x], min_calls=4)
-    assert moved == 9 and any(n.target is aten.max.dim for n in gm.graph.nodes)
+    expected, got, _, count, gm = _python_and_cpp(_graph(build, 1), 0, lambda: [x], min_calls=4)
+    assert count == moved and any(n.target is kept for n in gm.graph.nodes)  # the runs around it move
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
