@@ -139,8 +139,8 @@ class CpuBackend:
             ep = torch.export.export(_Flat(fn), tuple(example), strict=False)
         _check_traced(ep, signature, example)
         ep.example_inputs = None  # they include the weights; a saved program must not
-        kernel_weights = any(w.dtype in _KERNEL_WEIGHTS for w in example[: len(signature.weights)])
-        if self.cpp_runner or (self.pack_weights and kernel_weights):
+        weights = example[: len(signature.weights)]
+        if self.cpp_runner or (self.pack_weights and any(w.dtype in _KERNEL_WEIGHTS for w in weights)):
             # Build nxdi's kernels library now (once per machine and torch version, ~40 s; the graph
             # runner is in it, for every dtype), so that load() only loads it; where it cannot be
             # built, load() falls back anyway.

@@ -155,7 +155,6 @@ class _Program:
     ops: dict[object, int] = attrs.Factory(dict)
     code: list[int] = attrs.Factory(list)
     constants: list[object] = attrs.Factory(list)
-    n_slots: int = 0
 
     def op(self, target: torch._ops.OpOverload) -> int:
         if target not in self.ops:
@@ -165,8 +164,8 @@ class _Program:
         return self.ops[target]
 
     def new_slot(self) -> int:
-        self.n_slots += 1
-        return self.n_slots - 1
+        """The next slot; the caller gives it to a node at once, so `len(slot)` counts them all."""
+        return len(self.slot)
 
     def arg(self, type_name: str, v: object) -> list[int]:
         if isinstance(v, fx.Node):
@@ -191,7 +190,6 @@ def _replace(gm: fx.GraphModule, run: list[fx.Node], held: dict[fx.Node, Tensor]
     held_nodes = [n for n in external if n in held]
     inputs = [n for n in external if n not in held]
     p = _Program(held_nodes, inputs, {n: i for i, n in enumerate(held_nodes + inputs)})
-    p.n_slots = len(p.slot)
     outputs = _outputs(run)
     last_use: dict[fx.Node, fx.Node] = {}
     for node in run:
@@ -239,7 +237,7 @@ def _replace(gm: fx.GraphModule, run: list[fx.Node], held: dict[fx.Node, Tensor]
         p.constants,
         [held[n] for n in held_nodes],
         len(inputs),
-        p.n_slots,
+        len(p.slot),
         [p.slot[n] for n in outputs],
     )
     setattr(gm, name, runner)
